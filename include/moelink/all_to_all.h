@@ -1,0 +1,105 @@
+// AllToAll: MoE dispatch (tokens to the ranks holding their experts) and
+// combine (expert outputs back, summed with the router weights).
+//
+// Notation: W = world_size, D = dp_size, G = W / D data-parallel groups,
+// E = num_experts, L = E / W local experts, k = experts_per_token,
+// T = max_num_tokens, H = hidden_dim, S = hidden_dim_scale, C = T * G rows per
+// local expert. All tensors are strided views (moelink::Tensor); "row
+// contiguous" means the last dimension has stride 1 and rows start 16-byte
+// aligned. Device memory for Backend::kNVLink, host memory for kCPU.
+#pragma once
+
+#include <memory>
+
+#include "moelink/bootstrap.h"
+#include "moelink/config.h"
+#include "moelink/types.h"
+
+namespace moelink {
+
+enum class Backend {
+  kNVLink,  // GPUs of one node, peer-mapped memory, GPU-initiated transfers
+  kCPU,     // processes of one host, POSIX shared memory, CPU loops
+};
+
+struct Options {
+  Backend backend = Backend::kNVLink;
+  // Thread blocks per kernel (NVLink): each kernel holds at most this many
+  // SMs. 0 picks a default per kernel (see docs/design.md).
+  int num_blocks = 0;
+  // Seconds any wait for a peer may take before it fails. < 0: read
+  // MOELINK_TIMEOUT_S, default 30.
+  double timeout_s = -1.0;
+  // Run check() after every call (synchronizing the stream). < 0: read
+  // MOELINK_DEBUG.
+  int debug = -1;
+};
+
+namespace detail {
+class AllToAllImpl;
+}
+
+class AllToAll {
+ public:
+  // Collective over all ranks of `bootstrap`; allocates and maps the buffers.
+  // For kNVLink the current CUDA device is used. Throws InvalidArgument for
+  // an invalid config or a config whose rank/world_size disagree with the
+  // bootstrap.
+  static std::unique_ptr<AllToAll> create(const Config& config, Bootstrap& bootstrap,
+                                          const Options& options = {});
+  ~AllToAll();
+  AllToAll(const AllToAll&) = delete;
+  AllToAll& operator=(const AllToAll&) = delete;
+
+  const Config& config() const;
+  Backend backend() const;
+  // Bytes of peer-visible memory this rank allocated (dispatch staging,
+  // combine receive rows, flags).
+  size_t buffer_bytes() const;
+
+  // Inputs (this rank's DP group's tokens; every replica of the group passes
+  // the same values):
+  //   dp_x        [T, H]  in_dtype (fp8 may be passed as uint8), row contiguous
+  //   dp_x_scale  [T, S]  fp32, any strides; undefined when S == 0
+  //   indices     [T, k]  int32, uint32 or int64, any strides; -1 (0xffffffff
+  //                       for uint32) means "no route"
+  //   weights     [T, k]  fp32, any strides
+  //   bound_m     [1]     int32, device (host for kCPU): m <= T valid tokens;
+  //                       never read by the host
+  // Outputs (batched-experts layout):
+  //   out_expert_num_tokens [L]        int32, contiguous
+  //   out_expert_x          [L, C, H]  in_dtype, row contiguous
+  //   out_expert_x_scale    [L, C, S]  fp32, any strides (column-major ok)
+  // For local expert j (global id rank * L + j) the count is the number of
+  // routes (group g, token t < m_g, slot i) with indices_g[t][i] == that id,
+  // each group counted once; rows 0..count-1 hold those tokens in an
+  // unspecified order. Rows >= count are not written.
+  // do_send / do_recv split the call: issue the send half, run other work on
+  // the stream, then the receive half with the same arguments.
+  void dispatch(const Tensor& out_expert_num_tokens, const Tensor& out_expert_x,
+                const Tensor& out_expert_x_scale, const Tensor& dp_x, const Tensor& dp_x_scale,
+                const Tensor& indices, const Tensor& weights, const Tensor& bound_m,
+                cudaStream_t stream = nullptr, bool do_send = true, bool do_recv = true);
+
+  //   out_tokens [T, H]     out_dtype, row contiguous
+  //   indices, weights, bound_m: as passed to the preceding dispatch
+  //   expert_y   [L, C, H]  bf16, fp16 or fp32, row contiguous: expert output
+  //                         for each row dispatch wrote
+  // Afterwards, on every rank of group g, for t < m:
+  //   out_tokens[t] = sum_i weights[t][i] * y(route g, t, i)   (+ out_tokens[t]
+  //   when accumulate), summed in fp32. Rows t >= m are left untouched.
+  void combine(const Tensor& out_tokens, const Tensor& indices, const Tensor& weights,
+               const Tensor& expert_y, const Tensor& bound_m, cudaStream_t stream = nullptr,
+               bool do_send = true, bool do_recv = true, bool accumulate = false);
+
+  // Waits for the work issued so far and throws InputError / TimeoutError
+  // for anything the device flagged (naming rank, phase, field or peer and
+  // the value). Input errors are cleared once reported; a timeout is final.
+  void check();
+
+ private:
+  explicit AllToAll(std::unique_ptr<detail::AllToAllImpl> impl);
+  std::unique_ptr<detail::AllToAllImpl> impl_;
+};
+
+}  // namespace moelink

@@ -1,0 +1,325 @@
+// The public AllToAll: argument checks, call order, debug checks; the data
+// movement itself lives in the backends.
+#include "moelink/all_to_all.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <sstream>
+#include <string>
+
+#include "core/all_to_all_impl.h"
+#include "moelink/errors.h"
+
+namespace moelink {
+namespace detail {
+
+namespace {
+
+double env_double(const char* name, double fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  double d = std::strtod(v, &end);
+  if (end == v || *end != '\0' || !(d > 0))
+    throw InvalidArgument(std::string("moelink: environment variable ") + name + " = '" + v +
+                          "' must be a positive number of seconds");
+  return d;
+}
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' && std::string(v) != "0";
+}
+
+std::string shape_str(const Tensor& t) {
+  std::ostringstream os;
+  os << "[";
+  for (int i = 0; i < t.ndim; ++i) os << (i ? ", " : "") << t.shape[i];
+  os << "]";
+  return os.str();
+}
+
+[[noreturn]] void bad(const std::string& call, const char* field, const std::string& what) {
+  throw InvalidArgument("moelink: " + call + ": " + field + " " + what);
+}
+
+// Checks ndim, dtype and the trailing dimensions; returns shape[0].
+int64_t check_tensor(const std::string& call, const char* field, const Tensor& t,
+                     std::initializer_list<DType> dtypes, std::initializer_list<int64_t> tail,
+                     bool row_contiguous) {
+  if (!t.defined()) bad(call, field, "is missing (null data pointer)");
+  const int ndim = static_cast<int>(tail.size()) + 1;
+  if (t.ndim != ndim)
+    bad(call, field,
+        "has " + std::to_string(t.ndim) + " dimensions " + shape_str(t) + ", expected " +
+            std::to_string(ndim));
+  bool dtype_ok = false;
+  std::string allowed;
+  for (DType d : dtypes) {
+    dtype_ok |= d == t.dtype;
+    allowed += (allowed.empty() ? "" : " or ") + std::string(dtype_name(d));
+  }
+  if (!dtype_ok)
+    bad(call, field, "has dtype " + std::string(dtype_name(t.dtype)) + ", expected " + allowed);
+  int i = 1;
+  for (int64_t want : tail) {
+    if (t.shape[i] != want)
+      bad(call, field,
+          "has shape " + shape_str(t) + ": dimension " + std::to_string(i) + " must be " +
+              std::to_string(want));
+    ++i;
+  }
+  if (t.shape[0] < 0) bad(call, field, "has negative shape " + shape_str(t));
+  if (row_contiguous) {
+    const int64_t es = static_cast<int64_t>(dtype_size(t.dtype));
+    if (t.stride[ndim - 1] != 1)
+      bad(call, field, "must have stride 1 in its last dimension, got " +
+                           std::to_string(t.stride[ndim - 1]));
+    if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
+      bad(call, field, "data pointer must be 16-byte aligned");
+    for (int d = 0; d < ndim - 1; ++d)
+      if ((t.stride[d] * es) % 16 != 0)
+        bad(call, field,
+            "stride " + std::to_string(t.stride[d]) + " of dimension " + std::to_string(d) +
+                " must be a multiple of 16 bytes");
+  }
+  return t.shape[0];
+}
+
+void check_inputs_rows(const std::string& call, const char* field, int64_t rows, int64_t max) {
+  if (rows < 1 || rows > max)
+    bad(call, field,
+        "has " + std::to_string(rows) + " rows, expected 1.." + std::to_string(max) +
+            " (max_num_tokens)");
+}
+
+void check_bound_m(const std::string& call, const Tensor& t) {
+  if (!t.defined()) bad(call, "bound_m", "is missing (null data pointer)");
+  int64_t n = 1;
+  for (int i = 0; i < t.ndim; ++i) n *= t.shape[i];
+  if (n != 1 || t.dtype != DType::kInt32)
+    bad(call, "bound_m",
+        "must be a one-element int32 tensor, got dtype " + std::string(dtype_name(t.dtype)) +
+            " shape " + shape_str(t));
+}
+
+}  // namespace
+
+ResolvedOptions resolve_options(const Options& o) {
+  ResolvedOptions r;
+  r.backend = o.backend;
+  if (o.num_blocks < 0 || o.num_blocks > 1024)
+    throw InvalidArgument("moelink: Options.num_blocks = " + std::to_string(o.num_blocks) +
+                          " must be in [0, 1024] (0 = default)");
+  r.num_blocks = o.num_blocks;
+  r.timeout_s = o.timeout_s > 0 ? o.timeout_s : env_double("MOELINK_TIMEOUT_S", 30.0);
+  r.debug = o.debug >= 0 ? o.debug != 0 : env_flag("MOELINK_DEBUG");
+  return r;
+}
+
+AllToAllImpl::AllToAllImpl(const Config& config, const ResolvedOptions& options)
+    : config_(config), options_(options) {
+  geometry_ = make_geometry(config.rank, config.world_size, config.dp_size, config.num_experts,
+                            config.experts_per_token, config.max_num_tokens, config.hidden_dim,
+                            config.hidden_dim_scale,
+                            static_cast<int>(dtype_size(config.in_dtype)),
+                            static_cast<int>(dtype_size(config.out_dtype)));
+}
+
+const char* phase_name(Phase p) {
+  switch (p) {
+    case Phase::kDispatchSend: return "dispatch_send";
+    case Phase::kDispatchRecv: return "dispatch_recv";
+    case Phase::kCombineSend: return "combine_send";
+    case Phase::kCombineRecv: return "combine_recv";
+  }
+  return "unknown phase";
+}
+
+void throw_if_error(const ErrorRecord& e, const Config& c) {
+  auto code = static_cast<ErrorCode>(e.code);
+  if (code == ErrorCode::kOk) return;
+  std::ostringstream os;
+  os << "moelink: rank " << c.rank << ", " << phase_name(static_cast<Phase>(e.phase)) << ": ";
+  switch (code) {
+    case ErrorCode::kBadExpertId:
+      os << "indices[" << e.extra << "] holds expert id " << e.value
+         << ", outside [0, num_experts = " << c.num_experts
+         << ") and not -1; the route was dropped";
+      throw InputError(os.str());
+    case ErrorCode::kBoundMTooLarge:
+      os << "bound_m = " << e.value << " is outside [0, " << e.extra
+         << "] (max_num_tokens or the rows of the inputs); it was clamped";
+      throw InputError(os.str());
+    case ErrorCode::kExpertOverflow:
+      os << "local expert " << e.value << " received more routes than its " << e.extra
+         << " rows (max_num_tokens * num_dp_groups; an expert repeated within a token's "
+            "top-k counts twice); the excess routes were dropped";
+      throw InputError(os.str());
+    case ErrorCode::kTimeout:
+      os << "timed out after " << e.value << " s waiting for rank " << e.peer
+         << " (dead, stalled, or not calling the same sequence of dispatch/combine); "
+            "this AllToAll is unusable now";
+      throw TimeoutError(os.str());
+    default:
+      os << "unknown error code " << e.code;
+      throw Error(os.str());
+  }
+}
+
+}  // namespace detail
+
+namespace {
+
+// The order the halves must come in; anything else is a host-side error.
+const char* step_name(int s) {
+  switch (s) {
+    case 0: return "dispatch send half";
+    case 1: return "dispatch receive half";
+    case 2: return "combine send half";
+    default: return "combine receive half";
+  }
+}
+
+void expect_step(detail::AllToAllImpl& impl, int want) {
+  if (impl.next_step != want)
+    throw InvalidArgument(std::string("moelink: call order: the ") + step_name(want) +
+                          " was called, but the next step must be the " +
+                          step_name(impl.next_step) +
+                          " (calls alternate dispatch, combine; each send half comes before "
+                          "its receive half)");
+  impl.next_step = (want + 1) % 4;
+}
+
+}  // namespace
+
+AllToAll::AllToAll(std::unique_ptr<detail::AllToAllImpl> impl) : impl_(std::move(impl)) {}
+AllToAll::~AllToAll() = default;
+
+std::unique_ptr<AllToAll> AllToAll::create(const Config& config, Bootstrap& bootstrap,
+                                           const Options& options) {
+  config.validate();
+  if (config.rank != bootstrap.rank() || config.world_size != bootstrap.world_size())
+    throw InvalidArgument("moelink: config rank/world_size = " + std::to_string(config.rank) +
+                          "/" + std::to_string(config.world_size) +
+                          " disagree with the bootstrap's " + std::to_string(bootstrap.rank()) +
+                          "/" + std::to_string(bootstrap.world_size()));
+  auto resolved = detail::resolve_options(options);
+  std::unique_ptr<detail::AllToAllImpl> impl =
+      resolved.backend == Backend::kCPU ? detail::make_cpu_impl(config, resolved, bootstrap)
+                                        : detail::make_nvlink_impl(config, resolved, bootstrap);
+  return std::unique_ptr<AllToAll>(new AllToAll(std::move(impl)));
+}
+
+const Config& AllToAll::config() const { return impl_->config(); }
+Backend AllToAll::backend() const { return impl_->backend(); }
+size_t AllToAll::buffer_bytes() const { return impl_->buffer_bytes(); }
+
+void AllToAll::dispatch(const Tensor& out_expert_num_tokens, const Tensor& out_expert_x,
+                        const Tensor& out_expert_x_scale, const Tensor& dp_x,
+                        const Tensor& dp_x_scale, const Tensor& indices, const Tensor& weights,
+                        const Tensor& bound_m, cudaStream_t stream, bool do_send, bool do_recv) {
+  const Config& c = impl_->config();
+  const std::string call = "dispatch";
+  if (!do_send && !do_recv)
+    throw InvalidArgument("moelink: dispatch: do_send and do_recv are both false: nothing to do");
+  const int64_t T = c.max_num_tokens, H = c.hidden_dim, S = c.hidden_dim_scale;
+  const int k = c.experts_per_token, L = c.num_local_experts();
+  const int64_t C = c.expert_capacity();
+  const auto x_types = c.in_dtype == DType::kFloat8E4M3
+                           ? std::initializer_list<DType>{DType::kFloat8E4M3, DType::kUInt8}
+                           : std::initializer_list<DType>{c.in_dtype};
+  detail::DispatchArgs a;
+  a.stream = stream;
+  int64_t rows = check_tensor(call, "dp_x", dp_x, x_types, {H}, true);
+  check_inputs_rows(call, "dp_x", rows, T);
+  if (S > 0) {
+    int64_t r = check_tensor(call, "dp_x_scale", dp_x_scale, {DType::kFloat32}, {S}, false);
+    check_inputs_rows(call, "dp_x_scale", r, T);
+    rows = std::min(rows, r);
+  }
+  int64_t ri = check_tensor(call, "indices", indices,
+                            {DType::kInt32, DType::kUInt32, DType::kInt64}, {k}, false);
+  check_inputs_rows(call, "indices", ri, T);
+  int64_t rw = check_tensor(call, "weights", weights, {DType::kFloat32}, {k}, false);
+  check_inputs_rows(call, "weights", rw, T);
+  check_bound_m(call, bound_m);
+  if (check_tensor(call, "out_expert_num_tokens", out_expert_num_tokens, {DType::kInt32}, {},
+                   false) != L || out_expert_num_tokens.stride[0] != 1)
+    bad(call, "out_expert_num_tokens",
+        "must be a contiguous int32 tensor of shape [" + std::to_string(L) +
+            "] (num_local_experts)");
+  if (check_tensor(call, "out_expert_x", out_expert_x, x_types, {C, H}, true) != L)
+    bad(call, "out_expert_x", "has shape " + shape_str(out_expert_x) + ", expected [" +
+                                  std::to_string(L) + ", " + std::to_string(C) + ", " +
+                                  std::to_string(H) + "]");
+  if (S > 0 && check_tensor(call, "out_expert_x_scale", out_expert_x_scale, {DType::kFloat32},
+                            {C, S}, false) != L)
+    bad(call, "out_expert_x_scale", "has shape " + shape_str(out_expert_x_scale) +
+                                        ", expected [" + std::to_string(L) + ", " +
+                                        std::to_string(C) + ", " + std::to_string(S) + "]");
+  a.out_expert_num_tokens = out_expert_num_tokens;
+  a.out_expert_x = out_expert_x;
+  a.out_expert_x_scale = S > 0 ? out_expert_x_scale : Tensor{};
+  a.dp_x = dp_x;
+  a.dp_x_scale = S > 0 ? dp_x_scale : Tensor{};
+  a.indices = indices;
+  a.weights = weights;
+  a.bound_m = bound_m;
+  a.input_rows = std::min({rows, ri, rw});
+  if (do_send) {
+    expect_step(*impl_, 0);
+    impl_->dispatch_send(a);
+  }
+  if (do_recv) {
+    expect_step(*impl_, 1);
+    impl_->dispatch_recv(a);
+  }
+  if (impl_->options().debug) check();
+}
+
+void AllToAll::combine(const Tensor& out_tokens, const Tensor& indices, const Tensor& weights,
+                       const Tensor& expert_y, const Tensor& bound_m, cudaStream_t stream,
+                       bool do_send, bool do_recv, bool accumulate) {
+  const Config& c = impl_->config();
+  const std::string call = "combine";
+  if (!do_send && !do_recv)
+    throw InvalidArgument("moelink: combine: do_send and do_recv are both false: nothing to do");
+  const int64_t T = c.max_num_tokens, H = c.hidden_dim, C = c.expert_capacity();
+  const int k = c.experts_per_token, L = c.num_local_experts();
+  detail::CombineArgs a;
+  a.stream = stream;
+  a.accumulate = accumulate;
+  int64_t ro = check_tensor(call, "out_tokens", out_tokens, {c.out_dtype}, {H}, true);
+  check_inputs_rows(call, "out_tokens", ro, T);
+  int64_t ri = check_tensor(call, "indices", indices,
+                            {DType::kInt32, DType::kUInt32, DType::kInt64}, {k}, false);
+  check_inputs_rows(call, "indices", ri, T);
+  int64_t rw = check_tensor(call, "weights", weights, {DType::kFloat32}, {k}, false);
+  check_inputs_rows(call, "weights", rw, T);
+  check_bound_m(call, bound_m);
+  if (check_tensor(call, "expert_y", expert_y,
+                   {DType::kBFloat16, DType::kFloat16, DType::kFloat32}, {C, H}, true) != L)
+    bad(call, "expert_y", "has shape " + shape_str(expert_y) + ", expected [" +
+                              std::to_string(L) + ", " + std::to_string(C) + ", " +
+                              std::to_string(H) + "]");
+  a.out_tokens = out_tokens;
+  a.indices = indices;
+  a.weights = weights;
+  a.expert_y = expert_y;
+  a.bound_m = bound_m;
+  a.input_rows = std::min({ro, ri, rw});
+  if (do_send) {
+    expect_step(*impl_, 2);
+    impl_->combine_send(a);
+  }
+  if (do_recv) {
+    expect_step(*impl_, 3);
+    impl_->combine_recv(a);
+  }
+  if (impl_->options().debug) check();
+}
+
+void AllToAll::check() { detail::throw_if_error(impl_->wait_and_take_error(), impl_->config()); }
+
+}  // namespace moelink

@@ -1,0 +1,74 @@
+// The interface every backend implements. The public AllToAll validates
+// arguments and call order, then forwards to one of these.
+#pragma once
+
+#include <memory>
+
+#include "core/layout.h"
+#include "moelink/all_to_all.h"
+
+namespace moelink::detail {
+
+struct DispatchArgs {
+  Tensor out_expert_num_tokens, out_expert_x, out_expert_x_scale;
+  Tensor dp_x, dp_x_scale, indices, weights, bound_m;
+  // Rows the input tensors have (<= max_num_tokens): m is clamped to it.
+  int64_t input_rows = 0;
+  cudaStream_t stream = nullptr;
+};
+
+struct CombineArgs {
+  Tensor out_tokens, indices, weights, expert_y, bound_m;
+  int64_t input_rows = 0;
+  cudaStream_t stream = nullptr;
+  bool accumulate = false;
+};
+
+// Options with environment defaults applied.
+struct ResolvedOptions {
+  Backend backend;
+  int num_blocks;
+  double timeout_s;
+  bool debug;
+};
+ResolvedOptions resolve_options(const Options& o);
+
+class AllToAllImpl {
+ public:
+  AllToAllImpl(const Config& config, const ResolvedOptions& options);
+  virtual ~AllToAllImpl() = default;
+
+  const Config& config() const { return config_; }
+  const Geometry& geometry() const { return geometry_; }
+  const ResolvedOptions& options() const { return options_; }
+
+  virtual Backend backend() const = 0;
+  virtual size_t buffer_bytes() const = 0;
+  virtual void dispatch_send(const DispatchArgs& a) = 0;
+  virtual void dispatch_recv(const DispatchArgs& a) = 0;
+  virtual void combine_send(const CombineArgs& a) = 0;
+  virtual void combine_recv(const CombineArgs& a) = 0;
+  // Waits for the work issued so far, returns the error record and clears it
+  // unless it is a timeout (which leaves the peers out of step for good).
+  virtual ErrorRecord wait_and_take_error() = 0;
+
+  // Host-side call-order state (0 dispatch send, 1 dispatch recv, 2 combine
+  // send, 3 combine recv), kept by the public AllToAll.
+  int next_step = 0;
+
+ protected:
+  Config config_;
+  Geometry geometry_;
+  ResolvedOptions options_;
+};
+
+std::unique_ptr<AllToAllImpl> make_cpu_impl(const Config& c, const ResolvedOptions& o,
+                                            Bootstrap& bootstrap);
+// Throws InvalidArgument when moelink was built without CUDA.
+std::unique_ptr<AllToAllImpl> make_nvlink_impl(const Config& c, const ResolvedOptions& o,
+                                               Bootstrap& bootstrap);
+
+// Throws InputError / TimeoutError describing `e` (no-op for kOk).
+void throw_if_error(const ErrorRecord& e, const Config& c);
+
+}  // namespace moelink::detail
