@@ -171,6 +171,13 @@ void throw_if_error(const ErrorRecord& e, const Config& c) {
 
 namespace {
 
+// The argument-check helpers above live in detail's anonymous namespace.
+using detail::bad;
+using detail::check_bound_m;
+using detail::check_inputs_rows;
+using detail::check_tensor;
+using detail::shape_str;
+
 // The order the halves must come in; anything else is a host-side error.
 const char* step_name(int s) {
   switch (s) {
@@ -226,9 +233,11 @@ void AllToAll::dispatch(const Tensor& out_expert_num_tokens, const Tensor& out_e
   const int64_t T = c.max_num_tokens, H = c.hidden_dim, S = c.hidden_dim_scale;
   const int k = c.experts_per_token, L = c.num_local_experts();
   const int64_t C = c.expert_capacity();
-  const auto x_types = c.in_dtype == DType::kFloat8E4M3
-                           ? std::initializer_list<DType>{DType::kFloat8E4M3, DType::kUInt8}
-                           : std::initializer_list<DType>{c.in_dtype};
+  // Named lists: the array behind an initializer_list temporary would die at
+  // the end of the full expression, leaving x_types dangling.
+  const std::initializer_list<DType> fp8_types{DType::kFloat8E4M3, DType::kUInt8};
+  const std::initializer_list<DType> in_types{c.in_dtype};
+  const auto x_types = c.in_dtype == DType::kFloat8E4M3 ? fp8_types : in_types;
   detail::DispatchArgs a;
   a.stream = stream;
   int64_t rows = check_tensor(call, "dp_x", dp_x, x_types, {H}, true);

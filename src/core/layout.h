@@ -146,7 +146,7 @@ MOELINK_HD RouteKind classify_route(int64_t e, int num_experts) {
 // backend) and read by AllToAll::check().
 enum class ErrorCode : int32_t {
   kOk = 0,
-  kBadExpertId = 1,      // value = expert id, extra = token index
+  kBadExpertId = 1,      // value = expert id, extra = flat route index t * k + i
   kBoundMTooLarge = 2,   // value = m
   kExpertOverflow = 3,   // value = local expert, extra = capacity
   kTimeout = 4,          // peer = the rank waited for

@@ -1,0 +1,161 @@
+// Device-side building blocks shared by the dispatch and combine kernels:
+// system-scope flag loads/stores, the wait-with-deadline, error recording,
+// last-block detection and the 8-element conversions combine uses.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "nvlink/kernels.h"
+
+namespace moelink::detail {
+
+__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Streaming read of inputs that nobody writes while the kernel runs.
+__device__ __forceinline__ uint4 load_input_16(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+__device__ __forceinline__ uint4 load_16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ void store_16(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
+
+// First error wins; the host reads the record after synchronizing.
+__device__ __forceinline__ void record_error(ErrorRecord* e, ErrorCode code, Phase phase, int peer,
+                                             int64_t value, int64_t extra) {
+  if (atomicCAS(&e->code, 0, static_cast<int32_t>(code)) == 0) {
+    e->phase = static_cast<int32_t>(phase);
+    e->peer = peer;
+    e->value = value;
+    e->extra = extra;
+  }
+}
+
+__device__ __forceinline__ bool timed_out_before(const ErrorRecord* e) {
+  return *reinterpret_cast<const volatile int32_t*>(&e->code) ==
+         static_cast<int32_t>(ErrorCode::kTimeout);
+}
+
+// Threads 0..W-1 of the block each wait for flag slot `peer` to satisfy
+// `ready(value)`; returns the value seen (0 after a timeout). Once a timeout
+// has been recorded every later wait returns at once, so a dead peer costs
+// one timeout, not one per phase.
+template <typename Ready>
+__device__ uint64_t wait_flag(const CommonParams& c, const uint64_t* flags, int peer, Phase phase,
+                              Ready ready) {
+  if (timed_out_before(c.error)) return 0;
+  const uint64_t start = global_timer_ns();
+  uint32_t spins = 0;
+  while (true) {
+    uint64_t v = load_acquire_sys(flags + peer);
+    if (ready(v)) return v;
+    if ((++spins & 1023u) == 0) {
+      if (global_timer_ns() - start > c.timeout_ns) {
+        record_error(c.error, ErrorCode::kTimeout, phase, peer,
+                     static_cast<int64_t>(c.timeout_ns / 1000000000ull), 0);
+        return 0;
+      }
+      if (timed_out_before(c.error)) return 0;
+    }
+  }
+}
+
+// Called by every thread at the end of a kernel's work. Returns true in
+// exactly one block: the last to finish, once every block's writes (to
+// peers included) are visible system-wide.
+__device__ __forceinline__ bool finish_block_is_last(uint32_t* arrived) {
+  __shared__ bool is_last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t prev = atomicAdd(arrived, 1u);
+    is_last = prev == gridDim.x - 1;
+    if (is_last) {
+      *arrived = 0;  // ready for the next call; no block of this launch touches it again
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+  return is_last;
+}
+
+// Eight consecutive elements of bf16 / fp16 / fp32 rows as fp32.
+template <typename T>
+struct Vec8;
+template <>
+struct Vec8<__nv_bfloat16> {
+  static __device__ __forceinline__ void load(const void* p, float* f) {
+    uint4 v = load_16(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 x = __bfloat1622float2(h[i]);
+      f[2 * i] = x.x;
+      f[2 * i + 1] = x.y;
+    }
+  }
+  static __device__ __forceinline__ void store(void* p, const float* f) {
+    uint4 v;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    store_16(p, v);
+  }
+};
+template <>
+struct Vec8<__half> {
+  static __device__ __forceinline__ void load(const void* p, float* f) {
+    uint4 v = load_16(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 x = __half22float2(h[i]);
+      f[2 * i] = x.x;
+      f[2 * i + 1] = x.y;
+    }
+  }
+  static __device__ __forceinline__ void store(void* p, const float* f) {
+    uint4 v;
+    __half2* h = reinterpret_cast<__half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    store_16(p, v);
+  }
+};
+template <>
+struct Vec8<float> {
+  static __device__ __forceinline__ void load(const void* p, float* f) {
+    uint4 a = load_16(p), b = load_16(static_cast<const char*>(p) + 16);
+    const float* fa = reinterpret_cast<const float*>(&a);
+    const float* fb = reinterpret_cast<const float*>(&b);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[i] = fa[i];
+      f[4 + i] = fb[i];
+    }
+  }
+};
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+__device__ __forceinline__ uint32_t lanes_below() {
+  uint32_t m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+}  // namespace moelink::detail

@@ -1,0 +1,259 @@
+// Dispatch over NVLink (protocol: docs/design.md).
+//
+// dispatch_send: one warp per token; the warp reads the token's k routes,
+// groups them by destination rank (__match_any_sync) and writes the token
+// once to each destination's staging slot (group, token) through the
+// peer-mapped pointer, together with the route entries for that rank. No
+// count exchange is needed: slots are indexed by token, so the write address
+// is known up front. The last block to finish publishes (epoch, m) to every
+// rank.
+//
+// dispatch_recv: waits for every rank's flag, then one warp per candidate
+// slot fans the staged token out to the rows of its local experts, taking
+// rows from per-expert counters in device memory (local atomics).
+#include "nvlink/device_utils.cuh"
+
+namespace moelink::detail {
+namespace {
+
+constexpr int kWarps = kThreadsPerBlock / 32;
+constexpr int kUnroll = 4;  // 16-byte vectors each lane keeps in flight
+
+struct TokenRoute {
+  int dest;           // destination rank, -1: no route
+  int local_expert;   // j on dest
+  float weight;
+};
+
+// Lane i < k loads route i of token t; validates it (recording bad ids).
+__device__ TokenRoute load_route(const DispatchParams& p, int64_t t, int lane) {
+  const Geometry& g = p.c.geo;
+  TokenRoute r{-1, 0, 0.f};
+  if (lane >= g.experts_per_token) return r;
+  const int64_t e = load_expert_id(p.indices.data, p.indices.dtype,
+                                   t * p.indices.stride0 + lane * p.indices.stride1);
+  const RouteKind kind = classify_route(e, g.num_experts);
+  if (kind == RouteKind::kInvalid)
+    record_error(p.c.error, ErrorCode::kBadExpertId, Phase::kDispatchSend, -1, e,
+                 t * g.experts_per_token + lane);
+  if (kind != RouteKind::kValid) return r;
+  r.dest = g.rank_of_expert(e);
+  r.local_expert = static_cast<int>(e - static_cast<int64_t>(r.dest) * g.num_local_experts);
+  r.weight = static_cast<const float*>(p.weights.data)[t * p.weights.stride0 +
+                                                       lane * p.weights.stride1];
+  return r;
+}
+
+// Copies `bytes` (multiple of 16) from src to the slot of every destination
+// held by lanes 0..num_dest-1 (each lane's `dst` is its destination's
+// address). The source is read once.
+__device__ __forceinline__ void copy_row_to_all(const char* src, int64_t bytes, char* dst,
+                                                int num_dest, int lane) {
+  const int64_t nvec = bytes / 16;
+  for (int64_t base = 0; base < nvec; base += 32 * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i < nvec) v[u] = load_input_16(src + i * 16);
+    }
+    for (int d = 0; d < num_dest; ++d) {
+      char* out = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(dst), d));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + u * 32 + lane;
+        if (i < nvec) store_16(out + i * 16, v[u]);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreadsPerBlock) dispatch_send_kernel(DispatchParams p) {
+  const Geometry& g = p.c.geo;
+  const int lane = lane_id();
+  const uint32_t epoch = p.c.state->epoch + 1;
+  bool bad_m = false;
+  const int64_t bound = p.input_rows < g.max_num_tokens ? p.input_rows : g.max_num_tokens;
+  const int32_t m_raw = *p.bound_m;
+  const int64_t m = clamp_m(m_raw, bound, &bad_m);
+  if (blockIdx.x == 0) {
+    if (bad_m && threadIdx.x == 0)
+      record_error(p.c.error, ErrorCode::kBoundMTooLarge, Phase::kDispatchSend, -1, m_raw, bound);
+    // Receive-side counters of this dispatch; dispatch_recv runs after us.
+    for (int j = threadIdx.x; j < g.num_local_experts; j += blockDim.x) p.c.counters[j] = 0;
+    if (threadIdx.x == 0) p.c.state->num_valid = 0;
+  }
+
+  const int group = g.dp_group();
+  const int replica = g.rank % g.dp_size;
+  const int64_t warp = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t t = replica + warp * g.dp_size; t < m; t += num_warps * g.dp_size) {
+    const TokenRoute r = load_route(p, t, lane);
+    // Lanes with the same destination form one group; its lowest lane leads.
+    const uint32_t same = __match_any_sync(0xffffffffu, r.dest);
+    const bool leads = r.dest >= 0 && (same & lanes_below()) == 0;
+    const uint32_t leaders = __ballot_sync(0xffffffffu, leads);
+    const int num_dest = __popc(leaders);
+    if (num_dest == 0) continue;
+    char* slot = leads ? p.c.peers[r.dest] + g.staging_slot_offset(group, t) : nullptr;
+    // Every routed lane writes its own route entry into its group's slot.
+    char* group_slot = reinterpret_cast<char*>(__shfl_sync(
+        0xffffffffu, reinterpret_cast<uintptr_t>(slot), r.dest >= 0 ? __ffs(same) - 1 : lane));
+    if (r.dest >= 0) {
+      RouteEntry* entries = reinterpret_cast<RouteEntry*>(group_slot + g.slot_routes_offset);
+      entries[__popc(same & lanes_below())] = RouteEntry{r.local_expert, r.weight};
+      if (leads)
+        *reinterpret_cast<SlotHeader*>(slot) =
+            SlotHeader{epoch, static_cast<uint32_t>(__popc(same)), static_cast<uint32_t>(t), 0u};
+    }
+    // Lane d (< num_dest) holds the slot of the d-th destination.
+    char* my_slot = nullptr;
+    for (int d = 0; d < num_dest; ++d) {
+      char* s = reinterpret_cast<char*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(slot), __fns(leaders, 0, d + 1)));
+      if (lane == d) my_slot = s;
+    }
+    copy_row_to_all(p.x + t * p.x_row_bytes, g.token_bytes,
+                    lane < num_dest ? my_slot + g.slot_token_offset : nullptr, num_dest, lane);
+    if (g.hidden_dim_scale > 0) {
+      for (int d = 0; d < num_dest; ++d) {
+        float* dst = reinterpret_cast<float*>(
+            reinterpret_cast<char*>(
+                __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_slot), d)) +
+            g.slot_scale_offset);
+        for (int s = lane; s < g.hidden_dim_scale; s += 32)
+          dst[s] = p.x_scale[t * p.x_scale_s0 + s * p.x_scale_s1];
+      }
+    }
+  }
+
+  if (finish_block_is_last(&p.c.state->arrived[0])) {
+    // Every block's staging writes are visible: publish (epoch, m) to all.
+    for (int r = threadIdx.x; r < g.world_size; r += blockDim.x)
+      store_release_sys(reinterpret_cast<uint64_t*>(p.c.peers[r] + g.dispatch_flags_offset) + g.rank,
+                        dispatch_flag(epoch, static_cast<uint32_t>(m)));
+    if (threadIdx.x == 0) p.c.state->epoch = epoch;
+  }
+}
+
+// Every block waits for all ranks, then records m per DP group in shared memory.
+__device__ void wait_dispatch_flags(const DispatchParams& p, uint32_t epoch, int64_t* group_m) {
+  const Geometry& g = p.c.geo;
+  const uint64_t* flags = reinterpret_cast<const uint64_t*>(p.c.local + g.dispatch_flags_offset);
+  for (int gi = threadIdx.x; gi < g.num_dp_groups; gi += blockDim.x) group_m[gi] = 0;
+  __syncthreads();
+  for (int s = threadIdx.x; s < g.world_size; s += blockDim.x) {
+    const uint64_t f = wait_flag(p.c, flags, s, Phase::kDispatchRecv,
+                                 [epoch](uint64_t v) { return dispatch_flag_epoch(v) == epoch; });
+    if (dispatch_flag_epoch(f) == epoch)
+      atomicMax(reinterpret_cast<unsigned long long*>(&group_m[g.dp_group_of(s)]),
+                static_cast<unsigned long long>(dispatch_flag_m(f)));
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kThreadsPerBlock) dispatch_recv_kernel(DispatchParams p) {
+  const Geometry& g = p.c.geo;
+  const int lane = lane_id();
+  const uint32_t epoch = p.c.state->epoch;
+  __shared__ int64_t group_m[kMaxNvlinkWorldSize];
+  wait_dispatch_flags(p, epoch, group_m);
+
+  int64_t total = 0;
+  for (int gi = 0; gi < g.num_dp_groups; ++gi) total += group_m[gi];
+  const int64_t warp = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int k = g.experts_per_token;
+  for (int64_t q = warp; q < total; q += num_warps) {
+    int grp = 0;
+    int64_t t = q;
+    while (t >= group_m[grp]) t -= group_m[grp++];
+    const char* slot = p.c.local + g.staging_slot_offset(grp, t);
+    const SlotHeader h = *reinterpret_cast<const SlotHeader*>(slot);
+    if (h.epoch != epoch) continue;  // no route of token t to this rank
+    const int n = static_cast<int>(h.num_routes < static_cast<uint32_t>(k) ? h.num_routes : k);
+    const int64_t slot_id = static_cast<int64_t>(grp) * g.max_num_tokens + t;
+    // Lane i < n takes a row in local expert j for route entry i.
+    char* dst = nullptr;
+    int j = 0;
+    int64_t row = -1;
+    if (lane < n) {
+      j = reinterpret_cast<const RouteEntry*>(slot + g.slot_routes_offset)[lane].local_expert;
+      // Senders validate ids; re-check so a corrupt slot can never index out of bounds.
+      row = j >= 0 && j < g.num_local_experts ? atomicAdd(&p.c.counters[j], 1) : -1;
+      if (row >= g.expert_capacity) {
+        record_error(p.c.error, ErrorCode::kExpertOverflow, Phase::kDispatchRecv, -1, j,
+                     g.expert_capacity);
+        row = -1;
+      }
+      p.c.route_rows[slot_id * k + lane] = static_cast<int32_t>(row);
+      if (row >= 0) dst = p.out_x + j * p.out_x_s0_bytes + row * p.out_x_s1_bytes;
+    }
+    if (lane == 0) p.c.valid_slots[atomicAdd(&p.c.state->num_valid, 1)] = static_cast<int32_t>(slot_id);
+    // Compact the lanes that got a row so lanes 0..kept-1 hold destinations.
+    const uint32_t kept_mask = __ballot_sync(0xffffffffu, dst != nullptr);
+    const int kept = __popc(kept_mask);
+    char* my_dst = nullptr;
+    int my_j = 0;
+    int64_t my_row = 0;
+    for (int d = 0; d < kept; ++d) {
+      const int src_lane = __fns(kept_mask, 0, d + 1);
+      char* a = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(dst), src_lane));
+      const int jj = __shfl_sync(0xffffffffu, j, src_lane);
+      const int64_t rr = __shfl_sync(0xffffffffu, row, src_lane);
+      if (lane == d) {
+        my_dst = a;
+        my_j = jj;
+        my_row = rr;
+      }
+    }
+    if (kept == 0) continue;
+    // Plain loads: the staging slot was written by a peer during this dispatch.
+    const int64_t nvec = g.token_bytes / 16;
+    for (int64_t base = 0; base < nvec; base += 32 * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + u * 32 + lane;
+        if (i < nvec) v[u] = load_16(slot + g.slot_token_offset + i * 16);
+      }
+      for (int d = 0; d < kept; ++d) {
+        char* out = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_dst), d));
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t i = base + u * 32 + lane;
+          if (i < nvec) store_16(out + i * 16, v[u]);
+        }
+      }
+    }
+    if (g.hidden_dim_scale > 0) {
+      const float* src_scale = reinterpret_cast<const float*>(slot + g.slot_scale_offset);
+      for (int d = 0; d < kept; ++d) {
+        const int jj = __shfl_sync(0xffffffffu, my_j, d);
+        const int64_t rr = __shfl_sync(0xffffffffu, my_row, d);
+        for (int s = lane; s < g.hidden_dim_scale; s += 32)
+          p.out_scale[jj * p.out_scale_s0 + rr * p.out_scale_s1 + s * p.out_scale_s2] = src_scale[s];
+      }
+    }
+  }
+
+  if (finish_block_is_last(&p.c.state->arrived[1])) {
+    for (int j = threadIdx.x; j < g.num_local_experts; j += blockDim.x) {
+      const int32_t c = p.c.counters[j];
+      p.out_num_tokens[j] = c < g.expert_capacity ? c : static_cast<int32_t>(g.expert_capacity);
+    }
+  }
+}
+
+}  // namespace
+
+void launch_dispatch_send(const DispatchParams& p, int blocks, cudaStream_t s) {
+  dispatch_send_kernel<<<blocks, kThreadsPerBlock, 0, s>>>(p);
+}
+
+void launch_dispatch_recv(const DispatchParams& p, int blocks, cudaStream_t s) {
+  dispatch_recv_kernel<<<blocks, kThreadsPerBlock, 0, s>>>(p);
+}
+
+}  // namespace moelink::detail

@@ -1,0 +1,80 @@
+// Host-side view of the NVLink kernels: the parameter blocks they take and
+// the functions that launch them. Plain C++ so the host code needs no nvcc.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "core/layout.h"
+
+namespace moelink::detail {
+
+// Per-rank device state that persists across calls (and CUDA graph replays).
+struct DeviceState {
+  uint32_t epoch;        // epoch of the latest dispatch; bumped by dispatch send
+  int32_t num_valid;     // staging slots dispatch recv accepted (for combine send)
+  uint32_t arrived[4];   // blocks finished, per phase (last-block detection)
+  int32_t group_m[128];  // m of each DP group seen by dispatch recv
+};
+
+// What every kernel needs to find buffers and report errors.
+struct CommonParams {
+  Geometry geo;
+  char* const* peers;  // [W] peer-mapped buffer base of every rank (own included)
+  char* local;         // this rank's buffer
+  DeviceState* state;
+  int32_t* counters;     // [L] rows taken per local expert in this dispatch
+  int32_t* route_rows;   // [G][T][k] row of each accepted route entry, -1 if dropped
+  int32_t* valid_slots;  // [G*T] slot ids g*T+t accepted in this dispatch
+  ErrorRecord* error;    // device memory
+  uint64_t timeout_ns;
+};
+
+struct StridedMatrix {  // a 2-D view, strides in elements
+  const void* data;
+  DType dtype;
+  int64_t stride0, stride1;
+};
+
+struct DispatchParams {
+  CommonParams c;
+  // inputs
+  const char* x;  // [rows, H] in_dtype, row stride in bytes below
+  int64_t x_row_bytes;
+  const float* x_scale;  // [rows, S]
+  int64_t x_scale_s0, x_scale_s1;
+  StridedMatrix indices, weights;
+  const int32_t* bound_m;
+  int64_t input_rows;
+  // outputs
+  int32_t* out_num_tokens;  // [L]
+  char* out_x;              // [L, C, H]
+  int64_t out_x_s0_bytes, out_x_s1_bytes;
+  float* out_scale;  // [L, C, S]
+  int64_t out_scale_s0, out_scale_s1, out_scale_s2;
+};
+
+struct CombineParams {
+  CommonParams c;
+  const char* y;  // [L, C, H] of y_dtype
+  DType y_dtype;
+  int64_t y_s0_bytes, y_s1_bytes;
+  char* out;  // [rows, H] out_dtype
+  DType out_dtype;
+  int64_t out_row_bytes;
+  StridedMatrix indices;
+  const int32_t* bound_m;
+  int64_t input_rows;
+  bool accumulate;
+};
+
+void launch_dispatch_send(const DispatchParams& p, int blocks, cudaStream_t s);
+void launch_dispatch_recv(const DispatchParams& p, int blocks, cudaStream_t s);
+void launch_combine_send(const CombineParams& p, int blocks, cudaStream_t s);
+void launch_combine_recv(const CombineParams& p, int blocks, cudaStream_t s);
+
+constexpr int kThreadsPerBlock = 512;
+constexpr int kMaxNvlinkWorldSize = 128;
+
+}  // namespace moelink::detail

@@ -1,0 +1,171 @@
+// Host side of the NVLink backend: owns the peer-mapped buffer and the
+// private device state, turns call arguments into kernel parameters and
+// launches the four kernels. No host synchronization on the data path.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+
+#include "core/all_to_all_impl.h"
+#include "nvlink/cuda_check.h"
+#include "nvlink/kernels.h"
+#include "nvlink/peer_memory.h"
+
+namespace moelink::detail {
+namespace {
+
+StridedMatrix matrix(const Tensor& t) {
+  return StridedMatrix{t.data, t.dtype, t.stride[0], t.stride[1]};
+}
+
+int64_t stride_bytes(const Tensor& t, int dim) {
+  return t.stride[dim] * static_cast<int64_t>(dtype_size(t.dtype));
+}
+
+class NvlinkAllToAll final : public AllToAllImpl {
+ public:
+  NvlinkAllToAll(const Config& c, const ResolvedOptions& o, Bootstrap& bootstrap)
+      : AllToAllImpl(c, o) {
+    if (c.world_size > kMaxNvlinkWorldSize)
+      throw InvalidArgument("moelink: world_size = " + std::to_string(c.world_size) +
+                            " exceeds the NVLink backend's limit of " +
+                            std::to_string(kMaxNvlinkWorldSize));
+    MOELINK_CUDA_CHECK(cudaGetDevice(&device_));
+    MOELINK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
+    memory_ = std::make_unique<PeerMemory>(geometry_.total_bytes, bootstrap);
+    allocate_private_state();
+  }
+
+  ~NvlinkAllToAll() override { cudaFree(private_); }
+
+  Backend backend() const override { return Backend::kNVLink; }
+  size_t buffer_bytes() const override { return memory_->bytes(); }
+
+  void dispatch_send(const DispatchArgs& a) override {
+    launch_dispatch_send(dispatch_params(a), blocks(), a.stream);
+    after_launch("dispatch send", a.stream);
+  }
+  void dispatch_recv(const DispatchArgs& a) override {
+    launch_dispatch_recv(dispatch_params(a), blocks(), a.stream);
+    after_launch("dispatch recv", a.stream);
+  }
+  void combine_send(const CombineArgs& a) override {
+    launch_combine_send(combine_params(a), blocks(), a.stream);
+    after_launch("combine send", a.stream);
+  }
+  void combine_recv(const CombineArgs& a) override {
+    launch_combine_recv(combine_params(a), blocks(), a.stream);
+    after_launch("combine recv", a.stream);
+  }
+
+  ErrorRecord wait_and_take_error() override {
+    ErrorRecord e{};
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    MOELINK_CUDA_CHECK(cudaStreamIsCapturing(last_stream_, &capturing));
+    if (capturing != cudaStreamCaptureStatusNone) return e;  // cannot wait inside a capture
+    MOELINK_CUDA_CHECK(cudaStreamSynchronize(last_stream_));
+    MOELINK_CUDA_CHECK(cudaMemcpy(&e, common_.error, sizeof(e), cudaMemcpyDeviceToHost));
+    if (e.code != 0 && static_cast<ErrorCode>(e.code) != ErrorCode::kTimeout)
+      MOELINK_CUDA_CHECK(cudaMemset(common_.error, 0, sizeof(ErrorRecord)));
+    return e;
+  }
+
+ private:
+  void allocate_private_state() {
+    const Geometry& g = geometry_;
+    const int64_t slots = static_cast<int64_t>(g.num_dp_groups) * g.max_num_tokens;
+    // One allocation, carved into 256-byte aligned pieces.
+    const int64_t peers_off = 0;
+    const int64_t state_off = align_up(peers_off + 8 * g.world_size, 256);
+    const int64_t error_off = align_up(state_off + sizeof(DeviceState), 256);
+    const int64_t counters_off = align_up(error_off + sizeof(ErrorRecord), 256);
+    const int64_t rows_off = align_up(counters_off + 4 * g.num_local_experts, 256);
+    const int64_t slots_off = align_up(rows_off + 4 * slots * g.experts_per_token, 256);
+    const int64_t total = align_up(slots_off + 4 * slots, 256);
+    void* mem = nullptr;
+    MOELINK_CUDA_CHECK(cudaMalloc(&mem, total));
+    private_ = static_cast<char*>(mem);
+    MOELINK_CUDA_CHECK(cudaMemset(private_, 0, total));
+    MOELINK_CUDA_CHECK(cudaMemcpy(private_ + peers_off, memory_->bases().data(),
+                                  8 * g.world_size, cudaMemcpyHostToDevice));
+    common_.geo = g;
+    common_.peers = reinterpret_cast<char* const*>(private_ + peers_off);
+    common_.local = memory_->local();
+    common_.state = reinterpret_cast<DeviceState*>(private_ + state_off);
+    common_.error = reinterpret_cast<ErrorRecord*>(private_ + error_off);
+    common_.counters = reinterpret_cast<int32_t*>(private_ + counters_off);
+    common_.route_rows = reinterpret_cast<int32_t*>(private_ + rows_off);
+    common_.valid_slots = reinterpret_cast<int32_t*>(private_ + slots_off);
+    common_.timeout_ns = static_cast<uint64_t>(options_.timeout_s * 1e9);
+  }
+
+  // Blocks per kernel: a small, fixed number of SMs so the kernels can run
+  // beside compute; Options.num_blocks overrides.
+  int blocks() const {
+    if (options_.num_blocks > 0) return options_.num_blocks;
+    return std::min(num_sms_, 32);
+  }
+
+  DispatchParams dispatch_params(const DispatchArgs& a) const {
+    DispatchParams p{};
+    p.c = common_;
+    p.x = static_cast<const char*>(a.dp_x.data);
+    p.x_row_bytes = stride_bytes(a.dp_x, 0);
+    p.x_scale = static_cast<const float*>(a.dp_x_scale.data);
+    p.x_scale_s0 = a.dp_x_scale.stride[0];
+    p.x_scale_s1 = a.dp_x_scale.stride[1];
+    p.indices = matrix(a.indices);
+    p.weights = matrix(a.weights);
+    p.bound_m = static_cast<const int32_t*>(a.bound_m.data);
+    p.input_rows = a.input_rows;
+    p.out_num_tokens = static_cast<int32_t*>(a.out_expert_num_tokens.data);
+    p.out_x = static_cast<char*>(a.out_expert_x.data);
+    p.out_x_s0_bytes = stride_bytes(a.out_expert_x, 0);
+    p.out_x_s1_bytes = stride_bytes(a.out_expert_x, 1);
+    p.out_scale = static_cast<float*>(a.out_expert_x_scale.data);
+    p.out_scale_s0 = a.out_expert_x_scale.stride[0];
+    p.out_scale_s1 = a.out_expert_x_scale.stride[1];
+    p.out_scale_s2 = a.out_expert_x_scale.stride[2];
+    return p;
+  }
+
+  CombineParams combine_params(const CombineArgs& a) const {
+    CombineParams p{};
+    p.c = common_;
+    p.y = static_cast<const char*>(a.expert_y.data);
+    p.y_dtype = a.expert_y.dtype;
+    p.y_s0_bytes = stride_bytes(a.expert_y, 0);
+    p.y_s1_bytes = stride_bytes(a.expert_y, 1);
+    p.out = static_cast<char*>(a.out_tokens.data);
+    p.out_dtype = a.out_tokens.dtype;
+    p.out_row_bytes = stride_bytes(a.out_tokens, 0);
+    p.indices = matrix(a.indices);
+    p.bound_m = static_cast<const int32_t*>(a.bound_m.data);
+    p.input_rows = a.input_rows;
+    p.accumulate = a.accumulate;
+    return p;
+  }
+
+  void after_launch(const char* what, cudaStream_t stream) {
+    last_stream_ = stream;
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) throw_cuda_error(err, what, __FILE__, __LINE__);
+  }
+
+  int device_ = 0;
+  int num_sms_ = 0;
+  std::unique_ptr<PeerMemory> memory_;
+  char* private_ = nullptr;
+  CommonParams common_{};
+  cudaStream_t last_stream_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<AllToAllImpl> make_nvlink_impl(const Config& c, const ResolvedOptions& o,
+                                               Bootstrap& bootstrap) {
+  return std::make_unique<NvlinkAllToAll>(c, o, bootstrap);
+}
+
+}  // namespace moelink::detail

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Runs on the H200 machine (the device tool): builds everything, runs the GPU
+# test suite, the binding tests with torch, the compute-sanitizer pass and the
+# benchmark, in one call. Results and logs go to $OUT (default ./gpu-out).
+#   bash tools/gpu_check.sh [steps...]   steps: build test python sanitize bench (default: all)
+# Needs .deps/ from tools/prepare_device_deps.sh (that machine has no package
+# registry) and carries it with the call.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+OUT=${OUT:-$root/gpu-out}
+mkdir -p "$OUT"
+# NVLink multicast stays off: it can take the host's GPUs out of service.
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+steps=${*:-build test python sanitize bench}
+has() { [[ " $steps " == *" $1 "* ]]; }
+status=0
+py=$(command -v python3)
+site=$($py -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+nccl_home="$site/nvidia/nccl"
+export LD_LIBRARY_PATH="$nccl_home/lib:${LD_LIBRARY_PATH:-}"
+ngpu=$(nvidia-smi -L | wc -l)
+commit=$(git rev-parse HEAD 2>/dev/null || echo "${MOELINK_GIT_COMMIT:-unknown}")
+export MOELINK_GIT_COMMIT=$commit
+
+if has build; then
+  nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DMOELINK_GTEST_SOURCE_DIR="$root/.deps/googletest" \
+    -DMOELINK_EXTRA_INCLUDE_DIR="$root/.deps/include" \
+    -DNCCL_ROOT="$nccl_home" -DMOELINK_BUILD_PYTHON=ON \
+    -DPython_EXECUTABLE="$py" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+  cmake --build build-gpu -j "$(nproc)" >"$OUT/build.log" 2>&1 || { grep -B2 -A10 error "$OUT/build.log" | head -60; exit 1; }
+  echo "build ok"
+fi
+
+if has test; then
+  echo "== GPU test suite ($ngpu GPUs)"
+  build-gpu/tests/moelink_tests --gtest_filter="${MOELINK_GTEST_FILTER:-*}" >"$OUT/tests.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests? ran|FAILED" "$OUT/tests.log" | tail -25
+fi
+
+if has python; then
+  echo "== Python binding tests (torch)"
+  PYTHONPATH="$root/build-gpu/python:$root/python" $py -m pytest -q tests/python >"$OUT/pytest.log" 2>&1 || status=1
+  tail -5 "$OUT/pytest.log"
+fi
+
+if has sanitize; then
+  echo "== compute-sanitizer (memcheck, racecheck) on the small GPU cases"
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --target-processes all --error-exitcode 9 \
+      build-gpu/tests/moelink_tests --gtest_filter="${MOELINK_SANITIZE_FILTER:-GpuAllToAll.Small*}" \
+      >"$OUT/sanitizer-$tool.log" 2>&1 || status=1
+    grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/sanitizer-$tool.log" | tail -6
+  done
+fi
+
+if has bench; then
+  echo "== moelink-bench"
+  cmd=(build-gpu/tools/bench/moelink-bench --nproc "$ngpu" --machine "nvidia-h200-x$ngpu"
+       --json "$OUT/bench.json" ${MOELINK_BENCH_ARGS:-})
+  echo "${cmd[*]}"
+  "${cmd[@]}" 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
+fi
+exit $status
