@@ -1,0 +1,46 @@
+"""moelink: Mixture-of-Experts all-to-all (dispatch / combine) for the GPUs
+(or, for testing, the processes) of one node.
+
+    import moelink
+    a2a = moelink.AllToAll(max_num_tokens=128, num_experts=256, experts_per_token=8,
+                           hidden_dim=7168, hidden_dim_scale=56, in_dtype="fp8",
+                           out_dtype="bf16", backend="nvlink", group=pg)
+    a2a.dispatch(...); a2a.combine(...)
+
+torch is optional: it is imported only when a torch object is passed in."""
+
+from __future__ import annotations
+
+from . import _C
+from ._C import (
+    Bootstrap,
+    Config,
+    EnvBootstrap,
+    Error,
+    InputError,
+    InvalidArgument,
+    SystemError,
+    TcpBootstrap,
+    TimeoutError,
+    env_local_rank,
+    with_cuda,
+)
+from ._all_to_all import AllToAll, stream_handle
+from ._torch import TorchGroupBootstrap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllToAll",
+    "Bootstrap",
+    "Config",
+    "EnvBootstrap",
+    "Error",
+    "InputError",
+    "InvalidArgument",
+    "TcpBootstrap",
+    "TorchGroupBootstrap",
+    "env_local_rank",
+    "stream_handle",
+    "with_cuda",
+]
