@@ -42,7 +42,7 @@ fi
 
 if has python; then
   echo "== Python binding tests (torch)"
-  PYTHONPATH="$root/build-gpu/python:$root/python" $py -m pytest -q tests/python >"$OUT/pytest.log" 2>&1 || status=1
+  MOELINK_PYTHONPATH="$root/build-gpu/python" $py -m pytest -q -rs tests/python >"$OUT/pytest.log" 2>&1 || status=1
   tail -5 "$OUT/pytest.log"
 fi
 

@@ -1,32 +1,76 @@
 // Combine over NVLink (protocol: docs/design.md).
 //
-// combine_send: one warp per staging slot accepted by the dispatch; it sums
-// the weighted expert outputs of the token's local routes in fp32, rounds the
-// share to out_dtype and writes it to row (this rank, token) on every rank
-// of the token's DP group. The last block publishes the epoch to all ranks.
+// combine_send: for every staging slot the dispatch accepted, sum the
+// weighted expert outputs of the token's local routes in fp32, round the
+// share to out_dtype and write it to row (this rank, token) on every rank of
+// the token's DP group. The last block publishes the epoch to all ranks.
 //
-// combine_recv: waits for every rank (the one global barrier of a
-// dispatch/combine round), then one warp per token adds the shares of the
-// distinct ranks that held its routes, in fp32.
+// combine_recv: wait for every rank (the one global barrier of a round),
+// then add, per token, the shares of the distinct ranks that held its routes.
+//
+// Both are bound by load latency, not bandwidth, at decode sizes: rows are
+// split across warps when there are few items, and each lane issues the
+// loads of up to kGroup sources x kVecs vectors before using any of them.
 #include "nvlink/device_utils.cuh"
 
 namespace moelink::detail {
 namespace {
 
 constexpr int kWarps = kThreadsPerBlock / 32;
+constexpr int kVecs = 2;   // 8-element vectors per lane per step
+constexpr int kGroup = 4;  // sources loaded together
+
+// acc[u] += sum over sources d in [0, n) of w_d * row_d[v_u], where lane d of
+// the warp holds (src, w) of source d. Row elements are of type T.
+template <typename T>
+__device__ __forceinline__ void add_sources(float (&acc)[kVecs][8], const char* my_src,
+                                            float my_w, int n, int64_t base, int64_t end,
+                                            int lane) {
+  for (int d0 = 0; d0 < n; d0 += kGroup) {
+    float f[kGroup][kVecs][8];
+    float w[kGroup];
+#pragma unroll
+    for (int i = 0; i < kGroup; ++i) {
+      const int d = d0 + i;
+      const char* s = reinterpret_cast<const char*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_src), d & 31));
+      w[i] = __shfl_sync(0xffffffffu, my_w, d & 31);
+#pragma unroll
+      for (int u = 0; u < kVecs; ++u) {
+        const int64_t v = base + u * 32 + lane;
+        if (d < n && v < end) {
+          Vec8<T>::load(s + v * 8 * sizeof(T), f[i][u]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) f[i][u][e] = 0.f;
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kGroup; ++i)
+#pragma unroll
+      for (int u = 0; u < kVecs; ++u)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[u][e] += w[i] * f[i][u][e];
+  }
+}
 
 template <typename YT, typename OutT>
 __global__ void __launch_bounds__(kThreadsPerBlock) combine_send_kernel(CombineParams p) {
   const Geometry& g = p.c.geo;
   const int lane = lane_id();
   const uint32_t epoch = p.c.state->epoch;
-  const int32_t num_valid = p.c.state->num_valid;
+  const int64_t num_valid = p.c.state->num_valid;
   const int k = g.experts_per_token;
   const int64_t warp = blockIdx.x * kWarps + (threadIdx.x >> 5);
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
   const int64_t nvec = g.hidden_dim / 8;
+  const RowSplit split = split_rows(num_valid, nvec, 32 * kVecs, num_warps);
 
-  for (int64_t q = warp; q < num_valid; q += num_warps) {
+  for (int64_t item = warp; item < num_valid * split.pieces; item += num_warps) {
+    const int64_t q = item / split.pieces;
+    const int64_t begin = (item % split.pieces) * split.span;
+    const int64_t end = begin + split.span < nvec ? begin + split.span : nvec;
     const int64_t slot_id = p.c.valid_slots[q];
     const int grp = static_cast<int>(slot_id / g.max_num_tokens);
     const int64_t t = slot_id - static_cast<int64_t>(grp) * g.max_num_tokens;
@@ -47,42 +91,25 @@ __global__ void __launch_bounds__(kThreadsPerBlock) combine_send_kernel(CombineP
     }
     const uint32_t kept_mask = __ballot_sync(0xffffffffu, src != nullptr);
     const int kept = __popc(kept_mask);
-    const char* my_src = nullptr;
-    float my_w = 0.f;
-    for (int d = 0; d < kept; ++d) {
-      const int from = __fns(kept_mask, 0, d + 1);
-      const char* s = reinterpret_cast<const char*>(
-          __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(src), from));
-      const float ww = __shfl_sync(0xffffffffu, w, from);
-      if (lane == d) {
-        my_src = s;
-        my_w = ww;
-      }
-    }
+    const int from = lane < kept ? __fns(kept_mask, 0, lane + 1) : lane;
+    const char* my_src = reinterpret_cast<const char*>(
+        __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(src), from));
+    const float my_w = __shfl_sync(0xffffffffu, w, from);
     // Lane d (< dp_size) holds row (rank, t) on replica d of the token's group.
     char* my_dst = lane < g.dp_size
                        ? p.c.peers[grp * g.dp_size + lane] + g.combine_row_offset(g.rank, t)
                        : nullptr;
-    // Warp-uniform trip count: every lane takes part in the shuffles.
-    for (int64_t base = 0; base < nvec; base += 32) {
-      const int64_t v = base + lane;
-      const bool active = v < nvec;
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int d = 0; d < kept; ++d) {
-        const char* s = reinterpret_cast<const char*>(
-            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_src), d));
-        const float wd = __shfl_sync(0xffffffffu, my_w, d);
-        if (active) {
-          float f[8];
-          Vec8<YT>::load(s + v * 8 * sizeof(YT), f);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] += wd * f[i];
-        }
-      }
+    for (int64_t base = begin; base < end; base += 32 * kVecs) {
+      float acc[kVecs][8] = {};
+      add_sources<YT>(acc, my_src, my_w, kept, base, end, lane);
       for (int d = 0; d < g.dp_size; ++d) {
         char* dst = reinterpret_cast<char*>(
-            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_dst), d));
-        if (active) Vec8<OutT>::store(dst + v * 16, acc);
+            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_dst), d & 31));
+#pragma unroll
+        for (int u = 0; u < kVecs; ++u) {
+          const int64_t v = base + u * 32 + lane;
+          if (v < end) Vec8<OutT>::store(dst + v * 16, acc[u]);
+        }
       }
     }
   }
@@ -115,41 +142,40 @@ __global__ void __launch_bounds__(kThreadsPerBlock) combine_recv_kernel(CombineP
   const int64_t warp = blockIdx.x * kWarps + (threadIdx.x >> 5);
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
   const int64_t nvec = g.hidden_dim / 8;
-  for (int64_t t = warp; t < m; t += num_warps) {
+  const RowSplit split = split_rows(m, nvec, 32 * kVecs, num_warps);
+  for (int64_t item = warp; item < m * split.pieces; item += num_warps) {
+    const int64_t t = item / split.pieces;
+    const int64_t begin = (item % split.pieces) * split.span;
+    const int64_t end = begin + split.span < nvec ? begin + split.span : nvec;
     int dest = -1;
     if (lane < k) {
       const int64_t e = load_expert_id(p.indices.data, p.indices.dtype,
                                        t * p.indices.stride0 + lane * p.indices.stride1);
       if (classify_route(e, g.num_experts) == RouteKind::kValid) dest = g.rank_of_expert(e);
     }
+    // The distinct ranks holding the token's routes: lane d gets the d-th.
     const uint32_t same = __match_any_sync(0xffffffffu, dest);
-    const bool leads = dest >= 0 && (same & lanes_below()) == 0;
-    const uint32_t leaders = __ballot_sync(0xffffffffu, leads);
+    const uint32_t leaders = __ballot_sync(0xffffffffu, dest >= 0 && (same & lanes_below()) == 0);
     const int num_src = __popc(leaders);
-    const char* row = leads ? p.c.local + g.combine_row_offset(dest, t) : nullptr;
-    const char* my_row = nullptr;
-    for (int d = 0; d < num_src; ++d) {
-      const char* s = reinterpret_cast<const char*>(
-          __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(row), __fns(leaders, 0, d + 1)));
-      if (lane == d) my_row = s;
-    }
+    const int from = lane < num_src ? __fns(leaders, 0, lane + 1) : lane;
+    const int src_rank = __shfl_sync(0xffffffffu, dest, from);
+    const char* my_row = lane < num_src ? p.c.local + g.combine_row_offset(src_rank, t) : nullptr;
     char* out = p.out + t * p.out_row_bytes;
-    for (int64_t base = 0; base < nvec; base += 32) {
-      const int64_t v = base + lane;
-      const bool active = v < nvec;
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      if (active && p.accumulate) Vec8<OutT>::load(out + v * 16, acc);
-      for (int d = 0; d < num_src; ++d) {
-        const char* s = reinterpret_cast<const char*>(
-            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_row), d));
-        if (active) {
-          float f[8];
-          Vec8<OutT>::load(s + v * 16, f);
+    for (int64_t base = begin; base < end; base += 32 * kVecs) {
+      float acc[kVecs][8] = {};
+      if (p.accumulate) {
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] += f[i];
+        for (int u = 0; u < kVecs; ++u) {
+          const int64_t v = base + u * 32 + lane;
+          if (v < end) Vec8<OutT>::load(out + v * 16, acc[u]);
         }
       }
-      if (active) Vec8<OutT>::store(out + v * 16, acc);
+      add_sources<OutT>(acc, my_row, 1.0f, num_src, base, end, lane);
+#pragma unroll
+      for (int u = 0; u < kVecs; ++u) {
+        const int64_t v = base + u * 32 + lane;
+        if (v < end) Vec8<OutT>::store(out + v * 16, acc[u]);
+      }
     }
   }
 }

@@ -78,11 +78,16 @@ __device__ uint64_t wait_flag(const CommonParams& c, const uint64_t* flags, int 
 // Called by every thread at the end of a kernel's work. Returns true in
 // exactly one block: the last to finish, once every block's writes (to
 // peers included) are visible system-wide.
+//
+// One system-scope fence per block, by the thread that arrives: the barrier
+// before it orders the other threads' writes ahead of it (fences are
+// cumulative in the PTX memory model), and a fence per thread would cost
+// microseconds per block.
 __device__ __forceinline__ bool finish_block_is_last(uint32_t* arrived) {
   __shared__ bool is_last;
-  __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence_system();
     uint32_t prev = atomicAdd(arrived, 1u);
     is_last = prev == gridDim.x - 1;
     if (is_last) {
@@ -152,6 +157,23 @@ struct Vec8<float> {
 };
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+
+// Splitting rows across warps. A warp handles `span` 16-byte vectors of one
+// item (token or slot); with few items a row is split over several warps so
+// that all warps have work and each lane keeps several loads in flight.
+struct RowSplit {
+  int64_t pieces;  // pieces per item
+  int64_t span;    // vectors per piece, a multiple of `step`
+};
+__device__ __forceinline__ RowSplit split_rows(int64_t items, int64_t vectors, int64_t step,
+                                               int64_t num_warps) {
+  const int64_t steps = (vectors + step - 1) / step;
+  int64_t pieces = items > 0 ? num_warps / items : 1;
+  pieces = pieces < 1 ? 1 : (pieces > steps ? steps : pieces);
+  const int64_t steps_per_piece = (steps + pieces - 1) / pieces;
+  pieces = (steps + steps_per_piece - 1) / steps_per_piece;
+  return RowSplit{pieces, steps_per_piece * step};
+}
 __device__ __forceinline__ uint32_t lanes_below() {
   uint32_t m;
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));

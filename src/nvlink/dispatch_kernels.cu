@@ -17,7 +17,8 @@ namespace moelink::detail {
 namespace {
 
 constexpr int kWarps = kThreadsPerBlock / 32;
-constexpr int kUnroll = 4;  // 16-byte vectors each lane keeps in flight
+constexpr int kUnroll = 4;      // 16-byte vectors each lane keeps in flight (send)
+constexpr int kRecvUnroll = 8;  // same, for the receive fan-out (one warp per slot)
 
 struct TokenRoute {
   int dest;           // destination rank, -1: no route
@@ -26,14 +27,14 @@ struct TokenRoute {
 };
 
 // Lane i < k loads route i of token t; validates it (recording bad ids).
-__device__ TokenRoute load_route(const DispatchParams& p, int64_t t, int lane) {
+__device__ TokenRoute load_route(const DispatchParams& p, int64_t t, int lane, bool report) {
   const Geometry& g = p.c.geo;
   TokenRoute r{-1, 0, 0.f};
   if (lane >= g.experts_per_token) return r;
   const int64_t e = load_expert_id(p.indices.data, p.indices.dtype,
                                    t * p.indices.stride0 + lane * p.indices.stride1);
   const RouteKind kind = classify_route(e, g.num_experts);
-  if (kind == RouteKind::kInvalid)
+  if (kind == RouteKind::kInvalid && report)
     record_error(p.c.error, ErrorCode::kBadExpertId, Phase::kDispatchSend, -1, e,
                  t * g.experts_per_token + lane);
   if (kind != RouteKind::kValid) return r;
@@ -44,25 +45,24 @@ __device__ TokenRoute load_route(const DispatchParams& p, int64_t t, int lane) {
   return r;
 }
 
-// Copies `bytes` (multiple of 16) from src to the slot of every destination
-// held by lanes 0..num_dest-1 (each lane's `dst` is its destination's
-// address). The source is read once.
-__device__ __forceinline__ void copy_row_to_all(const char* src, int64_t bytes, char* dst,
-                                                int num_dest, int lane) {
-  const int64_t nvec = bytes / 16;
-  for (int64_t base = 0; base < nvec; base += 32 * kUnroll) {
+// Copies vectors [begin, end) (16 bytes each) of the row at `src` to the
+// slot of every destination held by lanes 0..num_dest-1 (each lane's `dst`
+// is its destination's row address). The source is read once.
+__device__ __forceinline__ void copy_row_to_all(const char* src, int64_t begin, int64_t end,
+                                                char* dst, int num_dest, int lane) {
+  for (int64_t base = begin; base < end; base += 32 * kUnroll) {
     uint4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * 32 + lane;
-      if (i < nvec) v[u] = load_input_16(src + i * 16);
+      if (i < end) v[u] = load_input_16(src + i * 16);
     }
     for (int d = 0; d < num_dest; ++d) {
       char* out = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(dst), d));
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t i = base + u * 32 + lane;
-        if (i < nvec) store_16(out + i * 16, v[u]);
+        if (i < end) store_16(out + i * 16, v[u]);
       }
     }
   }
@@ -88,8 +88,17 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dispatch_send_kernel(Dispatc
   const int replica = g.rank % g.dp_size;
   const int64_t warp = blockIdx.x * kWarps + (threadIdx.x >> 5);
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t t = replica + warp * g.dp_size; t < m; t += num_warps * g.dp_size) {
-    const TokenRoute r = load_route(p, t, lane);
+  // This replica's tokens are t = replica + i * dp_size; each is split into
+  // `pieces` ranges of its row so that small batches still use every warp.
+  const int64_t my_tokens = m > replica ? (m - replica + g.dp_size - 1) / g.dp_size : 0;
+  const int64_t nvec = g.token_bytes / 16;
+  const RowSplit split = split_rows(my_tokens, nvec, 32 * kUnroll, num_warps);
+  for (int64_t item = warp; item < my_tokens * split.pieces; item += num_warps) {
+    const int64_t t = replica + (item / split.pieces) * g.dp_size;
+    const int64_t piece = item % split.pieces;
+    const int64_t begin = piece * split.span;
+    const int64_t end = begin + split.span < nvec ? begin + split.span : nvec;
+    const TokenRoute r = load_route(p, t, lane, piece == 0);
     // Lanes with the same destination form one group; its lowest lane leads.
     const uint32_t same = __match_any_sync(0xffffffffu, r.dest);
     const bool leads = r.dest >= 0 && (same & lanes_below()) == 0;
@@ -100,7 +109,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dispatch_send_kernel(Dispatc
     // Every routed lane writes its own route entry into its group's slot.
     char* group_slot = reinterpret_cast<char*>(__shfl_sync(
         0xffffffffu, reinterpret_cast<uintptr_t>(slot), r.dest >= 0 ? __ffs(same) - 1 : lane));
-    if (r.dest >= 0) {
+    if (r.dest >= 0 && piece == 0) {
       RouteEntry* entries = reinterpret_cast<RouteEntry*>(group_slot + g.slot_routes_offset);
       entries[__popc(same & lanes_below())] = RouteEntry{r.local_expert, r.weight};
       if (leads)
@@ -114,9 +123,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dispatch_send_kernel(Dispatc
           __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(slot), __fns(leaders, 0, d + 1)));
       if (lane == d) my_slot = s;
     }
-    copy_row_to_all(p.x + t * p.x_row_bytes, g.token_bytes,
+    copy_row_to_all(p.x + t * p.x_row_bytes, begin, end,
                     lane < num_dest ? my_slot + g.slot_token_offset : nullptr, num_dest, lane);
-    if (g.hidden_dim_scale > 0) {
+    if (g.hidden_dim_scale > 0 && piece == 0) {
       for (int d = 0; d < num_dest; ++d) {
         float* dst = reinterpret_cast<float*>(
             reinterpret_cast<char*>(
@@ -211,17 +220,17 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dispatch_recv_kernel(Dispatc
     if (kept == 0) continue;
     // Plain loads: the staging slot was written by a peer during this dispatch.
     const int64_t nvec = g.token_bytes / 16;
-    for (int64_t base = 0; base < nvec; base += 32 * kUnroll) {
-      uint4 v[kUnroll];
+    for (int64_t base = 0; base < nvec; base += 32 * kRecvUnroll) {
+      uint4 v[kRecvUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < kRecvUnroll; ++u) {
         const int64_t i = base + u * 32 + lane;
         if (i < nvec) v[u] = load_16(slot + g.slot_token_offset + i * 16);
       }
       for (int d = 0; d < kept; ++d) {
         char* out = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_dst), d));
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
+        for (int u = 0; u < kRecvUnroll; ++u) {
           const int64_t i = base + u * 32 + lane;
           if (i < nvec) store_16(out + i * 16, v[u]);
         }
