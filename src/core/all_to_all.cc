@@ -39,12 +39,12 @@ std::string shape_str(const Tensor& t) {
   return os.str();
 }
 
-[[noreturn]] void bad(const std::string& call, const char* field, const std::string& what) {
-  throw InvalidArgument("moelink: " + call + ": " + field + " " + what);
+[[noreturn]] void bad(const char* call, const char* field, const std::string& what) {
+  throw InvalidArgument(std::string("moelink: ") + call + ": " + field + " " + what);
 }
 
 // Checks ndim, dtype and the trailing dimensions; returns shape[0].
-int64_t check_tensor(const std::string& call, const char* field, const Tensor& t,
+int64_t check_tensor(const char* call, const char* field, const Tensor& t,
                      std::initializer_list<DType> dtypes, std::initializer_list<int64_t> tail,
                      bool row_contiguous) {
   if (!t.defined()) bad(call, field, "is missing (null data pointer)");
@@ -54,13 +54,12 @@ int64_t check_tensor(const std::string& call, const char* field, const Tensor& t
         "has " + std::to_string(t.ndim) + " dimensions " + shape_str(t) + ", expected " +
             std::to_string(ndim));
   bool dtype_ok = false;
-  std::string allowed;
-  for (DType d : dtypes) {
-    dtype_ok |= d == t.dtype;
-    allowed += (allowed.empty() ? "" : " or ") + std::string(dtype_name(d));
-  }
-  if (!dtype_ok)
+  for (DType d : dtypes) dtype_ok |= d == t.dtype;
+  if (!dtype_ok) {
+    std::string allowed;
+    for (DType d : dtypes) allowed += (allowed.empty() ? "" : " or ") + std::string(dtype_name(d));
     bad(call, field, "has dtype " + std::string(dtype_name(t.dtype)) + ", expected " + allowed);
+  }
   int i = 1;
   for (int64_t want : tail) {
     if (t.shape[i] != want)
@@ -86,14 +85,14 @@ int64_t check_tensor(const std::string& call, const char* field, const Tensor& t
   return t.shape[0];
 }
 
-void check_inputs_rows(const std::string& call, const char* field, int64_t rows, int64_t max) {
+void check_inputs_rows(const char* call, const char* field, int64_t rows, int64_t max) {
   if (rows < 1 || rows > max)
     bad(call, field,
         "has " + std::to_string(rows) + " rows, expected 1.." + std::to_string(max) +
             " (max_num_tokens)");
 }
 
-void check_bound_m(const std::string& call, const Tensor& t) {
+void check_bound_m(const char* call, const Tensor& t) {
   if (!t.defined()) bad(call, "bound_m", "is missing (null data pointer)");
   int64_t n = 1;
   for (int i = 0; i < t.ndim; ++i) n *= t.shape[i];
@@ -227,7 +226,7 @@ void AllToAll::dispatch(const Tensor& out_expert_num_tokens, const Tensor& out_e
                         const Tensor& dp_x_scale, const Tensor& indices, const Tensor& weights,
                         const Tensor& bound_m, cudaStream_t stream, bool do_send, bool do_recv) {
   const Config& c = impl_->config();
-  const std::string call = "dispatch";
+  const char* call = "dispatch";
   if (!do_send && !do_recv)
     throw InvalidArgument("moelink: dispatch: do_send and do_recv are both false: nothing to do");
   const int64_t T = c.max_num_tokens, H = c.hidden_dim, S = c.hidden_dim_scale;
@@ -276,14 +275,9 @@ void AllToAll::dispatch(const Tensor& out_expert_num_tokens, const Tensor& out_e
   a.weights = weights;
   a.bound_m = bound_m;
   a.input_rows = std::min({rows, ri, rw});
-  if (do_send) {
-    expect_step(*impl_, 0);
-    impl_->dispatch_send(a);
-  }
-  if (do_recv) {
-    expect_step(*impl_, 1);
-    impl_->dispatch_recv(a);
-  }
+  if (do_send) expect_step(*impl_, 0);
+  if (do_recv) expect_step(*impl_, 1);
+  impl_->dispatch(a, do_send, do_recv);
   if (impl_->options().debug) check();
 }
 
@@ -291,7 +285,7 @@ void AllToAll::combine(const Tensor& out_tokens, const Tensor& indices, const Te
                        const Tensor& expert_y, const Tensor& bound_m, cudaStream_t stream,
                        bool do_send, bool do_recv, bool accumulate) {
   const Config& c = impl_->config();
-  const std::string call = "combine";
+  const char* call = "combine";
   if (!do_send && !do_recv)
     throw InvalidArgument("moelink: combine: do_send and do_recv are both false: nothing to do");
   const int64_t T = c.max_num_tokens, H = c.hidden_dim, C = c.expert_capacity();
@@ -318,14 +312,9 @@ void AllToAll::combine(const Tensor& out_tokens, const Tensor& indices, const Te
   a.expert_y = expert_y;
   a.bound_m = bound_m;
   a.input_rows = std::min({ro, ri, rw});
-  if (do_send) {
-    expect_step(*impl_, 2);
-    impl_->combine_send(a);
-  }
-  if (do_recv) {
-    expect_step(*impl_, 3);
-    impl_->combine_recv(a);
-  }
+  if (do_send) expect_step(*impl_, 2);
+  if (do_recv) expect_step(*impl_, 3);
+  impl_->combine(a, do_send, do_recv);
   if (impl_->options().debug) check();
 }
 

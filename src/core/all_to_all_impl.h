@@ -44,10 +44,10 @@ class AllToAllImpl {
 
   virtual Backend backend() const = 0;
   virtual size_t buffer_bytes() const = 0;
-  virtual void dispatch_send(const DispatchArgs& a) = 0;
-  virtual void dispatch_recv(const DispatchArgs& a) = 0;
-  virtual void combine_send(const CombineArgs& a) = 0;
-  virtual void combine_recv(const CombineArgs& a) = 0;
+  // The send half, the receive half, or both (at least one is true).
+  // Backends may fuse the two halves when both are asked for.
+  virtual void dispatch(const DispatchArgs& a, bool send, bool recv) = 0;
+  virtual void combine(const CombineArgs& a, bool send, bool recv) = 0;
   // Waits for the work issued so far, returns the error record and clears it
   // unless it is a timeout (which leaves the peers out of step for good).
   virtual ErrorRecord wait_and_take_error() = 0;

@@ -63,8 +63,13 @@ struct Geometry {
   int64_t slot_bytes;
 
   // Offsets inside one rank's peer-visible buffer.
-  int64_t dispatch_flags_offset;  // uint64[world_size]: (epoch << 32) | m of sender
-  int64_t combine_flags_offset;   // uint64[world_size]: epoch of sender
+  // Flags are cumulative counters: sender s adds 1 per finished sending
+  // unit (a thread block on the GPU, the whole call on the CPU) to slot s,
+  // so the round of epoch e is complete at epoch * units
+  // (send_complete_count). No flag is ever reset.
+  int64_t dispatch_flags_offset;  // uint64[world_size]: dispatch send units done
+  int64_t dispatch_m_offset;      // uint64[world_size]: (epoch << 32) | m of sender
+  int64_t combine_flags_offset;   // uint64[world_size]: combine send units done
   int64_t staging_offset;         // slots [num_dp_groups][max_num_tokens]
   int64_t combine_offset;         // rows  [world_size][max_num_tokens] of out_dtype
   int64_t total_bytes;
@@ -107,13 +112,19 @@ inline Geometry make_geometry(int rank, int world_size, int dp_size, int num_exp
   g.slot_scale_offset = g.slot_token_offset + align_up(g.token_bytes, 16);
   g.slot_bytes = g.slot_scale_offset + align_up(g.scale_bytes, 16);
   g.dispatch_flags_offset = 0;
-  g.combine_flags_offset = align_up(8 * world_size, 128);
+  g.dispatch_m_offset = align_up(8 * world_size, 128);
+  g.combine_flags_offset = align_up(g.dispatch_m_offset + 8 * world_size, 128);
   g.staging_offset = align_up(g.combine_flags_offset + 8 * world_size, 4096);
   g.combine_offset =
       align_up(g.staging_offset + g.num_dp_groups * max_num_tokens * g.slot_bytes, 4096);
   g.total_bytes = align_up(g.combine_offset + world_size * max_num_tokens * g.combine_row_bytes,
                            1 << 21);
   return g;
+}
+
+// Flag value at which every one of a sender's `units` has finished `epoch`.
+MOELINK_HD uint64_t send_complete_count(uint32_t epoch, int units) {
+  return static_cast<uint64_t>(epoch) * static_cast<uint64_t>(units);
 }
 
 MOELINK_HD uint64_t dispatch_flag(uint32_t epoch, uint32_t m) {

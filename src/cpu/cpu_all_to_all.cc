@@ -126,7 +126,16 @@ class CpuAllToAll final : public AllToAllImpl {
 
   // ---------------------------------------------------------------- dispatch
 
-  void dispatch_send(const DispatchArgs& a) override {
+  void dispatch(const DispatchArgs& a, bool send, bool recv) override {
+    if (send) dispatch_send(a);
+    if (recv) dispatch_recv(a);
+  }
+  void combine(const CombineArgs& a, bool send, bool recv) override {
+    if (send) combine_send(a);
+    if (recv) combine_recv(a);
+  }
+
+  void dispatch_send(const DispatchArgs& a) {
     ++epoch_;
     if (timed_out_) return;  // out of step with the peers for good: touch nothing
     const Geometry& G = geometry_;
@@ -135,12 +144,17 @@ class CpuAllToAll final : public AllToAllImpl {
       if (G.sends_token(t)) send_token(a, t);
     // Every rank hears from every sender, even with nothing for it, so that
     // receivers learn m and never wait on silence.
-    const uint64_t flag = dispatch_flag(epoch_, static_cast<uint32_t>(m));
-    for (int r = 0; r < G.world_size; ++r)
-      store_flag(region(r) + G.dispatch_flags_offset + 8 * G.rank, flag);
+    // One sending unit per rank: the counter equals the epoch once done; m
+    // goes first, the release store of the counter publishes it.
+    const uint64_t m_word = dispatch_flag(epoch_, static_cast<uint32_t>(m));
+    for (int r = 0; r < G.world_size; ++r) {
+      store_flag(region(r) + G.dispatch_m_offset + 8 * G.rank, m_word);
+      store_flag(region(r) + G.dispatch_flags_offset + 8 * G.rank,
+                 send_complete_count(epoch_, 1));
+    }
   }
 
-  void dispatch_recv(const DispatchArgs& a) override {
+  void dispatch_recv(const DispatchArgs& a) {
     const Geometry& G = geometry_;
     std::fill(counters_.begin(), counters_.end(), 0);
     valid_slots_.clear();
@@ -148,7 +162,7 @@ class CpuAllToAll final : public AllToAllImpl {
     // before check() sees empty experts rather than stale counts.
     if (!timed_out_ &&
         wait_for_flags(G.dispatch_flags_offset, Phase::kDispatchRecv,
-                       [&](uint64_t f) { return dispatch_flag_epoch(f) == epoch_; })) {
+                       [&](uint64_t f) { return f >= send_complete_count(epoch_, 1); })) {
       for (int g = 0; g < G.num_dp_groups; ++g) receive_group(a, g);
     }
     for (int j = 0; j < G.num_local_experts; ++j)
@@ -158,20 +172,20 @@ class CpuAllToAll final : public AllToAllImpl {
 
   // ---------------------------------------------------------------- combine
 
-  void combine_send(const CombineArgs& a) override {
+  void combine_send(const CombineArgs& a) {
     if (timed_out_) return;
     const Geometry& G = geometry_;
     for (const SlotRef& s : valid_slots_) combine_slot(a, s.group, s.token);
     for (int r = 0; r < G.world_size; ++r)
-      store_flag(region(r) + G.combine_flags_offset + 8 * G.rank, epoch_);
+      store_flag(region(r) + G.combine_flags_offset + 8 * G.rank, send_complete_count(epoch_, 1));
   }
 
-  void combine_recv(const CombineArgs& a) override {
+  void combine_recv(const CombineArgs& a) {
     const Geometry& G = geometry_;
     // The only global barrier: nobody starts the next dispatch (which
     // overwrites staging) before every rank finished combine_send.
     if (timed_out_ || !wait_for_flags(G.combine_flags_offset, Phase::kCombineRecv,
-                                      [&](uint64_t f) { return f == epoch_; }))
+                                      [&](uint64_t f) { return f >= send_complete_count(epoch_, 1); }))
       return;
     // Bad bound_m / expert ids were reported by the dispatch that used the
     // same inputs; here they are only clamped / skipped.
@@ -296,8 +310,8 @@ class CpuAllToAll final : public AllToAllImpl {
     const Geometry& G = geometry_;
     int64_t m = 0;
     for (int i = 0; i < G.dp_size; ++i) {
-      const uint64_t f = load_flag(own() + G.dispatch_flags_offset + 8 * (g * G.dp_size + i));
-      m = std::max<int64_t>(m, dispatch_flag_m(f));
+      const uint64_t f = load_flag(own() + G.dispatch_m_offset + 8 * (g * G.dp_size + i));
+      if (dispatch_flag_epoch(f) == epoch_) m = std::max<int64_t>(m, dispatch_flag_m(f));
     }
     return std::min(m, G.max_num_tokens);  // never trust a peer with our bounds
   }

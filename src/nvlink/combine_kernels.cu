@@ -3,7 +3,7 @@
 // combine_send: for every staging slot the dispatch accepted, sum the
 // weighted expert outputs of the token's local routes in fp32, round the
 // share to out_dtype and write it to row (this rank, token) on every rank of
-// the token's DP group. The last block publishes the epoch to all ranks.
+// the token's DP group. Each block then adds one to its flag on every rank.
 //
 // combine_recv: wait for every rank (the one global barrier of a round),
 // then add, per token, the shares of the distinct ranks that held its routes.
@@ -11,6 +11,7 @@
 // Both are bound by load latency, not bandwidth, at decode sizes: rows are
 // split across warps when there are few items, and each lane issues the
 // loads of up to kGroup sources x kVecs vectors before using any of them.
+#include "nvlink/cuda_check.h"
 #include "nvlink/device_utils.cuh"
 
 namespace moelink::detail {
@@ -56,10 +57,9 @@ __device__ __forceinline__ void add_sources(float (&acc)[kVecs][8], const char* 
 }
 
 template <typename YT, typename OutT>
-__global__ void __launch_bounds__(kThreadsPerBlock) combine_send_kernel(CombineParams p) {
+__device__ void combine_send_part(const CombineParams& p) {
   const Geometry& g = p.c.geo;
   const int lane = lane_id();
-  const uint32_t epoch = p.c.state->epoch;
   const int64_t num_valid = p.c.state->num_valid;
   const int k = g.experts_per_token;
   const int64_t warp = blockIdx.x * kWarps + (threadIdx.x >> 5);
@@ -114,21 +114,17 @@ __global__ void __launch_bounds__(kThreadsPerBlock) combine_send_kernel(CombineP
     }
   }
 
-  if (finish_block_is_last(&p.c.state->arrived[2])) {
-    for (int r = threadIdx.x; r < g.world_size; r += blockDim.x)
-      store_release_sys(reinterpret_cast<uint64_t*>(p.c.peers[r] + g.combine_flags_offset) + g.rank,
-                        epoch);
-  }
+  signal_block_done(p.c, g.combine_flags_offset);
 }
 
 template <typename OutT>
-__global__ void __launch_bounds__(kThreadsPerBlock) combine_recv_kernel(CombineParams p) {
+__device__ void combine_recv_part(const CombineParams& p, uint32_t epoch) {
   const Geometry& g = p.c.geo;
   const int lane = lane_id();
-  const uint32_t epoch = p.c.state->epoch;
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(p.c.local + g.combine_flags_offset);
+  const uint64_t target = send_complete_count(epoch, gridDim.x);  // all ranks launch alike
   for (int s = threadIdx.x; s < g.world_size; s += blockDim.x)
-    wait_flag(p.c, flags, s, Phase::kCombineRecv, [epoch](uint64_t v) { return v == epoch; });
+    wait_flag(p.c, flags, s, Phase::kCombineRecv, [target](uint64_t v) { return v >= target; });
   __syncthreads();
 
   bool bad_m = false;
@@ -180,35 +176,39 @@ __global__ void __launch_bounds__(kThreadsPerBlock) combine_recv_kernel(CombineP
   }
 }
 
+template <typename YT, typename OutT, bool kSend, bool kRecv>
+__global__ void __launch_bounds__(kThreadsPerBlock) combine_kernel(CombineParams p) {
+  const uint32_t epoch = p.c.state->epoch;
+  if (kSend) combine_send_part<YT, OutT>(p);
+  if (kRecv) combine_recv_part<OutT>(p, epoch);
+}
+
+template <typename YT, typename OutT>
+cudaError_t launch_typed(const CombineParams& p, bool send, bool recv, int blocks,
+                         cudaStream_t s) {
+  if (send && recv) return launch_kernel(combine_kernel<YT, OutT, true, true>, p, blocks, true, s);
+  if (send) return launch_kernel(combine_kernel<YT, OutT, true, false>, p, blocks, false, s);
+  // The receive half does not read expert_y: one instantiation per out type.
+  return launch_kernel(combine_kernel<OutT, OutT, false, true>, p, blocks, false, s);
+}
+
 template <typename OutT>
-void launch_combine_send_for_out(const CombineParams& p, int blocks, cudaStream_t s) {
+cudaError_t launch_for_out(const CombineParams& p, bool send, bool recv, int blocks,
+                           cudaStream_t s) {
   switch (p.y_dtype) {
-    case DType::kBFloat16:
-      combine_send_kernel<__nv_bfloat16, OutT><<<blocks, kThreadsPerBlock, 0, s>>>(p);
-      break;
-    case DType::kFloat16:
-      combine_send_kernel<__half, OutT><<<blocks, kThreadsPerBlock, 0, s>>>(p);
-      break;
-    default:
-      combine_send_kernel<float, OutT><<<blocks, kThreadsPerBlock, 0, s>>>(p);
-      break;
+    case DType::kBFloat16: return launch_typed<__nv_bfloat16, OutT>(p, send, recv, blocks, s);
+    case DType::kFloat16: return launch_typed<__half, OutT>(p, send, recv, blocks, s);
+    default: return launch_typed<float, OutT>(p, send, recv, blocks, s);
   }
 }
 
 }  // namespace
 
-void launch_combine_send(const CombineParams& p, int blocks, cudaStream_t s) {
-  if (p.out_dtype == DType::kFloat16)
-    launch_combine_send_for_out<__half>(p, blocks, s);
-  else
-    launch_combine_send_for_out<__nv_bfloat16>(p, blocks, s);
-}
-
-void launch_combine_recv(const CombineParams& p, int blocks, cudaStream_t s) {
-  if (p.out_dtype == DType::kFloat16)
-    combine_recv_kernel<__half><<<blocks, kThreadsPerBlock, 0, s>>>(p);
-  else
-    combine_recv_kernel<__nv_bfloat16><<<blocks, kThreadsPerBlock, 0, s>>>(p);
+void launch_combine(const CombineParams& p, bool send, bool recv, int blocks, cudaStream_t s) {
+  const cudaError_t err = p.out_dtype == DType::kFloat16
+                              ? launch_for_out<__half>(p, send, recv, blocks, s)
+                              : launch_for_out<__nv_bfloat16>(p, send, recv, blocks, s);
+  if (err != cudaSuccess) throw_cuda_error(err, "launching the combine kernel", __FILE__, __LINE__);
 }
 
 }  // namespace moelink::detail

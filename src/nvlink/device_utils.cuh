@@ -22,6 +22,13 @@ __device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// Release/acquire fence at system scope: enough to order this block's
+// stores (peers' memory included) before a flag, and cheaper than the
+// sequentially consistent fence __threadfence_system() emits.
+__device__ __forceinline__ void fence_acq_rel_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -58,11 +65,13 @@ __device__ __forceinline__ bool timed_out_before(const ErrorRecord* e) {
 template <typename Ready>
 __device__ uint64_t wait_flag(const CommonParams& c, const uint64_t* flags, int peer, Phase phase,
                               Ready ready) {
+  uint64_t v = load_acquire_sys(flags + peer);
+  if (ready(v)) return v;  // the common case costs one load
   if (timed_out_before(c.error)) return 0;
   const uint64_t start = global_timer_ns();
   uint32_t spins = 0;
   while (true) {
-    uint64_t v = load_acquire_sys(flags + peer);
+    v = load_acquire_sys(flags + peer);
     if (ready(v)) return v;
     if ((++spins & 1023u) == 0) {
       if (global_timer_ns() - start > c.timeout_ns) {
@@ -73,6 +82,20 @@ __device__ uint64_t wait_flag(const CommonParams& c, const uint64_t* flags, int 
       if (timed_out_before(c.error)) return 0;
     }
   }
+}
+
+__device__ __forceinline__ void add_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Called by every thread once its block's sends are done: thread r adds one
+// to this rank's slot of flag array `offset` on rank r. The release add
+// (after the barrier, cumulative) publishes every write of the block before
+// it. No block waits for any other: the receiver counts blocks.
+__device__ __forceinline__ void signal_block_done(const CommonParams& c, int64_t offset) {
+  __syncthreads();
+  for (int r = threadIdx.x; r < c.geo.world_size; r += blockDim.x)
+    add_release_sys(reinterpret_cast<uint64_t*>(c.peers[r] + offset) + c.geo.rank, 1);
 }
 
 // Called by every thread at the end of a kernel's work. Returns true in
@@ -87,12 +110,12 @@ __device__ __forceinline__ bool finish_block_is_last(uint32_t* arrived) {
   __shared__ bool is_last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    fence_acq_rel_sys();
     uint32_t prev = atomicAdd(arrived, 1u);
     is_last = prev == gridDim.x - 1;
     if (is_last) {
       *arrived = 0;  // ready for the next call; no block of this launch touches it again
-      __threadfence_system();
+      fence_acq_rel_sys();
     }
   }
   __syncthreads();
@@ -178,6 +201,24 @@ __device__ __forceinline__ uint32_t lanes_below() {
   uint32_t m;
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
   return m;
+}
+
+// Launches `kernel(params)` on `blocks` blocks; cooperatively when the
+// kernel has blocks that wait for other blocks of the same launch.
+template <typename Params>
+cudaError_t launch_kernel(void (*kernel)(Params), const Params& params, int blocks,
+                          bool cooperative, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(kThreadsPerBlock);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeCooperative;
+  attr.val.cooperative = 1;
+  cfg.attrs = cooperative ? &attr : nullptr;
+  cfg.numAttrs = cooperative ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, params);
 }
 
 }  // namespace moelink::detail

@@ -10,7 +10,8 @@
 //
 // dispatch_recv: waits for every rank's flag, then one warp per candidate
 // slot fans the staged token out to the rows of its local experts, taking
-// rows from per-expert counters in device memory (local atomics).
+// rows by atomically counting into out_expert_num_tokens (local atomics).
+#include "nvlink/cuda_check.h"
 #include "nvlink/device_utils.cuh"
 
 namespace moelink::detail {
@@ -68,10 +69,9 @@ __device__ __forceinline__ void copy_row_to_all(const char* src, int64_t begin, 
   }
 }
 
-__global__ void __launch_bounds__(kThreadsPerBlock) dispatch_send_kernel(DispatchParams p) {
+__device__ void dispatch_send_part(const DispatchParams& p, uint32_t epoch) {
   const Geometry& g = p.c.geo;
   const int lane = lane_id();
-  const uint32_t epoch = p.c.state->epoch + 1;
   bool bad_m = false;
   const int64_t bound = p.input_rows < g.max_num_tokens ? p.input_rows : g.max_num_tokens;
   const int32_t m_raw = *p.bound_m;
@@ -79,8 +79,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dispatch_send_kernel(Dispatc
   if (blockIdx.x == 0) {
     if (bad_m && threadIdx.x == 0)
       record_error(p.c.error, ErrorCode::kBoundMTooLarge, Phase::kDispatchSend, -1, m_raw, bound);
-    // Receive-side counters of this dispatch; dispatch_recv runs after us.
-    for (int j = threadIdx.x; j < g.num_local_experts; j += blockDim.x) p.c.counters[j] = 0;
+    // The receive half counts rows straight into out_expert_num_tokens; it
+    // runs after this (same stream, or after this rank's own flag when fused).
+    for (int j = threadIdx.x; j < g.num_local_experts; j += blockDim.x) p.out_num_tokens[j] = 0;
     if (threadIdx.x == 0) p.c.state->num_valid = 0;
   }
 
@@ -126,24 +127,31 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dispatch_send_kernel(Dispatc
     copy_row_to_all(p.x + t * p.x_row_bytes, begin, end,
                     lane < num_dest ? my_slot + g.slot_token_offset : nullptr, num_dest, lane);
     if (g.hidden_dim_scale > 0 && piece == 0) {
-      for (int d = 0; d < num_dest; ++d) {
-        float* dst = reinterpret_cast<float*>(
-            reinterpret_cast<char*>(
-                __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_slot), d)) +
-            g.slot_scale_offset);
-        for (int s = lane; s < g.hidden_dim_scale; s += 32)
-          dst[s] = p.x_scale[t * p.x_scale_s0 + s * p.x_scale_s1];
+      for (int s0 = 0; s0 < g.hidden_dim_scale; s0 += 32) {
+        const int s = s0 + lane;
+        const float v = s < g.hidden_dim_scale ? p.x_scale[t * p.x_scale_s0 + s * p.x_scale_s1] : 0.f;
+        for (int d = 0; d < num_dest; ++d) {
+          float* dst = reinterpret_cast<float*>(
+              reinterpret_cast<char*>(
+                  __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_slot), d)) +
+              g.slot_scale_offset);
+          if (s < g.hidden_dim_scale) dst[s] = v;
+        }
       }
     }
   }
 
-  if (finish_block_is_last(&p.c.state->arrived[0])) {
-    // Every block's staging writes are visible: publish (epoch, m) to all.
+  // Every rank hears from every sender, even with nothing for it, so that
+  // receivers learn m and never wait on silence. Block 0's release below
+  // publishes m.
+  if (blockIdx.x == 0)
     for (int r = threadIdx.x; r < g.world_size; r += blockDim.x)
-      store_release_sys(reinterpret_cast<uint64_t*>(p.c.peers[r] + g.dispatch_flags_offset) + g.rank,
-                        dispatch_flag(epoch, static_cast<uint32_t>(m)));
-    if (threadIdx.x == 0) p.c.state->epoch = epoch;
-  }
+      reinterpret_cast<uint64_t*>(p.c.peers[r] + g.dispatch_m_offset)[g.rank] =
+          dispatch_flag(epoch, static_cast<uint32_t>(m));
+  signal_block_done(p.c, g.dispatch_flags_offset);
+  // Off the peers' critical path: the last block stores the new epoch for
+  // the kernels that follow (every block of this launch has read the old one).
+  if (finish_block_is_last(&p.c.state->arrived) && threadIdx.x == 0) p.c.state->epoch = epoch;
 }
 
 // Every block waits for all ranks, then records m per DP group in shared memory.
@@ -152,9 +160,11 @@ __device__ void wait_dispatch_flags(const DispatchParams& p, uint32_t epoch, int
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(p.c.local + g.dispatch_flags_offset);
   for (int gi = threadIdx.x; gi < g.num_dp_groups; gi += blockDim.x) group_m[gi] = 0;
   __syncthreads();
+  const uint64_t* m_words = reinterpret_cast<const uint64_t*>(p.c.local + g.dispatch_m_offset);
+  const uint64_t target = send_complete_count(epoch, gridDim.x);  // all ranks launch alike
   for (int s = threadIdx.x; s < g.world_size; s += blockDim.x) {
-    const uint64_t f = wait_flag(p.c, flags, s, Phase::kDispatchRecv,
-                                 [epoch](uint64_t v) { return dispatch_flag_epoch(v) == epoch; });
+    wait_flag(p.c, flags, s, Phase::kDispatchRecv, [target](uint64_t v) { return v >= target; });
+    const uint64_t f = m_words[s];
     if (dispatch_flag_epoch(f) == epoch)
       atomicMax(reinterpret_cast<unsigned long long*>(&group_m[g.dp_group_of(s)]),
                 static_cast<unsigned long long>(dispatch_flag_m(f)));
@@ -162,10 +172,9 @@ __device__ void wait_dispatch_flags(const DispatchParams& p, uint32_t epoch, int
   __syncthreads();
 }
 
-__global__ void __launch_bounds__(kThreadsPerBlock) dispatch_recv_kernel(DispatchParams p) {
+__device__ void dispatch_recv_part(const DispatchParams& p, uint32_t epoch) {
   const Geometry& g = p.c.geo;
   const int lane = lane_id();
-  const uint32_t epoch = p.c.state->epoch;
   __shared__ int64_t group_m[kMaxNvlinkWorldSize];
   wait_dispatch_flags(p, epoch, group_m);
 
@@ -190,8 +199,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dispatch_recv_kernel(Dispatc
     if (lane < n) {
       j = reinterpret_cast<const RouteEntry*>(slot + g.slot_routes_offset)[lane].local_expert;
       // Senders validate ids; re-check so a corrupt slot can never index out of bounds.
-      row = j >= 0 && j < g.num_local_experts ? atomicAdd(&p.c.counters[j], 1) : -1;
+      row = j >= 0 && j < g.num_local_experts ? atomicAdd(&p.out_num_tokens[j], 1) : -1;
       if (row >= g.expert_capacity) {
+        // Give the row back: the first C takers all got rows < C, so the
+        // count settles at exactly C and no kernel pass is needed to clamp it.
+        atomicSub(&p.out_num_tokens[j], 1);
         record_error(p.c.error, ErrorCode::kExpertOverflow, Phase::kDispatchRecv, -1, j,
                      g.expert_capacity);
         row = -1;
@@ -238,31 +250,39 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dispatch_recv_kernel(Dispatc
     }
     if (g.hidden_dim_scale > 0) {
       const float* src_scale = reinterpret_cast<const float*>(slot + g.slot_scale_offset);
-      for (int d = 0; d < kept; ++d) {
-        const int jj = __shfl_sync(0xffffffffu, my_j, d);
-        const int64_t rr = __shfl_sync(0xffffffffu, my_row, d);
-        for (int s = lane; s < g.hidden_dim_scale; s += 32)
-          p.out_scale[jj * p.out_scale_s0 + rr * p.out_scale_s1 + s * p.out_scale_s2] = src_scale[s];
+      for (int s0 = 0; s0 < g.hidden_dim_scale; s0 += 32) {
+        const int s = s0 + lane;
+        const float v = s < g.hidden_dim_scale ? src_scale[s] : 0.f;  // read once
+        for (int d = 0; d < kept; ++d) {
+          const int jj = __shfl_sync(0xffffffffu, my_j, d);
+          const int64_t rr = __shfl_sync(0xffffffffu, my_row, d);
+          if (s < g.hidden_dim_scale)
+            p.out_scale[jj * p.out_scale_s0 + rr * p.out_scale_s1 + s * p.out_scale_s2] = v;
+        }
       }
     }
   }
+}
 
-  if (finish_block_is_last(&p.c.state->arrived[1])) {
-    for (int j = threadIdx.x; j < g.num_local_experts; j += blockDim.x) {
-      const int32_t c = p.c.counters[j];
-      p.out_num_tokens[j] = c < g.expert_capacity ? c : static_cast<int32_t>(g.expert_capacity);
-    }
-  }
+// The send half bumps the epoch; the receive half uses the current one.
+template <bool kSend, bool kRecv>
+__global__ void __launch_bounds__(kThreadsPerBlock) dispatch_kernel(DispatchParams p) {
+  const uint32_t epoch = p.c.state->epoch + (kSend ? 1u : 0u);
+  if (kSend) dispatch_send_part(p, epoch);
+  if (kRecv) dispatch_recv_part(p, epoch);
 }
 
 }  // namespace
 
-void launch_dispatch_send(const DispatchParams& p, int blocks, cudaStream_t s) {
-  dispatch_send_kernel<<<blocks, kThreadsPerBlock, 0, s>>>(p);
-}
-
-void launch_dispatch_recv(const DispatchParams& p, int blocks, cudaStream_t s) {
-  dispatch_recv_kernel<<<blocks, kThreadsPerBlock, 0, s>>>(p);
+void launch_dispatch(const DispatchParams& p, bool send, bool recv, int blocks, cudaStream_t s) {
+  cudaError_t err;
+  if (send && recv)
+    err = launch_kernel(dispatch_kernel<true, true>, p, blocks, true, s);
+  else if (send)
+    err = launch_kernel(dispatch_kernel<true, false>, p, blocks, false, s);
+  else
+    err = launch_kernel(dispatch_kernel<false, true>, p, blocks, false, s);
+  if (err != cudaSuccess) throw_cuda_error(err, "launching the dispatch kernel", __FILE__, __LINE__);
 }
 
 }  // namespace moelink::detail

@@ -14,17 +14,20 @@ namespace moelink::detail {
 struct DeviceState {
   uint32_t epoch;        // epoch of the latest dispatch; bumped by dispatch send
   int32_t num_valid;     // staging slots dispatch recv accepted (for combine send)
-  uint32_t arrived[4];   // blocks finished, per phase (last-block detection)
+  uint32_t arrived;      // dispatch send blocks finished (last-block detection)
   int32_t group_m[128];  // m of each DP group seen by dispatch recv
 };
+
+constexpr int kMaxNvlinkWorldSize = 128;
 
 // What every kernel needs to find buffers and report errors.
 struct CommonParams {
   Geometry geo;
-  char* const* peers;  // [W] peer-mapped buffer base of every rank (own included)
+  // Peer-mapped buffer base of every rank (own included). Passed by value so
+  // that finding a peer costs a constant-cache read, not a dependent load.
+  char* peers[kMaxNvlinkWorldSize];
   char* local;         // this rank's buffer
   DeviceState* state;
-  int32_t* counters;     // [L] rows taken per local expert in this dispatch
   int32_t* route_rows;   // [G][T][k] row of each accepted route entry, -1 if dropped
   int32_t* valid_slots;  // [G*T] slot ids g*T+t accepted in this dispatch
   ErrorRecord* error;    // device memory
@@ -69,12 +72,12 @@ struct CombineParams {
   bool accumulate;
 };
 
-void launch_dispatch_send(const DispatchParams& p, int blocks, cudaStream_t s);
-void launch_dispatch_recv(const DispatchParams& p, int blocks, cudaStream_t s);
-void launch_combine_send(const CombineParams& p, int blocks, cudaStream_t s);
-void launch_combine_recv(const CombineParams& p, int blocks, cudaStream_t s);
+// Launch the send half, the receive half, or both fused into one kernel
+// (one launch fewer; a cooperative launch, so that all blocks are resident
+// while some wait for the flags that the others' send half raises).
+void launch_dispatch(const DispatchParams& p, bool send, bool recv, int blocks, cudaStream_t s);
+void launch_combine(const CombineParams& p, bool send, bool recv, int blocks, cudaStream_t s);
 
 constexpr int kThreadsPerBlock = 512;
-constexpr int kMaxNvlinkWorldSize = 128;
 
 }  // namespace moelink::detail

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/all_to_all_impl.h"
 #include "nvlink/cuda_check.h"
@@ -23,6 +24,10 @@ int64_t stride_bytes(const Tensor& t, int dim) {
   return t.stride[dim] * static_cast<int64_t>(dtype_size(t.dtype));
 }
 
+// Default SMs per kernel: enough warps to keep the decode-sized copies
+// latency-hidden, few enough to leave the GPU to compute (see docs/design.md).
+constexpr int kDefaultBlocks = 64;
+
 class NvlinkAllToAll final : public AllToAllImpl {
  public:
   NvlinkAllToAll(const Config& c, const ResolvedOptions& o, Bootstrap& bootstrap)
@@ -33,6 +38,17 @@ class NvlinkAllToAll final : public AllToAllImpl {
                             std::to_string(kMaxNvlinkWorldSize));
     MOELINK_CUDA_CHECK(cudaGetDevice(&device_));
     MOELINK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
+    // Receivers count the senders' blocks: every rank must launch alike.
+    const int mine = blocks();
+    std::vector<int> all(c.world_size);
+    bootstrap.all_gather(&mine, all.data(), sizeof(int));
+    for (int r = 0; r < c.world_size; ++r)
+      if (all[r] != mine)
+        throw InvalidArgument("moelink: Options.num_blocks resolves to " + std::to_string(all[r]) +
+                              " blocks on rank " + std::to_string(r) + " but " +
+                              std::to_string(mine) + " on rank " + std::to_string(c.rank) +
+                              "; every rank must use the same value (and GPUs with the same "
+                              "SM count)");
     memory_ = std::make_unique<PeerMemory>(geometry_.total_bytes, bootstrap);
     allocate_private_state();
   }
@@ -42,21 +58,13 @@ class NvlinkAllToAll final : public AllToAllImpl {
   Backend backend() const override { return Backend::kNVLink; }
   size_t buffer_bytes() const override { return memory_->bytes(); }
 
-  void dispatch_send(const DispatchArgs& a) override {
-    launch_dispatch_send(dispatch_params(a), blocks(), a.stream);
-    after_launch("dispatch send", a.stream);
+  void dispatch(const DispatchArgs& a, bool send, bool recv) override {
+    launch_dispatch(dispatch_params(a), send, recv, blocks(), a.stream);
+    after_launch("dispatch", a.stream);
   }
-  void dispatch_recv(const DispatchArgs& a) override {
-    launch_dispatch_recv(dispatch_params(a), blocks(), a.stream);
-    after_launch("dispatch recv", a.stream);
-  }
-  void combine_send(const CombineArgs& a) override {
-    launch_combine_send(combine_params(a), blocks(), a.stream);
-    after_launch("combine send", a.stream);
-  }
-  void combine_recv(const CombineArgs& a) override {
-    launch_combine_recv(combine_params(a), blocks(), a.stream);
-    after_launch("combine recv", a.stream);
+  void combine(const CombineArgs& a, bool send, bool recv) override {
+    launch_combine(combine_params(a), send, recv, blocks(), a.stream);
+    after_launch("combine", a.stream);
   }
 
   ErrorRecord wait_and_take_error() override {
@@ -76,25 +84,20 @@ class NvlinkAllToAll final : public AllToAllImpl {
     const Geometry& g = geometry_;
     const int64_t slots = static_cast<int64_t>(g.num_dp_groups) * g.max_num_tokens;
     // One allocation, carved into 256-byte aligned pieces.
-    const int64_t peers_off = 0;
-    const int64_t state_off = align_up(peers_off + 8 * g.world_size, 256);
+    const int64_t state_off = 0;
     const int64_t error_off = align_up(state_off + sizeof(DeviceState), 256);
-    const int64_t counters_off = align_up(error_off + sizeof(ErrorRecord), 256);
-    const int64_t rows_off = align_up(counters_off + 4 * g.num_local_experts, 256);
+    const int64_t rows_off = align_up(error_off + sizeof(ErrorRecord), 256);
     const int64_t slots_off = align_up(rows_off + 4 * slots * g.experts_per_token, 256);
     const int64_t total = align_up(slots_off + 4 * slots, 256);
     void* mem = nullptr;
     MOELINK_CUDA_CHECK(cudaMalloc(&mem, total));
     private_ = static_cast<char*>(mem);
     MOELINK_CUDA_CHECK(cudaMemset(private_, 0, total));
-    MOELINK_CUDA_CHECK(cudaMemcpy(private_ + peers_off, memory_->bases().data(),
-                                  8 * g.world_size, cudaMemcpyHostToDevice));
     common_.geo = g;
-    common_.peers = reinterpret_cast<char* const*>(private_ + peers_off);
+    for (int r = 0; r < g.world_size; ++r) common_.peers[r] = memory_->bases()[r];
     common_.local = memory_->local();
     common_.state = reinterpret_cast<DeviceState*>(private_ + state_off);
     common_.error = reinterpret_cast<ErrorRecord*>(private_ + error_off);
-    common_.counters = reinterpret_cast<int32_t*>(private_ + counters_off);
     common_.route_rows = reinterpret_cast<int32_t*>(private_ + rows_off);
     common_.valid_slots = reinterpret_cast<int32_t*>(private_ + slots_off);
     common_.timeout_ns = static_cast<uint64_t>(options_.timeout_s * 1e9);
@@ -103,8 +106,8 @@ class NvlinkAllToAll final : public AllToAllImpl {
   // Blocks per kernel: a small, fixed number of SMs so the kernels can run
   // beside compute; Options.num_blocks overrides.
   int blocks() const {
-    if (options_.num_blocks > 0) return options_.num_blocks;
-    return std::min(num_sms_, 32);
+    if (options_.num_blocks > 0) return std::min(options_.num_blocks, num_sms_);
+    return std::min(num_sms_, kDefaultBlocks);
   }
 
   DispatchParams dispatch_params(const DispatchArgs& a) const {
