@@ -142,7 +142,8 @@ void throw_if_error(const ErrorRecord& e, const Config& c) {
   os << "moelink: rank " << c.rank << ", " << phase_name(static_cast<Phase>(e.phase)) << ": ";
   switch (code) {
     case ErrorCode::kBadExpertId:
-      os << "indices[" << e.extra << "] holds expert id " << e.value
+      os << "indices[" << e.extra / c.experts_per_token << "][" << e.extra % c.experts_per_token
+         << "] holds expert id " << e.value
          << ", outside [0, num_experts = " << c.num_experts
          << ") and not -1; the route was dropped";
       throw InputError(os.str());

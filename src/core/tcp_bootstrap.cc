@@ -545,8 +545,10 @@ void check_setup_args(int rank, int world_size, int port, double timeout_s) {
 int env_int(const char* name, const char* value, long lo, long hi) {
   errno = 0;
   char* end = nullptr;
+  // strtol alone would accept leading blanks and a '+'.
+  const bool starts_ok = (value[0] >= '0' && value[0] <= '9') || value[0] == '-';
   long v = std::strtol(value, &end, 10);
-  if (end == value || *end != '\0' || errno == ERANGE || v < lo || v > hi)
+  if (!starts_ok || end == value || *end != '\0' || errno == ERANGE || v < lo || v > hi)
     throw InvalidArgument(std::string("moelink: environment variable ") + name + " = '" + value +
                           "' must be an integer in [" + std::to_string(lo) + ", " +
                           std::to_string(hi) + "]");

@@ -56,7 +56,10 @@ class CudaPlatform : public Platform {
     BENCH_CUDA(cudaSetDevice(device));
     BENCH_CUDA(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
   }
-  ~CudaPlatform() override { cudaStreamDestroy(s_); }
+  ~CudaPlatform() override {
+    for (cudaGraphExec_t g : graphs_) cudaGraphExecDestroy(g);
+    cudaStreamDestroy(s_);
+  }
   bool gpu() const override { return true; }
   void* alloc(size_t bytes) override {
     void* p = nullptr;
@@ -80,6 +83,18 @@ class CudaPlatform : public Platform {
   void zero(void* p, size_t bytes) override { BENCH_CUDA(cudaMemsetAsync(p, 0, bytes, s_)); }
   void sync() override { BENCH_CUDA(cudaStreamSynchronize(s_)); }
   cudaStream_t stream() const override { return s_; }
+  std::function<void()> capture(const std::function<void()>& work) override {
+    cudaGraph_t graph = nullptr;
+    BENCH_CUDA(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
+    work();
+    BENCH_CUDA(cudaStreamEndCapture(s_, &graph));
+    cudaGraphExec_t exec = nullptr;
+    BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    BENCH_CUDA(cudaGraphDestroy(graph));
+    graphs_.push_back(exec);
+    cudaStream_t s = s_;
+    return [exec, s] { BENCH_CUDA(cudaGraphLaunch(exec, s)); };
+  }
   std::unique_ptr<Timer> make_timer(int iters, int stamps) override {
     return std::make_unique<CudaTimer>(s_, iters, stamps);
   }
@@ -92,6 +107,7 @@ class CudaPlatform : public Platform {
   }
 
  private:
+  std::vector<cudaGraphExec_t> graphs_;
   cudaStream_t s_ = nullptr;
 };
 

@@ -49,6 +49,7 @@ class HostPlatform : public Platform {
   void zero(void* p, size_t bytes) override { std::memset(p, 0, bytes); }
   void sync() override {}
   cudaStream_t stream() const override { return nullptr; }
+  std::function<void()> capture(const std::function<void()>& work) override { return work; }
   std::unique_ptr<Timer> make_timer(int iters, int stamps) override {
     return std::make_unique<HostTimer>(iters, stamps);
   }

@@ -1,6 +1,8 @@
 #include "moelink_runner.h"
 
+#include <functional>
 #include <memory>
+#include <vector>
 
 #include "moelink/all_to_all.h"
 #include "verify.h"
@@ -75,6 +77,37 @@ MoelinkRun run_moelink(moelink::Bootstrap& boot, Platform& pl, const BenchOption
       d.push_back(timer->elapsed_us(i, 0, 1));
       cb.push_back(timer->elapsed_us(i, 1, 2));
       rt.push_back(timer->elapsed_us(i, 0, 2));
+    }
+  }
+
+  if (o.graph && pl.gpu()) {
+    // One graph per routing set for each of dispatch and combine, captured in
+    // call order; replays advance the library's device-side epoch.
+    std::vector<std::function<void()>> gd, gc;
+    for (int p = 0; p < pool; ++p) {
+      gd.push_back(pl.capture([&] { c.dispatch(p, true, true); }));
+      gc.push_back(pl.capture([&] { c.combine(p, true, true); }));
+    }
+    for (int i = 0; i < o.warmup; ++i) {
+      gd[i % pool]();
+      gc[i % pool]();
+    }
+    a2a->check();
+    boot.barrier();
+    auto timer = pl.make_timer(o.iters, 3);
+    for (int i = 0; i < o.iters; ++i) {
+      timer->mark(i, 0);
+      gd[i % pool]();
+      timer->mark(i, 1);
+      gc[i % pool]();
+      timer->mark(i, 2);
+    }
+    timer->finish();
+    a2a->check();
+    for (int i = 0; i < o.iters; ++i) {
+      run.samples["dispatch_graph"].push_back(timer->elapsed_us(i, 0, 1));
+      run.samples["combine_graph"].push_back(timer->elapsed_us(i, 1, 2));
+      run.samples["roundtrip_graph"].push_back(timer->elapsed_us(i, 0, 2));
     }
   }
 

@@ -76,6 +76,9 @@ bool parse_options(int argc, char** argv, BenchOptions& o, int& exit_code) {
       ->check(CLI::Range(0, 1024))
       ->capture_default_str();
   app.add_option("--machine", o.machine, "label of the machine kind, recorded in the JSON");
+  app.add_flag("--graph", o.graph,
+               "also time dispatch and combine captured in CUDA graphs (one per routing set) "
+               "and replayed, as inference engines run decode; GPU only");
   app.add_flag("--split", o.split,
                "also time dispatch/combine called as separate send and receive halves");
   app.add_option("--seed", o.seed, "seed of the random inputs and routing")->capture_default_str();

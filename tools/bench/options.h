@@ -28,6 +28,7 @@ struct BenchOptions {
   int num_blocks = 0;
   std::string machine;
   bool split = false;
+  bool graph = false;  // also time CUDA-graph replays of dispatch and combine
   uint64_t seed = 1;
   std::string command_line;  // argv joined, shell-quoted, for the JSON record
 

@@ -49,6 +49,9 @@ class Platform {
   virtual void sync() = 0;
   virtual cudaStream_t stream() const = 0;  // nullptr for the host
   virtual std::unique_ptr<Timer> make_timer(int iters, int stamps) = 0;
+  // Records `work` (launches on stream()) into a CUDA graph and returns a
+  // function that replays it on the stream. GPU only.
+  virtual std::function<void()> capture(const std::function<void()>& work) = 0;
   virtual void identity_experts(const IdentityExperts& e) = 0;
 };
 

@@ -88,6 +88,12 @@ void print_table(std::FILE* f, const RunInfo& info, const std::vector<TokenResul
         {"combine", "nccl_payload_combine", "nccl_full_combine", r.floors.combine.floor_us()},
         {"roundtrip", nullptr, nullptr,
          r.floors.dispatch.floor_us() + r.floors.combine.floor_us()},
+        {"dispatch_graph", "nccl_payload_dispatch", "nccl_full_dispatch",
+         r.floors.dispatch.floor_us()},
+        {"combine_graph", "nccl_payload_combine", "nccl_full_combine",
+         r.floors.combine.floor_us()},
+        {"roundtrip_graph", nullptr, nullptr,
+         r.floors.dispatch.floor_us() + r.floors.combine.floor_us()},
         {"dispatch_send", nullptr, nullptr, 0},
         {"dispatch_recv", nullptr, nullptr, 0},
         {"combine_send", nullptr, nullptr, 0},
@@ -154,11 +160,11 @@ nlohmann::json to_json(const RunInfo& info, const std::vector<TokenResult>& resu
                  {"samples", s.n},
                  {"rank_p50_us", s.rank_p50}};
     nlohmann::json ratios = nlohmann::json::object();
-    for (const char* ph : {"dispatch", "combine"}) {
+    for (const char* ph : {"dispatch", "combine", "dispatch_graph", "combine_graph"}) {
       const Stat* ours = find(r, ph);
-      const Stat* full = find(r, std::string("nccl_full_") + ph);
-      const double fl = std::string(ph) == "dispatch" ? r.floors.dispatch.floor_us()
-                                                      : r.floors.combine.floor_us();
+      const bool is_dispatch = std::string(ph).rfind("dispatch", 0) == 0;
+      const Stat* full = find(r, std::string("nccl_full_") + (is_dispatch ? "dispatch" : "combine"));
+      const double fl = is_dispatch ? r.floors.dispatch.floor_us() : r.floors.combine.floor_us();
       if (ours && fl > 0) ratios[std::string(ph) + "_over_floor"] = ours->p50 / fl;
       if (ours && full && full->p50 > 0)
         ratios[std::string(ph) + "_over_nccl_full"] = ours->p50 / full->p50;
