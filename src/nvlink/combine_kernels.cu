@@ -178,7 +178,7 @@ __device__ void combine_recv_part(const CombineParams& p, uint32_t epoch) {
 
 template <typename YT, typename OutT, bool kSend, bool kRecv>
 __global__ void __launch_bounds__(kThreadsPerBlock) combine_kernel(CombineParams p) {
-  const uint32_t epoch = p.c.state->epoch;
+  const uint32_t epoch = finished_epoch(p.c);
   if (kSend) combine_send_part<YT, OutT>(p);
   if (kRecv) combine_recv_part<OutT>(p, epoch);
 }

@@ -98,28 +98,16 @@ __device__ __forceinline__ void signal_block_done(const CommonParams& c, int64_t
     add_release_sys(reinterpret_cast<uint64_t*>(c.peers[r] + offset) + c.geo.rank, 1);
 }
 
-// Called by every thread at the end of a kernel's work. Returns true in
-// exactly one block: the last to finish, once every block's writes (to
-// peers included) are visible system-wide.
-//
-// One system-scope fence per block, by the thread that arrives: the barrier
-// before it orders the other threads' writes ahead of it (fences are
-// cumulative in the PTX memory model), and a fence per thread would cost
-// microseconds per block.
-__device__ __forceinline__ bool finish_block_is_last(uint32_t* arrived) {
-  __shared__ bool is_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    fence_acq_rel_sys();
-    uint32_t prev = atomicAdd(arrived, 1u);
-    is_last = prev == gridDim.x - 1;
-    if (is_last) {
-      *arrived = 0;  // ready for the next call; no block of this launch touches it again
-      fence_acq_rel_sys();
-    }
-  }
-  __syncthreads();
-  return is_last;
+// The epoch of the latest dispatch send this rank has finished, read from
+// its own dispatch flag (its blocks add 1 each to it, like to every peer's):
+// floor(count / blocks). Inside a dispatch send, blocks of the same launch
+// that already signalled add fewer than `blocks`, so the floor still gives
+// the previous epoch: no grid-wide step is needed to advance the epoch, and
+// graph replays advance it by themselves.
+__device__ __forceinline__ uint32_t finished_epoch(const CommonParams& c) {
+  const uint64_t own = *reinterpret_cast<const volatile uint64_t*>(
+      c.local + c.geo.dispatch_flags_offset + 8 * c.geo.rank);
+  return static_cast<uint32_t>(own / gridDim.x);
 }
 
 // Eight consecutive elements of bf16 / fp16 / fp32 rows as fp32.

@@ -149,9 +149,6 @@ __device__ void dispatch_send_part(const DispatchParams& p, uint32_t epoch) {
       reinterpret_cast<uint64_t*>(p.c.peers[r] + g.dispatch_m_offset)[g.rank] =
           dispatch_flag(epoch, static_cast<uint32_t>(m));
   signal_block_done(p.c, g.dispatch_flags_offset);
-  // Off the peers' critical path: the last block stores the new epoch for
-  // the kernels that follow (every block of this launch has read the old one).
-  if (finish_block_is_last(&p.c.state->arrived) && threadIdx.x == 0) p.c.state->epoch = epoch;
 }
 
 // Every block waits for all ranks, then records m per DP group in shared memory.
@@ -264,10 +261,10 @@ __device__ void dispatch_recv_part(const DispatchParams& p, uint32_t epoch) {
   }
 }
 
-// The send half bumps the epoch; the receive half uses the current one.
+// The send half starts a new epoch; the receive half uses the finished one.
 template <bool kSend, bool kRecv>
 __global__ void __launch_bounds__(kThreadsPerBlock) dispatch_kernel(DispatchParams p) {
-  const uint32_t epoch = p.c.state->epoch + (kSend ? 1u : 0u);
+  const uint32_t epoch = finished_epoch(p.c) + (kSend ? 1u : 0u);
   if (kSend) dispatch_send_part(p, epoch);
   if (kRecv) dispatch_recv_part(p, epoch);
 }

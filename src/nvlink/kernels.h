@@ -11,11 +11,10 @@
 namespace moelink::detail {
 
 // Per-rank device state that persists across calls (and CUDA graph replays).
+// There is no epoch counter here: a rank's epoch is derived from its own
+// dispatch flag (see current_epoch in device_utils.cuh).
 struct DeviceState {
-  uint32_t epoch;        // epoch of the latest dispatch; bumped by dispatch send
   int32_t num_valid;     // staging slots dispatch recv accepted (for combine send)
-  uint32_t arrived;      // dispatch send blocks finished (last-block detection)
-  int32_t group_m[128];  // m of each DP group seen by dispatch recv
 };
 
 constexpr int kMaxNvlinkWorldSize = 128;

@@ -59,6 +59,7 @@ int run_rank(const BenchOptions& o, moelink::Bootstrap& boot, int local_rank) {
     info.sm_count = gpu.sm_count;
     info.rank_pci = gpu.rank_pci;
     info.bandwidth = measure_bandwidth(boot, *pl, gpu);
+    info.empty_kernel_us = pl->empty_kernel_us(1000);
     int v = 0;
     if (ncclGetVersion(&v) == ncclSuccess) info.nccl_version = std::to_string(v);
     if (o.no_nccl) {

@@ -1,3 +1,4 @@
+#include <algorithm>
 // Device memory and CUDA-event timing for the NVLink backend. Every timed
 // region is bracketed by two events on the one stream all work goes to, so a
 // stamp pair measures the GPU time line, including any wait for peers.
@@ -36,6 +37,8 @@ class CudaTimer : public Timer {
   int stamps_;
   std::vector<cudaEvent_t> ev_;
 };
+
+__global__ void empty_kernel() {}
 
 // One warp per row; rows past the expert's count are skipped.
 __global__ void identity_kernel(IdentityExperts e, size_t es) {
@@ -83,6 +86,19 @@ class CudaPlatform : public Platform {
   void zero(void* p, size_t bytes) override { BENCH_CUDA(cudaMemsetAsync(p, 0, bytes, s_)); }
   void sync() override { BENCH_CUDA(cudaStreamSynchronize(s_)); }
   cudaStream_t stream() const override { return s_; }
+  double empty_kernel_us(int iters) override {
+    CudaTimer timer(s_, iters, 2);
+    for (int i = 0; i < iters; ++i) {
+      timer.mark(i, 0);
+      empty_kernel<<<1, 32, 0, s_>>>();
+      timer.mark(i, 1);
+    }
+    timer.finish();
+    std::vector<double> v(iters);
+    for (int i = 0; i < iters; ++i) v[i] = timer.elapsed_us(i, 0, 1);
+    std::nth_element(v.begin(), v.begin() + iters / 2, v.end());
+    return v[iters / 2];
+  }
   std::function<void()> capture(const std::function<void()>& work) override {
     cudaGraph_t graph = nullptr;
     BENCH_CUDA(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));

@@ -50,6 +50,7 @@ class HostPlatform : public Platform {
   void sync() override {}
   cudaStream_t stream() const override { return nullptr; }
   std::function<void()> capture(const std::function<void()>& work) override { return work; }
+  double empty_kernel_us(int) override { return 0.0; }
   std::unique_ptr<Timer> make_timer(int iters, int stamps) override {
     return std::make_unique<HostTimer>(iters, stamps);
   }

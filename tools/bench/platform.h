@@ -52,6 +52,9 @@ class Platform {
   // Records `work` (launches on stream()) into a CUDA graph and returns a
   // function that replays it on the stream. GPU only.
   virtual std::function<void()> capture(const std::function<void()>& work) = 0;
+  // Median time between two events around one empty kernel (GPU), the fixed
+  // cost each timed phase pays before doing anything; 0 on the host.
+  virtual double empty_kernel_us(int iters) = 0;
   virtual void identity_experts(const IdentityExperts& e) = 0;
 };
 

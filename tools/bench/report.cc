@@ -70,7 +70,7 @@ void print_table(std::FILE* f, const RunInfo& info, const std::vector<TokenResul
     for (double v : info.bandwidth.peer_GBps) std::fprintf(f, " %.0f", v);
     std::fprintf(f, "  HBM copy GB/s:");
     for (double v : info.bandwidth.hbm_GBps) std::fprintf(f, " %.0f", v);
-    std::fprintf(f, "\n");
+    std::fprintf(f, "  empty kernel: %.1f us\n", info.empty_kernel_us);
   }
   std::fprintf(f, "times in microseconds, rank 0, per iteration\n\n");
   std::fprintf(f, "%7s  %-14s %21s %13s %13s %10s %11s %15s\n", "tokens", "phase",
@@ -150,6 +150,7 @@ nlohmann::json to_json(const RunInfo& info, const std::vector<TokenResult>& resu
                     {"statistic", "median"},
                     {"peer_GBps_per_rank", info.bandwidth.peer_GBps},
                     {"hbm_copy_GBps_per_rank", info.bandwidth.hbm_GBps}};
+  j["empty_kernel_us"] = info.empty_kernel_us;
   nlohmann::json rs = nlohmann::json::array();
   for (const TokenResult& r : results) {
     nlohmann::json q = nlohmann::json::object();

@@ -32,6 +32,7 @@ struct RunInfo {
   int sm_count = 0;
   std::vector<std::string> rank_pci;
   Bandwidth bandwidth;   // empty for the CPU backend
+  double empty_kernel_us = 0;  // event-to-event time of an empty kernel (GPU)
   std::string nccl;      // "on", or why the baselines were skipped
   std::string nccl_version;
 };
