@@ -24,8 +24,10 @@ enum class Backend {
 
 struct Options {
   Backend backend = Backend::kNVLink;
-  // Thread blocks per kernel (NVLink): each kernel holds at most this many
-  // SMs. 0 picks a default per kernel (see docs/design.md).
+  // Thread blocks (of 512 threads) per kernel (NVLink): each kernel holds at
+  // most this many SMs. 0 picks the default: 64 when
+  // max_num_tokens * num_dp_groups < 2048 (decode), else every SM (prefill).
+  // Must resolve to the same value on every rank.
   int num_blocks = 0;
   // Seconds any wait for a peer may take before it fails. < 0: read
   // MOELINK_TIMEOUT_S, default 30.

@@ -36,6 +36,17 @@ struct RouteEntry {
   float weight;
 };
 static_assert(sizeof(SlotHeader) == 16);
+
+// Set in SlotHeader::num_routes when the header was stored last, with
+// release semantics, by the slot's only writer: the slot is complete before
+// its sender's flag says so (lets a receiver start early).
+constexpr uint32_t kSlotComplete = 0x80000000u;
+// The first 8 bytes of a SlotHeader (epoch, num_routes) as one word.
+MOELINK_HD uint64_t slot_header_word(uint32_t epoch, uint32_t num_routes) {
+  return static_cast<uint64_t>(epoch) | (static_cast<uint64_t>(num_routes) << 32);
+}
+MOELINK_HD uint32_t slot_header_epoch(uint64_t w) { return static_cast<uint32_t>(w); }
+MOELINK_HD uint32_t slot_header_routes(uint64_t w) { return static_cast<uint32_t>(w >> 32); }
 static_assert(sizeof(RouteEntry) == 8);
 
 // Everything a kernel or CPU loop needs to address buffers. Plain data:

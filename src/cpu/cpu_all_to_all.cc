@@ -332,7 +332,7 @@ class CpuAllToAll final : public AllToAllImpl {
   void receive_slot(const DispatchArgs& a, int g, int64_t t, const char* slot, const SlotHeader& h) {
     const Geometry& G = geometry_;
     int32_t* rows = route_rows(g, t);
-    const int n = std::min<int>(static_cast<int>(h.num_routes), G.experts_per_token);
+    const int n = std::min<int>(static_cast<int>(h.num_routes & ~kSlotComplete), G.experts_per_token);
     for (int e = 0; e < n; ++e) {
       const auto r = load<RouteEntry>(slot + G.slot_routes_offset + sizeof(RouteEntry) * e);
       rows[e] = take_row(r.local_expert);
@@ -367,7 +367,7 @@ class CpuAllToAll final : public AllToAllImpl {
     const char* slot = own() + G.staging_slot_offset(g, t);
     const SlotHeader h = load<SlotHeader>(slot);
     const int32_t* rows = route_rows(g, t);
-    const int n = std::min<int>(static_cast<int>(h.num_routes), G.experts_per_token);
+    const int n = std::min<int>(static_cast<int>(h.num_routes & ~kSlotComplete), G.experts_per_token);
     std::fill(acc_.begin(), acc_.end(), 0.0f);
     for (int e = 0; e < n; ++e) {
       if (rows[e] < 0) continue;

@@ -18,41 +18,46 @@ namespace moelink::detail {
 namespace {
 
 constexpr int kWarps = kThreadsPerBlock / 32;
-constexpr int kVecs = 2;   // 8-element vectors per lane per step
 constexpr int kGroup = 4;  // sources loaded together
+// 8-element vectors per lane per step: 64 bytes of 16-bit rows (4 sources x
+// 4 words in flight), 32 bytes of fp32 rows (register budget).
+template <typename T>
+constexpr int kVecs = Vec8<T>::kWords == 1 ? 4 : 2;
 
 // acc[u] += sum over sources d in [0, n) of w_d * row_d[v_u], where lane d of
-// the warp holds (src, w) of source d. Row elements are of type T.
+// the warp holds (src, w) of source d. Row elements are of type T. All loads
+// of a group of sources are issued before any is used.
 template <typename T>
-__device__ __forceinline__ void add_sources(float (&acc)[kVecs][8], const char* my_src,
+__device__ __forceinline__ void add_sources(float (&acc)[kVecs<T>][8], const char* my_src,
                                             float my_w, int n, int64_t base, int64_t end,
                                             int lane) {
+  constexpr int V = kVecs<T>, kW = Vec8<T>::kWords;
   for (int d0 = 0; d0 < n; d0 += kGroup) {
-    float f[kGroup][kVecs][8];
+    uint4 raw[kGroup][V][kW];
     float w[kGroup];
 #pragma unroll
     for (int i = 0; i < kGroup; ++i) {
       const int d = d0 + i;
       const char* s = reinterpret_cast<const char*>(
           __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_src), d & 31));
-      w[i] = __shfl_sync(0xffffffffu, my_w, d & 31);
+      w[i] = d < n ? __shfl_sync(0xffffffffu, my_w, d & 31) : 0.f;
 #pragma unroll
-      for (int u = 0; u < kVecs; ++u) {
+      for (int u = 0; u < V; ++u) {
         const int64_t v = base + u * 32 + lane;
-        if (d < n && v < end) {
-          Vec8<T>::load(s + v * 8 * sizeof(T), f[i][u]);
-        } else {
 #pragma unroll
-          for (int e = 0; e < 8; ++e) f[i][u][e] = 0.f;
-        }
+        for (int q = 0; q < kW; ++q)
+          raw[i][u][q] = d < n && v < end ? load_16(s + v * 16 * kW + q * 16) : make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
     for (int i = 0; i < kGroup; ++i)
 #pragma unroll
-      for (int u = 0; u < kVecs; ++u)
+      for (int u = 0; u < V; ++u) {
+        float f[8];
+        Vec8<T>::from_raw(raw[i][u], f);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[u][e] += w[i] * f[i][u][e];
+        for (int e = 0; e < 8; ++e) acc[u][e] += w[i] * f[e];
+      }
   }
 }
 
@@ -65,7 +70,8 @@ __device__ void combine_send_part(const CombineParams& p) {
   const int64_t warp = blockIdx.x * kWarps + (threadIdx.x >> 5);
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
   const int64_t nvec = g.hidden_dim / 8;
-  const RowSplit split = split_rows(num_valid, nvec, 32 * kVecs, num_warps);
+  constexpr int V = kVecs<YT>;
+  const RowSplit split = split_rows(num_valid, nvec, 32 * V, num_warps);
 
   for (int64_t item = warp; item < num_valid * split.pieces; item += num_warps) {
     const int64_t q = item / split.pieces;
@@ -75,7 +81,7 @@ __device__ void combine_send_part(const CombineParams& p) {
     const int grp = static_cast<int>(slot_id / g.max_num_tokens);
     const int64_t t = slot_id - static_cast<int64_t>(grp) * g.max_num_tokens;
     const char* slot = p.c.local + g.staging_slot_offset(grp, t);
-    const uint32_t n_raw = reinterpret_cast<const SlotHeader*>(slot)->num_routes;
+    const uint32_t n_raw = reinterpret_cast<const SlotHeader*>(slot)->num_routes & ~kSlotComplete;
     const int n = static_cast<int>(n_raw < static_cast<uint32_t>(k) ? n_raw : k);
     // Lanes 0..kept-1 end up holding (expert output row, weight) of the
     // routes that got a row in dispatch.
@@ -99,14 +105,14 @@ __device__ void combine_send_part(const CombineParams& p) {
     char* my_dst = lane < g.dp_size
                        ? p.c.peers[grp * g.dp_size + lane] + g.combine_row_offset(g.rank, t)
                        : nullptr;
-    for (int64_t base = begin; base < end; base += 32 * kVecs) {
-      float acc[kVecs][8] = {};
+    for (int64_t base = begin; base < end; base += 32 * V) {
+      float acc[V][8] = {};
       add_sources<YT>(acc, my_src, my_w, kept, base, end, lane);
       for (int d = 0; d < g.dp_size; ++d) {
         char* dst = reinterpret_cast<char*>(
             __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_dst), d & 31));
 #pragma unroll
-        for (int u = 0; u < kVecs; ++u) {
+        for (int u = 0; u < V; ++u) {
           const int64_t v = base + u * 32 + lane;
           if (v < end) Vec8<OutT>::store(dst + v * 16, acc[u]);
         }
@@ -138,7 +144,8 @@ __device__ void combine_recv_part(const CombineParams& p, uint32_t epoch) {
   const int64_t warp = blockIdx.x * kWarps + (threadIdx.x >> 5);
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
   const int64_t nvec = g.hidden_dim / 8;
-  const RowSplit split = split_rows(m, nvec, 32 * kVecs, num_warps);
+  constexpr int V = kVecs<OutT>;
+  const RowSplit split = split_rows(m, nvec, 32 * V, num_warps);
   for (int64_t item = warp; item < m * split.pieces; item += num_warps) {
     const int64_t t = item / split.pieces;
     const int64_t begin = (item % split.pieces) * split.span;
@@ -157,18 +164,18 @@ __device__ void combine_recv_part(const CombineParams& p, uint32_t epoch) {
     const int src_rank = __shfl_sync(0xffffffffu, dest, from);
     const char* my_row = lane < num_src ? p.c.local + g.combine_row_offset(src_rank, t) : nullptr;
     char* out = p.out + t * p.out_row_bytes;
-    for (int64_t base = begin; base < end; base += 32 * kVecs) {
-      float acc[kVecs][8] = {};
+    for (int64_t base = begin; base < end; base += 32 * V) {
+      float acc[V][8] = {};
       if (p.accumulate) {
 #pragma unroll
-        for (int u = 0; u < kVecs; ++u) {
+        for (int u = 0; u < V; ++u) {
           const int64_t v = base + u * 32 + lane;
           if (v < end) Vec8<OutT>::load(out + v * 16, acc[u]);
         }
       }
       add_sources<OutT>(acc, my_row, 1.0f, num_src, base, end, lane);
 #pragma unroll
-      for (int u = 0; u < kVecs; ++u) {
+      for (int u = 0; u < V; ++u) {
         const int64_t v = base + u * 32 + lane;
         if (v < end) Vec8<OutT>::store(out + v * 16, acc[u]);
       }

@@ -113,8 +113,20 @@ __device__ __forceinline__ uint32_t finished_epoch(const CommonParams& c) {
 // Eight consecutive elements of bf16 / fp16 / fp32 rows as fp32.
 template <typename T>
 struct Vec8;
+// kWords: 16-byte words per 8 elements; from_raw converts words already
+// loaded, so callers can issue many loads before converting any.
 template <>
 struct Vec8<__nv_bfloat16> {
+  static constexpr int kWords = 1;
+  static __device__ __forceinline__ void from_raw(const uint4* w, float* f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(w);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 x = __bfloat1622float2(h[i]);
+      f[2 * i] = x.x;
+      f[2 * i + 1] = x.y;
+    }
+  }
   static __device__ __forceinline__ void load(const void* p, float* f) {
     uint4 v = load_16(p);
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -135,6 +147,16 @@ struct Vec8<__nv_bfloat16> {
 };
 template <>
 struct Vec8<__half> {
+  static constexpr int kWords = 1;
+  static __device__ __forceinline__ void from_raw(const uint4* w, float* f) {
+    const __half2* h = reinterpret_cast<const __half2*>(w);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 x = __half22float2(h[i]);
+      f[2 * i] = x.x;
+      f[2 * i + 1] = x.y;
+    }
+  }
   static __device__ __forceinline__ void load(const void* p, float* f) {
     uint4 v = load_16(p);
     const __half2* h = reinterpret_cast<const __half2*>(&v);
@@ -155,6 +177,12 @@ struct Vec8<__half> {
 };
 template <>
 struct Vec8<float> {
+  static constexpr int kWords = 2;
+  static __device__ __forceinline__ void from_raw(const uint4* w, float* f) {
+    const float* a = reinterpret_cast<const float*>(w);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = a[i];
+  }
   static __device__ __forceinline__ void load(const void* p, float* f) {
     uint4 a = load_16(p), b = load_16(static_cast<const char*>(p) + 16);
     const float* fa = reinterpret_cast<const float*>(&a);

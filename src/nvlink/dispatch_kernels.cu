@@ -5,12 +5,16 @@
 // once to each destination's staging slot (group, token) through the
 // peer-mapped pointer, together with the route entries for that rank. No
 // count exchange is needed: slots are indexed by token, so the write address
-// is known up front. The last block to finish publishes (epoch, m) to every
-// rank.
+// is known up front. Each block then adds one to its flag on every rank.
 //
 // dispatch_recv: waits for every rank's flag, then one warp per candidate
 // slot fans the staged token out to the rows of its local experts, taking
 // rows by atomically counting into out_expert_num_tokens (local atomics).
+//
+// Fused prefill (both halves, many rows): the blocks split into senders and
+// receivers that run at once. A slot written by a single warp is published
+// by a release store of its header with kSlotComplete set, so receivers fan
+// it out while the rest is still in flight: NVLink and HBM work overlap.
 #include "nvlink/cuda_check.h"
 #include "nvlink/device_utils.cuh"
 
@@ -69,26 +73,34 @@ __device__ __forceinline__ void copy_row_to_all(const char* src, int64_t begin, 
   }
 }
 
-__device__ void dispatch_send_part(const DispatchParams& p, uint32_t epoch) {
+// Zeroes what the receive half accumulates into.
+__device__ void reset_receive_counts(const DispatchParams& p) {
+  for (int j = threadIdx.x; j < p.c.geo.num_local_experts; j += blockDim.x) p.out_num_tokens[j] = 0;
+  if (threadIdx.x == 0) p.c.state->num_valid = 0;
+}
+
+// Sends this rank's tokens using blocks [0, num_blocks) of the launch;
+// `block` is this block's index among them.
+__device__ void dispatch_send_part(const DispatchParams& p, uint32_t epoch, int block,
+                                   int num_blocks, bool reset_counts) {
   const Geometry& g = p.c.geo;
   const int lane = lane_id();
   bool bad_m = false;
   const int64_t bound = p.input_rows < g.max_num_tokens ? p.input_rows : g.max_num_tokens;
   const int32_t m_raw = *p.bound_m;
   const int64_t m = clamp_m(m_raw, bound, &bad_m);
-  if (blockIdx.x == 0) {
+  if (block == 0) {
     if (bad_m && threadIdx.x == 0)
       record_error(p.c.error, ErrorCode::kBoundMTooLarge, Phase::kDispatchSend, -1, m_raw, bound);
-    // The receive half counts rows straight into out_expert_num_tokens; it
-    // runs after this (same stream, or after this rank's own flag when fused).
-    for (int j = threadIdx.x; j < g.num_local_experts; j += blockDim.x) p.out_num_tokens[j] = 0;
-    if (threadIdx.x == 0) p.c.state->num_valid = 0;
+    // The receive half runs after this (same stream, or after this rank's
+    // own flag when fused).
+    if (reset_counts) reset_receive_counts(p);
   }
 
   const int group = g.dp_group();
   const int replica = g.rank % g.dp_size;
-  const int64_t warp = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t warp = static_cast<int64_t>(block) * kWarps + (threadIdx.x >> 5);
+  const int64_t num_warps = static_cast<int64_t>(num_blocks) * kWarps;
   // This replica's tokens are t = replica + i * dp_size; each is split into
   // `pieces` ranges of its row so that small batches still use every warp.
   const int64_t my_tokens = m > replica ? (m - replica + g.dp_size - 1) / g.dp_size : 0;
@@ -110,19 +122,29 @@ __device__ void dispatch_send_part(const DispatchParams& p, uint32_t epoch) {
     // Every routed lane writes its own route entry into its group's slot.
     char* group_slot = reinterpret_cast<char*>(__shfl_sync(
         0xffffffffu, reinterpret_cast<uintptr_t>(slot), r.dest >= 0 ? __ffs(same) - 1 : lane));
+    // A slot written by one warp is published by its header (kSlotComplete,
+    // release store, last); with several pieces only the flags publish it.
+    const bool single_writer = split.pieces == 1;
+    const uint32_t routes_here = static_cast<uint32_t>(__popc(same));
     if (r.dest >= 0 && piece == 0) {
       RouteEntry* entries = reinterpret_cast<RouteEntry*>(group_slot + g.slot_routes_offset);
       entries[__popc(same & lanes_below())] = RouteEntry{r.local_expert, r.weight};
-      if (leads)
+      if (leads && !single_writer)
         *reinterpret_cast<SlotHeader*>(slot) =
-            SlotHeader{epoch, static_cast<uint32_t>(__popc(same)), static_cast<uint32_t>(t), 0u};
+            SlotHeader{epoch, routes_here, static_cast<uint32_t>(t), 0u};
     }
-    // Lane d (< num_dest) holds the slot of the d-th destination.
+    // Lane d (< num_dest) holds the slot and route count of the d-th destination.
     char* my_slot = nullptr;
+    uint32_t my_routes = 0;
     for (int d = 0; d < num_dest; ++d) {
+      const int from = __fns(leaders, 0, d + 1);
       char* s = reinterpret_cast<char*>(
-          __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(slot), __fns(leaders, 0, d + 1)));
-      if (lane == d) my_slot = s;
+          __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(slot), from));
+      const uint32_t n = __shfl_sync(0xffffffffu, routes_here, from);
+      if (lane == d) {
+        my_slot = s;
+        my_routes = n;
+      }
     }
     copy_row_to_all(p.x + t * p.x_row_bytes, begin, end,
                     lane < num_dest ? my_slot + g.slot_token_offset : nullptr, num_dest, lane);
@@ -139,17 +161,25 @@ __device__ void dispatch_send_part(const DispatchParams& p, uint32_t epoch) {
         }
       }
     }
+    if (single_writer) {
+      if (lane < num_dest) reinterpret_cast<uint32_t*>(my_slot)[2] = static_cast<uint32_t>(t);
+      __syncwarp();  // the release below covers every lane's writes to the slot
+      if (lane < num_dest)
+        store_release_sys(reinterpret_cast<uint64_t*>(my_slot),
+                          slot_header_word(epoch, my_routes | kSlotComplete));
+    }
   }
 
   // Every rank hears from every sender, even with nothing for it, so that
-  // receivers learn m and never wait on silence. Block 0's release below
-  // publishes m.
-  if (blockIdx.x == 0)
+  // receivers learn m and never wait on silence. Block 0's release (the
+  // caller's signal_block_done) publishes m.
+  if (block == 0)
     for (int r = threadIdx.x; r < g.world_size; r += blockDim.x)
       reinterpret_cast<uint64_t*>(p.c.peers[r] + g.dispatch_m_offset)[g.rank] =
           dispatch_flag(epoch, static_cast<uint32_t>(m));
-  signal_block_done(p.c, g.dispatch_flags_offset);
 }
+
+__device__ void receive_slot(const DispatchParams& p, int grp, int64_t t, uint32_t routes);
 
 // Every block waits for all ranks, then records m per DP group in shared memory.
 __device__ void wait_dispatch_flags(const DispatchParams& p, uint32_t epoch, int64_t* group_m) {
@@ -179,15 +209,25 @@ __device__ void dispatch_recv_part(const DispatchParams& p, uint32_t epoch) {
   for (int gi = 0; gi < g.num_dp_groups; ++gi) total += group_m[gi];
   const int64_t warp = blockIdx.x * kWarps + (threadIdx.x >> 5);
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  const int k = g.experts_per_token;
   for (int64_t q = warp; q < total; q += num_warps) {
     int grp = 0;
     int64_t t = q;
     while (t >= group_m[grp]) t -= group_m[grp++];
-    const char* slot = p.c.local + g.staging_slot_offset(grp, t);
-    const SlotHeader h = *reinterpret_cast<const SlotHeader*>(slot);
-    if (h.epoch != epoch) continue;  // no route of token t to this rank
-    const int n = static_cast<int>(h.num_routes < static_cast<uint32_t>(k) ? h.num_routes : k);
+    const uint64_t h = *reinterpret_cast<const uint64_t*>(p.c.local + g.staging_slot_offset(grp, t));
+    if (slot_header_epoch(h) != epoch) continue;  // no route of token t to this rank
+    receive_slot(p, grp, t, slot_header_routes(h));
+  }
+}
+
+// Fans staged slot (grp, t), holding `routes` route entries, out to the rows
+// of its local experts. Called by a whole warp.
+__device__ void receive_slot(const DispatchParams& p, int grp, int64_t t, uint32_t routes) {
+  const Geometry& g = p.c.geo;
+  const int lane = lane_id();
+  const int k = g.experts_per_token;
+  const char* slot = p.c.local + g.staging_slot_offset(grp, t);
+  {
+    const int n = static_cast<int>(routes < static_cast<uint32_t>(k) ? routes : k);
     const int64_t slot_id = static_cast<int64_t>(grp) * g.max_num_tokens + t;
     // Lane i < n takes a row in local expert j for route entry i.
     char* dst = nullptr;
@@ -226,7 +266,7 @@ __device__ void dispatch_recv_part(const DispatchParams& p, uint32_t epoch) {
         my_row = rr;
       }
     }
-    if (kept == 0) continue;
+    if (kept == 0) return;
     // Plain loads: the staging slot was written by a peer during this dispatch.
     const int64_t nvec = g.token_bytes / 16;
     for (int64_t base = 0; base < nvec; base += 32 * kRecvUnroll) {
@@ -261,11 +301,86 @@ __device__ void dispatch_recv_part(const DispatchParams& p, uint32_t epoch) {
   }
 }
 
+// The receive half of a fused prefill dispatch, on blocks [first, gridDim.x):
+// walks every slot (group, t < T) and fans it out as soon as it is complete,
+// i.e. its header says so, or its sender has finished (then the header says
+// whether the token has routes here at all). No wait for all ranks first.
+__device__ void dispatch_recv_streaming(const DispatchParams& p, uint32_t epoch, int first) {
+  const Geometry& g = p.c.geo;
+  // Counts are reset by the first receiving block; the others wait for it.
+  volatile uint32_t* reset_epoch = &p.c.state->counts_reset_epoch;
+  if (blockIdx.x == first) {
+    reset_receive_counts(p);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      *reset_epoch = epoch;
+    }
+  } else if (threadIdx.x == 0) {
+    while (*reset_epoch != epoch) {
+    }
+    __threadfence();
+  }
+  __syncthreads();
+
+  const uint64_t* flags = reinterpret_cast<const uint64_t*>(p.c.local + g.dispatch_flags_offset);
+  const uint64_t* m_words = reinterpret_cast<const uint64_t*>(p.c.local + g.dispatch_m_offset);
+  const uint64_t target = send_complete_count(epoch, gridDim.x);
+  const int64_t warp = static_cast<int64_t>(blockIdx.x - first) * kWarps + (threadIdx.x >> 5);
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x - first) * kWarps;
+  const int64_t slots = static_cast<int64_t>(g.num_dp_groups) * g.max_num_tokens;
+  for (int64_t q = warp; q < slots; q += num_warps) {
+    const int grp = static_cast<int>(q / g.max_num_tokens);
+    const int64_t t = q - static_cast<int64_t>(grp) * g.max_num_tokens;
+    const int sender = grp * g.dp_size + g.sender_replica(t);
+    const uint64_t* header = reinterpret_cast<const uint64_t*>(p.c.local + g.staging_slot_offset(grp, t));
+    uint64_t h = 0;
+    bool present = false;
+    if (lane_id() == 0) {
+      const uint64_t start = global_timer_ns();
+      for (uint32_t spins = 0;; ++spins) {
+        h = load_acquire_sys(header);
+        if (slot_header_epoch(h) == epoch && (slot_header_routes(h) & kSlotComplete)) {
+          present = true;
+          break;
+        }
+        if (load_acquire_sys(flags + sender) >= target) {
+          h = load_acquire_sys(header);  // final now: the sender is done
+          const uint64_t mw = m_words[sender];
+          present = slot_header_epoch(h) == epoch && dispatch_flag_epoch(mw) == epoch &&
+                    t < static_cast<int64_t>(dispatch_flag_m(mw));
+          break;
+        }
+        if ((spins & 1023u) == 1023u &&
+            (timed_out_before(p.c.error) || global_timer_ns() - start > p.c.timeout_ns)) {
+          record_error(p.c.error, ErrorCode::kTimeout, Phase::kDispatchRecv, sender,
+                       static_cast<int64_t>(p.c.timeout_ns / 1000000000ull), 0);
+          break;
+        }
+      }
+    }
+    present = __shfl_sync(0xffffffffu, present, 0);
+    h = __shfl_sync(0xffffffffu, h, 0);
+    if (present) receive_slot(p, grp, t, slot_header_routes(h) & ~kSlotComplete);
+  }
+}
+
 // The send half starts a new epoch; the receive half uses the finished one.
 template <bool kSend, bool kRecv>
 __global__ void __launch_bounds__(kThreadsPerBlock) dispatch_kernel(DispatchParams p) {
   const uint32_t epoch = finished_epoch(p.c) + (kSend ? 1u : 0u);
-  if (kSend) dispatch_send_part(p, epoch);
+  if (kSend && kRecv && p.recv_blocks > 0) {
+    // Prefill: senders and receivers at once (cooperative launch).
+    const int senders = gridDim.x - p.recv_blocks;
+    if (blockIdx.x < senders) dispatch_send_part(p, epoch, blockIdx.x, senders, false);
+    signal_block_done(p.c, p.c.geo.dispatch_flags_offset);  // every block counts
+    if (blockIdx.x >= senders) dispatch_recv_streaming(p, epoch, senders);
+    return;
+  }
+  if (kSend) {
+    dispatch_send_part(p, epoch, blockIdx.x, gridDim.x, true);
+    signal_block_done(p.c, p.c.geo.dispatch_flags_offset);
+  }
   if (kRecv) dispatch_recv_part(p, epoch);
 }
 

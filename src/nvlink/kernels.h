@@ -14,7 +14,8 @@ namespace moelink::detail {
 // There is no epoch counter here: a rank's epoch is derived from its own
 // dispatch flag (see current_epoch in device_utils.cuh).
 struct DeviceState {
-  int32_t num_valid;     // staging slots dispatch recv accepted (for combine send)
+  int32_t num_valid;            // staging slots dispatch recv accepted (for combine send)
+  uint32_t counts_reset_epoch;  // fused prefill dispatch: counts reset for this epoch
 };
 
 constexpr int kMaxNvlinkWorldSize = 128;
@@ -49,6 +50,9 @@ struct DispatchParams {
   StridedMatrix indices, weights;
   const int32_t* bound_m;
   int64_t input_rows;
+  // Fused launches only: blocks that receive while the others send (0: all
+  // blocks send, then all receive).
+  int recv_blocks;
   // outputs
   int32_t* out_num_tokens;  // [L]
   char* out_x;              // [L, C, H]
