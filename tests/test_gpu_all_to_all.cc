@@ -148,6 +148,22 @@ TEST(GpuAllToAll, SmallW2StridedUint32WithNone) {
   }));
 }
 
+// Prefill-sized buffers (max_num_tokens * num_dp_groups >= 2048 rows per
+// expert): the fused dispatch then overlaps its send and receive halves,
+// publishing slots by their headers. m is random in [0, T], so slots past m
+// and tokens without routes here must be recognised once their sender is done.
+TEST(GpuAllToAll, PrefillOverlapW2Fp8) {
+  REQUIRE_GPU();
+  run_gpu_case(with(gpu(2, 1, 2048, 16, 4, 512, kFp8, kBf16, kBf16), [](CaseSpec& s) {
+    s.routing = Routing::kWithNone;
+  }));
+}
+
+TEST(GpuAllToAll, PrefillOverlapW4Dp2) {
+  REQUIRE_GPU();
+  run_gpu_case(gpu(4, 2, 1024, 32, 8, 256, kBf16, kFp16, kBf16));
+}
+
 class GpuAllToAllCase : public testing::TestWithParam<NamedCase> {};
 
 TEST_P(GpuAllToAllCase, DispatchAndCombineMatchReference) {
