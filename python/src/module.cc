@@ -332,6 +332,46 @@ class PyAllToAll {
 
 // ------------------------------------------------------------------ config
 
+// The pickled state of a Config: its fields in declaration order, dtypes as
+// their canonical names.
+constexpr size_t kConfigStateSize = 10;
+
+nb::tuple config_state(const Config& c) {
+  return nb::make_tuple(c.max_num_tokens, c.num_experts, c.experts_per_token, c.hidden_dim,
+                        c.hidden_dim_scale, std::string(dtype_name(c.in_dtype)),
+                        std::string(dtype_name(c.out_dtype)), c.rank, c.world_size, c.dp_size);
+}
+
+bool same_config(const Config& a, const Config& b) {
+  return a.max_num_tokens == b.max_num_tokens && a.num_experts == b.num_experts &&
+         a.experts_per_token == b.experts_per_token && a.hidden_dim == b.hidden_dim &&
+         a.hidden_dim_scale == b.hidden_dim_scale && a.in_dtype == b.in_dtype &&
+         a.out_dtype == b.out_dtype && a.rank == b.rank && a.world_size == b.world_size &&
+         a.dp_size == b.dp_size;
+}
+
+Config config_from_state(nb::handle state) {
+  // nb::tuple's operator[] does not check bounds: check the shape first.
+  if (!nb::isinstance<nb::tuple>(state) || nb::len(state) != kConfigStateSize)
+    throw nb::type_error(("moelink: Config.__setstate__: expected a tuple of " +
+                          std::to_string(kConfigStateSize) + " fields, got " +
+                          nb::cast<std::string>(nb::repr(state)))
+                             .c_str());
+  nb::tuple t = nb::borrow<nb::tuple>(state);
+  Config cfg;
+  cfg.max_num_tokens = nb::cast<int64_t>(t[0]);
+  cfg.num_experts = nb::cast<int>(t[1]);
+  cfg.experts_per_token = nb::cast<int>(t[2]);
+  cfg.hidden_dim = nb::cast<int64_t>(t[3]);
+  cfg.hidden_dim_scale = nb::cast<int>(t[4]);
+  cfg.in_dtype = parse_dtype(t[5], "in_dtype");
+  cfg.out_dtype = parse_dtype(t[6], "out_dtype");
+  cfg.rank = nb::cast<int>(t[7]);
+  cfg.world_size = nb::cast<int>(t[8]);
+  cfg.dp_size = nb::cast<int>(t[9]);
+  return cfg;
+}
+
 void bind_config(nb::module_& m) {
   nb::class_<Config>(m, "Config",
                      "MoE shape and parallel layout of an AllToAll. Every field is a keyword "
@@ -379,35 +419,24 @@ void bind_config(nb::module_& m) {
       .def("validate", &Config::validate,
            "Raises ValueError naming the first field that breaks a rule.")
       .def("__repr__", &Config::to_string)
-      .def("__eq__",
-           [](const Config& a, nb::handle b) {
-             Config* o = nullptr;
-             if (!nb::try_cast(b, o) || o == nullptr) return false;
-             return a.to_string() == o->to_string();
-           })
+      // NotImplemented for other types (Python then falls back to identity:
+      // `config == None` and `config == 3` are False, not a TypeError).
+      .def(
+          "__eq__",
+          [](const Config& a, nb::handle b) -> nb::object {
+            Config* o = nullptr;
+            if (!nb::try_cast(b, o, false) || o == nullptr)
+              return nb::borrow(Py_NotImplemented);
+            return nb::bool_(same_config(a, *o));
+          },
+          "other"_a.none())
       .def("__copy__", [](const Config& c) { return Config(c); })
       .def("__deepcopy__", [](const Config& c, nb::handle) { return Config(c); }, "memo"_a)
-      .def("__getstate__",
-           [](const Config& c) {
-             return nb::make_tuple(c.max_num_tokens, c.num_experts, c.experts_per_token,
-                                   c.hidden_dim, c.hidden_dim_scale,
-                                   std::string(dtype_name(c.in_dtype)),
-                                   std::string(dtype_name(c.out_dtype)), c.rank, c.world_size,
-                                   c.dp_size);
-           })
-      .def("__setstate__", [](Config& c, nb::tuple t) {
-        Config cfg;
-        cfg.max_num_tokens = nb::cast<int64_t>(t[0]);
-        cfg.num_experts = nb::cast<int>(t[1]);
-        cfg.experts_per_token = nb::cast<int>(t[2]);
-        cfg.hidden_dim = nb::cast<int64_t>(t[3]);
-        cfg.hidden_dim_scale = nb::cast<int>(t[4]);
-        cfg.in_dtype = parse_dtype(t[5], "in_dtype");
-        cfg.out_dtype = parse_dtype(t[6], "out_dtype");
-        cfg.rank = nb::cast<int>(t[7]);
-        cfg.world_size = nb::cast<int>(t[8]);
-        cfg.dp_size = nb::cast<int>(t[9]);
-        new (&c) Config(cfg);
+      // Pickling (protocol >= 2): copyreg.__newobj__(Config) makes an
+      // uninitialized instance, nanobind runs __setstate__ as its constructor.
+      .def("__getstate__", [](const Config& c) { return config_state(c); })
+      .def("__setstate__", [](Config& c, nb::handle state) {
+        new (&c) Config(config_from_state(state));
       });
 }
 

@@ -219,13 +219,14 @@ __device__ void dispatch_recv_part(const DispatchParams& p, uint32_t epoch) {
   }
 }
 
-// Fans staged slot (grp, t), holding `routes` route entries, out to the rows
-// of its local experts. Called by a whole warp.
+// Fans staged slot (grp, t), holding `routes` route entries (kSlotComplete
+// may be set), out to the rows of its local experts. Called by a whole warp.
 __device__ void receive_slot(const DispatchParams& p, int grp, int64_t t, uint32_t routes) {
   const Geometry& g = p.c.geo;
   const int lane = lane_id();
   const int k = g.experts_per_token;
   const char* slot = p.c.local + g.staging_slot_offset(grp, t);
+  routes &= ~kSlotComplete;
   {
     const int n = static_cast<int>(routes < static_cast<uint32_t>(k) ? routes : k);
     const int64_t slot_id = static_cast<int64_t>(grp) * g.max_num_tokens + t;
@@ -361,7 +362,7 @@ __device__ void dispatch_recv_streaming(const DispatchParams& p, uint32_t epoch,
     }
     present = __shfl_sync(0xffffffffu, present, 0);
     h = __shfl_sync(0xffffffffu, h, 0);
-    if (present) receive_slot(p, grp, t, slot_header_routes(h) & ~kSlotComplete);
+    if (present) receive_slot(p, grp, t, slot_header_routes(h));
   }
 }
 

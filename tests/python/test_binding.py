@@ -454,6 +454,153 @@ def test_config_fields_and_dtypes():
     assert pickle.loads(pickle.dumps(c)) == c
     assert copy.copy(c) == c and "Config(" in repr(c)
 
+def test_config_compare_and_pickle_state():
+    kw = dict(SMALL, rank=1, world_size=2, dp_size=2)
+    c = moelink.Config(**kw)
+    # Other types compare unequal (NotImplemented), they do not raise.
+    assert c != None and not (c == None) and c != 3 and c != "Config"  # noqa: E711
+    assert c == moelink.Config(**kw) and c != moelink.Config(**dict(kw, rank=0))
+    import pickle
+    for proto in range(2, pickle.HIGHEST_PROTOCOL + 1):
+        d = pickle.loads(pickle.dumps(c, protocol=proto))
+        assert d == c and d is not c and repr(d) == repr(c), proto
+    assert c.__getstate__() == (8, 4, 2, 16, 0, "float16", "float16", 1, 2, 2)
+    # A malformed state is refused (nanobind's tuple indexing is unchecked).
+    blank = moelink.Config.__new__(moelink.Config)
+    state = c.__getstate__()
+    for bad in [(), (1, 2), state + (0,), list(state), None]:
+        with pytest.raises(TypeError, match="__setstate__"):
+            blank.__setstate__(bad)
+    with pytest.raises(ValueError, match="in_dtype"):
+        blank.__setstate__(state[:5] + ("float99",) + state[6:])
+    blank.__setstate__(state)
+    assert blank == c
+
+
+def _echo_config(cfg, q):
+    q.put((cfg, repr(cfg), cfg.num_local_experts))
+
+
+def test_config_pickles_to_spawned_process():
+    c = moelink.Config(**dict(SMALL, in_dtype="fp8", hidden_dim_scale=2, rank=1, world_size=2))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_echo_config, args=(c, q), daemon=True)
+    p.start()
+    got = None
+    deadline = time.monotonic() + 60
+    try:
+        while got is None and time.monotonic() < deadline:
+            try:
+                got = q.get(timeout=0.5)
+            except queue.Empty:
+                if p.exitcode is not None:
+                    break
+        p.join(timeout=10)
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert got is not None, f"child exited with {p.exitcode} and sent nothing"
+    back, text, local_experts = got
+    assert back == c and text == repr(c) and local_experts == 2
+
+
+# moelink._C formats numbers through C++ iostreams (Config repr, every error
+# message, the CPU backend's setup). If the module carries its own libstdc++
+# (a toolchain that links it statically) and exports it, the locale facet ids
+# (GNU unique symbols) merge with those of the libstdc++.so.6 that numpy,
+# ml_dtypes or torch load: the first number formatted then crashes the process
+# (SIGSEGV) or silently ends the text.
+_CXX_RUNTIME_CODE = """
+import importlib.util
+import sys
+
+def load_others():
+    import numpy
+    for name in ("ml_dtypes", "torch"):
+        if importlib.util.find_spec(name) is not None:
+            __import__(name)
+
+if sys.argv[1] == "others-first":
+    load_others()
+import moelink
+if sys.argv[1] == "moelink-first":
+    load_others()
+c = moelink.Config(max_num_tokens=8, num_experts=4, experts_per_token=2, hidden_dim=16)
+want = ("Config(max_num_tokens=8, num_experts=4, experts_per_token=2, hidden_dim=16, "
+        "hidden_dim_scale=0, in_dtype=bfloat16, out_dtype=bfloat16, rank=0, world_size=1, "
+        "dp_size=1)")
+assert repr(c) == want, repr(c)
+try:
+    moelink.Config(max_num_tokens=0).validate()
+    raise AssertionError("validate() passed")
+except ValueError as e:
+    assert str(e).endswith("max_num_tokens = 0: must be in [1, 1048576]"), str(e)
+print("ok")
+"""
+
+
+def _subprocess_env():
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(moelink.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+@pytest.mark.parametrize("order", ["others-first", "moelink-first"])
+def test_cxx_runtime_coexists_with_numpy_and_torch(order):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _CXX_RUNTIME_CODE, order], capture_output=True,
+                       text=True, env=_subprocess_env(), timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, (
+        f"exit code {r.returncode}: moelink._C formats numbers wrongly or crashes beside numpy / "
+        "torch (-11 is SIGSEGV). Is libstdc++ linked statically into it and exported? See "
+        f"test_module_does_not_export_libstdcxx.\n{r.stderr[-3000:]}")
+
+
+def _elf_dynamic_symbols(path):
+    """Names of the symbols an ELF64 little-endian shared object defines in
+    its dynamic symbol table (what it exports), or None if it is no such file."""
+    import struct
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return None
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
+                for i in range(shnum)]
+    names = set()
+    for _name, sh_type, _fl, _addr, off, size, link, _info, _al, entsize in sections:
+        if sh_type != 11:  # SHT_DYNSYM
+            continue
+        str_off = sections[link][4]
+        for pos in range(off, off + size, entsize or 24):
+            st_name, _st_info, _st_other, st_shndx = struct.unpack_from("<IBBH", data, pos)
+            if st_shndx == 0:  # undefined: imported, not exported
+                continue
+            end = data.index(b"\0", str_off + st_name)
+            names.add(data[str_off + st_name:end].decode("ascii", "replace"))
+    return names
+
+
+def test_module_does_not_export_libstdcxx():
+    import sys
+    if not sys.platform.startswith("linux"):
+        pytest.skip("checks an ELF shared object")
+    names = _elf_dynamic_symbols(moelink._C.__file__)
+    if names is None:
+        pytest.skip("not an ELF64 little-endian module")
+    # libstdc++'s own runtime, never a template instantiation of the module.
+    runtime = sorted(n for n in names
+                     if n.startswith(("_ZNSt6locale", "_ZNSt8ios_base", "__cxa_", "__gxx_")))
+    assert not runtime, (
+        f"moelink._C exports {len(runtime)} libstdc++ runtime symbols ({runtime[:4]} ...): "
+        "the toolchain linked libstdc++ statically and the module re-exports it, which "
+        "crashes beside numpy / torch; link with -Wl,--exclude-libs,libstdc++.a")
+
 
 @pytest.mark.parametrize("kw,field", [
     (dict(num_experts=7, world_size=2), "num_experts"),
