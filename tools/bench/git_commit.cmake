@@ -9,7 +9,9 @@ if(GIT_FOUND)
   execute_process(COMMAND ${GIT_EXECUTABLE} -C ${SOURCE_DIR} rev-parse HEAD
                   OUTPUT_VARIABLE out RESULT_VARIABLE rc ERROR_QUIET
                   OUTPUT_STRIP_TRAILING_WHITESPACE)
-  if(rc EQUAL 0 AND out)
+  # Only a bare 40-digit hash counts (a copied tree without a usable .git can
+  # make git print other text and still succeed); else $MOELINK_GIT_COMMIT.
+  if(rc EQUAL 0 AND out MATCHES "^[0-9a-f]+$" AND out MATCHES "^.{40}$")
     set(commit "${out}")
     execute_process(COMMAND ${GIT_EXECUTABLE} -C ${SOURCE_DIR} status --porcelain
                             --untracked-files=no
