@@ -102,6 +102,21 @@ void check_bound_m(const char* call, const Tensor& t) {
             " shape " + shape_str(t));
 }
 
+// indices, weights and bound_m, the routing both calls take; returns the
+// rows indices and weights have.
+int64_t check_routing(const char* call, const Config& c, const Tensor& indices,
+                      const Tensor& weights, const Tensor& bound_m) {
+  const int64_t T = c.max_num_tokens;
+  const int k = c.experts_per_token;
+  const int64_t ri = check_tensor(call, "indices", indices,
+                                  {DType::kInt32, DType::kUInt32, DType::kInt64}, {k}, false);
+  check_inputs_rows(call, "indices", ri, T);
+  const int64_t rw = check_tensor(call, "weights", weights, {DType::kFloat32}, {k}, false);
+  check_inputs_rows(call, "weights", rw, T);
+  check_bound_m(call, bound_m);
+  return std::min(ri, rw);
+}
+
 }  // namespace
 
 ResolvedOptions resolve_options(const Options& o) {
@@ -231,7 +246,7 @@ void AllToAll::dispatch(const Tensor& out_expert_num_tokens, const Tensor& out_e
   if (!do_send && !do_recv)
     throw InvalidArgument("moelink: dispatch: do_send and do_recv are both false: nothing to do");
   const int64_t T = c.max_num_tokens, H = c.hidden_dim, S = c.hidden_dim_scale;
-  const int k = c.experts_per_token, L = c.num_local_experts();
+  const int L = c.num_local_experts();
   const int64_t C = c.expert_capacity();
   // Named lists: the array behind an initializer_list temporary would die at
   // the end of the full expression, leaving x_types dangling.
@@ -247,12 +262,7 @@ void AllToAll::dispatch(const Tensor& out_expert_num_tokens, const Tensor& out_e
     check_inputs_rows(call, "dp_x_scale", r, T);
     rows = std::min(rows, r);
   }
-  int64_t ri = check_tensor(call, "indices", indices,
-                            {DType::kInt32, DType::kUInt32, DType::kInt64}, {k}, false);
-  check_inputs_rows(call, "indices", ri, T);
-  int64_t rw = check_tensor(call, "weights", weights, {DType::kFloat32}, {k}, false);
-  check_inputs_rows(call, "weights", rw, T);
-  check_bound_m(call, bound_m);
+  const int64_t routing_rows = check_routing(call, c, indices, weights, bound_m);
   if (check_tensor(call, "out_expert_num_tokens", out_expert_num_tokens, {DType::kInt32}, {},
                    false) != L || out_expert_num_tokens.stride[0] != 1)
     bad(call, "out_expert_num_tokens",
@@ -275,7 +285,7 @@ void AllToAll::dispatch(const Tensor& out_expert_num_tokens, const Tensor& out_e
   a.indices = indices;
   a.weights = weights;
   a.bound_m = bound_m;
-  a.input_rows = std::min({rows, ri, rw});
+  a.input_rows = std::min(rows, routing_rows);
   if (do_send) expect_step(*impl_, 0);
   if (do_recv) expect_step(*impl_, 1);
   impl_->dispatch(a, do_send, do_recv);
@@ -290,18 +300,13 @@ void AllToAll::combine(const Tensor& out_tokens, const Tensor& indices, const Te
   if (!do_send && !do_recv)
     throw InvalidArgument("moelink: combine: do_send and do_recv are both false: nothing to do");
   const int64_t T = c.max_num_tokens, H = c.hidden_dim, C = c.expert_capacity();
-  const int k = c.experts_per_token, L = c.num_local_experts();
+  const int L = c.num_local_experts();
   detail::CombineArgs a;
   a.stream = stream;
   a.accumulate = accumulate;
   int64_t ro = check_tensor(call, "out_tokens", out_tokens, {c.out_dtype}, {H}, true);
   check_inputs_rows(call, "out_tokens", ro, T);
-  int64_t ri = check_tensor(call, "indices", indices,
-                            {DType::kInt32, DType::kUInt32, DType::kInt64}, {k}, false);
-  check_inputs_rows(call, "indices", ri, T);
-  int64_t rw = check_tensor(call, "weights", weights, {DType::kFloat32}, {k}, false);
-  check_inputs_rows(call, "weights", rw, T);
-  check_bound_m(call, bound_m);
+  const int64_t routing_rows = check_routing(call, c, indices, weights, bound_m);
   if (check_tensor(call, "expert_y", expert_y,
                    {DType::kBFloat16, DType::kFloat16, DType::kFloat32}, {C, H}, true) != L)
     bad(call, "expert_y", "has shape " + shape_str(expert_y) + ", expected [" +
@@ -312,7 +317,7 @@ void AllToAll::combine(const Tensor& out_tokens, const Tensor& indices, const Te
   a.weights = weights;
   a.expert_y = expert_y;
   a.bound_m = bound_m;
-  a.input_rows = std::min({ro, ri, rw});
+  a.input_rows = std::min(ro, routing_rows);
   if (do_send) expect_step(*impl_, 2);
   if (do_recv) expect_step(*impl_, 3);
   impl_->combine(a, do_send, do_recv);

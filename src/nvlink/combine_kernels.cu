@@ -73,10 +73,9 @@ __device__ void combine_send_part(const CombineParams& p) {
   constexpr int V = kVecs<YT>;
   const RowSplit split = split_rows(num_valid, nvec, 32 * V, num_warps);
 
-  for (int64_t item = warp; item < num_valid * split.pieces; item += num_warps) {
-    const int64_t q = item / split.pieces;
-    const int64_t begin = (item % split.pieces) * split.span;
-    const int64_t end = begin + split.span < nvec ? begin + split.span : nvec;
+  for (int64_t u = warp; u < num_valid * split.pieces; u += num_warps) {
+    const RowSplit::Piece pc = split.piece(u);
+    const int64_t q = pc.item, begin = pc.begin, end = pc.end;
     const int64_t slot_id = p.c.valid_slots[q];
     const int grp = static_cast<int>(slot_id / g.max_num_tokens);
     const int64_t t = slot_id - static_cast<int64_t>(grp) * g.max_num_tokens;
@@ -146,10 +145,9 @@ __device__ void combine_recv_part(const CombineParams& p, uint32_t epoch) {
   const int64_t nvec = g.hidden_dim / 8;
   constexpr int V = kVecs<OutT>;
   const RowSplit split = split_rows(m, nvec, 32 * V, num_warps);
-  for (int64_t item = warp; item < m * split.pieces; item += num_warps) {
-    const int64_t t = item / split.pieces;
-    const int64_t begin = (item % split.pieces) * split.span;
-    const int64_t end = begin + split.span < nvec ? begin + split.span : nvec;
+  for (int64_t u = warp; u < m * split.pieces; u += num_warps) {
+    const RowSplit::Piece pc = split.piece(u);
+    const int64_t t = pc.item, begin = pc.begin, end = pc.end;
     int dest = -1;
     if (lane < k) {
       const int64_t e = load_expert_id(p.indices.data, p.indices.dtype,

@@ -114,67 +114,49 @@ __device__ __forceinline__ uint32_t finished_epoch(const CommonParams& c) {
 template <typename T>
 struct Vec8;
 // kWords: 16-byte words per 8 elements; from_raw converts words already
-// loaded, so callers can issue many loads before converting any.
+// loaded, so callers can issue many loads before converting any. The two
+// 16-bit types differ only in their pair type and its conversions.
+__device__ __forceinline__ float2 pair_to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+__device__ __forceinline__ float2 pair_to_float2(__half2 v) { return __half22float2(v); }
+template <typename Pair>
+__device__ __forceinline__ Pair float2_to_pair(float a, float b);
 template <>
-struct Vec8<__nv_bfloat16> {
+__device__ __forceinline__ __nv_bfloat162 float2_to_pair<__nv_bfloat162>(float a, float b) {
+  return __floats2bfloat162_rn(a, b);
+}
+template <>
+__device__ __forceinline__ __half2 float2_to_pair<__half2>(float a, float b) {
+  return __floats2half2_rn(a, b);
+}
+
+template <typename Pair>
+struct Vec8Of16Bit {
   static constexpr int kWords = 1;
   static __device__ __forceinline__ void from_raw(const uint4* w, float* f) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(w);
+    const Pair* h = reinterpret_cast<const Pair*>(w);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      float2 x = __bfloat1622float2(h[i]);
+      const float2 x = pair_to_float2(h[i]);
       f[2 * i] = x.x;
       f[2 * i + 1] = x.y;
     }
   }
   static __device__ __forceinline__ void load(const void* p, float* f) {
-    uint4 v = load_16(p);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 x = __bfloat1622float2(h[i]);
-      f[2 * i] = x.x;
-      f[2 * i + 1] = x.y;
-    }
+    const uint4 v = load_16(p);
+    from_raw(&v, f);
   }
   static __device__ __forceinline__ void store(void* p, const float* f) {
     uint4 v;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+    Pair* h = reinterpret_cast<Pair*>(&v);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) h[i] = float2_to_pair<Pair>(f[2 * i], f[2 * i + 1]);
     store_16(p, v);
   }
 };
 template <>
-struct Vec8<__half> {
-  static constexpr int kWords = 1;
-  static __device__ __forceinline__ void from_raw(const uint4* w, float* f) {
-    const __half2* h = reinterpret_cast<const __half2*>(w);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 x = __half22float2(h[i]);
-      f[2 * i] = x.x;
-      f[2 * i + 1] = x.y;
-    }
-  }
-  static __device__ __forceinline__ void load(const void* p, float* f) {
-    uint4 v = load_16(p);
-    const __half2* h = reinterpret_cast<const __half2*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 x = __half22float2(h[i]);
-      f[2 * i] = x.x;
-      f[2 * i + 1] = x.y;
-    }
-  }
-  static __device__ __forceinline__ void store(void* p, const float* f) {
-    uint4 v;
-    __half2* h = reinterpret_cast<__half2*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
-    store_16(p, v);
-  }
-};
+struct Vec8<__nv_bfloat16> : Vec8Of16Bit<__nv_bfloat162> {};
+template <>
+struct Vec8<__half> : Vec8Of16Bit<__half2> {};
 template <>
 struct Vec8<float> {
   static constexpr int kWords = 2;
@@ -203,6 +185,19 @@ __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 struct RowSplit {
   int64_t pieces;  // pieces per item
   int64_t span;    // vectors per piece, a multiple of `step`
+  int64_t vectors;  // per item
+
+  struct Piece {
+    int64_t item;   // index of the token or slot
+    int64_t index;  // which piece of it, 0..pieces-1
+    int64_t begin, end;  // its vectors
+  };
+  // Work unit u (0 <= u < items * pieces).
+  __device__ __forceinline__ Piece piece(int64_t u) const {
+    const int64_t index = u % pieces;
+    const int64_t begin = index * span;
+    return Piece{u / pieces, index, begin, begin + span < vectors ? begin + span : vectors};
+  }
 };
 __device__ __forceinline__ RowSplit split_rows(int64_t items, int64_t vectors, int64_t step,
                                                int64_t num_warps) {
@@ -211,7 +206,7 @@ __device__ __forceinline__ RowSplit split_rows(int64_t items, int64_t vectors, i
   pieces = pieces < 1 ? 1 : (pieces > steps ? steps : pieces);
   const int64_t steps_per_piece = (steps + pieces - 1) / pieces;
   pieces = (steps + steps_per_piece - 1) / steps_per_piece;
-  return RowSplit{pieces, steps_per_piece * step};
+  return RowSplit{pieces, steps_per_piece * step, vectors};
 }
 __device__ __forceinline__ uint32_t lanes_below() {
   uint32_t m;

@@ -106,11 +106,10 @@ __device__ void dispatch_send_part(const DispatchParams& p, uint32_t epoch, int 
   const int64_t my_tokens = m > replica ? (m - replica + g.dp_size - 1) / g.dp_size : 0;
   const int64_t nvec = g.token_bytes / 16;
   const RowSplit split = split_rows(my_tokens, nvec, 32 * kUnroll, num_warps);
-  for (int64_t item = warp; item < my_tokens * split.pieces; item += num_warps) {
-    const int64_t t = replica + (item / split.pieces) * g.dp_size;
-    const int64_t piece = item % split.pieces;
-    const int64_t begin = piece * split.span;
-    const int64_t end = begin + split.span < nvec ? begin + split.span : nvec;
+  for (int64_t u = warp; u < my_tokens * split.pieces; u += num_warps) {
+    const RowSplit::Piece pc = split.piece(u);
+    const int64_t t = replica + pc.item * g.dp_size;
+    const int64_t piece = pc.index, begin = pc.begin, end = pc.end;
     const TokenRoute r = load_route(p, t, lane, piece == 0);
     // Lanes with the same destination form one group; its lowest lane leads.
     const uint32_t same = __match_any_sync(0xffffffffu, r.dest);
