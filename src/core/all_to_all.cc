@@ -188,7 +188,7 @@ namespace {
 
 // The argument-check helpers above live in detail's anonymous namespace.
 using detail::bad;
-using detail::check_bound_m;
+using detail::check_routing;
 using detail::check_inputs_rows;
 using detail::check_tensor;
 using detail::shape_str;
