@@ -1,6 +1,7 @@
 // Device-side building blocks shared by the dispatch and combine kernels:
 // system-scope flag loads/stores, the wait-with-deadline, error recording,
-// last-block detection and the 8-element conversions combine uses.
+// block-done signals, the epoch, row splitting, the 8-element conversions
+// combine uses and the launch helper.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,13 +21,6 @@ __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
 
 __device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-// Release/acquire fence at system scope: enough to order this block's
-// stores (peers' memory included) before a flag, and cheaper than the
-// sequentially consistent fence __threadfence_system() emits.
-__device__ __forceinline__ void fence_acq_rel_sys() {
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 
 __device__ __forceinline__ uint64_t global_timer_ns() {

@@ -64,6 +64,7 @@ NetworkProfile network_from_json_text(const std::string& text, const std::string
     if (n.gbps_per_gpu <= 0 || n.efficiency <= 0)
       throw PlanError(what + ": gbps_per_gpu and efficiency must be > 0");
   }
+  n.kernel_us = j.value("kernel_us", 0.0);
   n.nvlink_efficiency = j.value("nvlink_efficiency", n.nvlink_efficiency);
   n.nvlink_latency_us = j.value("nvlink_latency_us", n.nvlink_latency_us);
   return n;
