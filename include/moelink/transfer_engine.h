@@ -1,0 +1,181 @@
+// TransferEngine: a host-side RDMA engine over libfabric RDM endpoints.
+// One engine per process (per GPU); several NICs ("domains"), each driven by
+// a worker thread of its NIC group. See docs/transfer_engine.md for the
+// protocol of each operation.
+//
+// Thread safety: every public member may be called from any thread.
+// Completion: operations return a Transfer, which can be waited on, polled,
+// or given a callback; the receiving side learns about writes through
+// immediate counters (wait_imm) only.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moelink/fabric_errors.h"
+
+namespace moelink::fabric {
+
+struct EngineOptions {
+  // libfabric provider: "efa", "shm", "tcp" (tcp;ofi_rxm), or "" for the
+  // first of efa, shm, tcp that fi_getinfo offers.
+  std::string provider;
+  // Number of NICs to use. When the provider offers fewer domains than
+  // this (shm, tcp), the same domain is opened several times, which
+  // emulates several NICs.
+  int num_domains = 1;
+  // Domains driven by one worker thread ("NIC group"; 2 = two NICs per GPU).
+  int domains_per_worker = 2;
+  // Workers sleep briefly when they have had nothing to do for a while,
+  // instead of busy polling. Needed on machines with fewer cores than ranks.
+  bool yield_when_idle = true;
+  // Every operation fails with TimeoutError when not complete by then.
+  double timeout_s = 30.0;
+  // Label shown in this engine's address; peers use it in error messages.
+  std::string name;
+  // Two-sided messages: largest message and receive buffers per domain.
+  size_t max_message_bytes = 4096;
+  int recv_buffers = 64;
+};
+
+// An engine's address: its label and the endpoint name of each domain.
+// Serializable; exchange it out of band (Bootstrap::all_gather).
+struct EngineAddress {
+  std::string name;
+  std::vector<std::string> endpoints;  // raw fi_getname bytes per domain
+  std::vector<char> serialize() const;
+  static EngineAddress deserialize(const void* data, size_t size);
+  bool operator==(const EngineAddress&) const = default;
+};
+
+enum class MemoryKind { kHost, kCuda };
+
+// A local registration. Valid until deregister_memory.
+struct MemoryRegion {
+  uint64_t id = 0;
+  void* ptr = nullptr;
+  size_t size = 0;
+};
+
+// What a peer needs to write into a registration: the owner's address, the
+// remote base (virtual address or 0, per the provider's FI_MR_VIRT_ADDR) and
+// key of each domain, and the size. Serializable.
+struct MemoryDescriptor {
+  EngineAddress owner;
+  uint64_t size = 0;
+  std::vector<uint64_t> remote_base;  // per domain of the owner
+  std::vector<uint64_t> keys;         // per domain of the owner
+  std::vector<char> serialize() const;
+  static MemoryDescriptor deserialize(const void* data, size_t size);
+};
+
+using PeerId = int;
+using GroupId = int;
+
+// Progress of one operation (a write may be several work requests).
+class Transfer {
+ public:
+  virtual ~Transfer() = default;
+  virtual bool done() const = 0;
+  // Waits for completion; rethrows the operation's error. timeout_s < 0
+  // waits up to the engine's timeout (the operation fails by then).
+  virtual void wait(double timeout_s = -1) const = 0;
+  // The error, once done (null on success).
+  virtual std::exception_ptr error() const = 0;
+};
+using TransferPtr = std::shared_ptr<Transfer>;
+// Called on the worker thread when the operation completes (null on
+// success). Keep it short; do not call back into the engine and wait.
+using Callback = std::function<void(std::exception_ptr)>;
+
+// Paged write (KV cache): page i is page_bytes bytes from
+// src_offset + src_pages[i] * src_stride to dst_offset + dst_pages[i] * dst_stride.
+struct PagedWrite {
+  size_t page_bytes = 0;
+  uint64_t src_offset = 0, src_stride = 0;
+  uint64_t dst_offset = 0, dst_stride = 0;
+  std::vector<uint64_t> src_pages, dst_pages;
+};
+
+// One slice of a scatter: len bytes from src_offset of the source to
+// dst_offset of group member `member`'s buffer.
+struct ScatterSlice {
+  size_t member = 0;
+  uint64_t src_offset = 0;
+  uint64_t dst_offset = 0;
+  size_t len = 0;
+};
+
+struct Message {
+  std::vector<char> data;
+};
+
+class TransferEngine {
+ public:
+  // Opens the provider's domains and starts the workers. Throws
+  // ProviderUnavailable when the provider is missing, FabricError otherwise.
+  static std::unique_ptr<TransferEngine> create(const EngineOptions& options);
+  virtual ~TransferEngine() = default;
+
+  virtual const EngineAddress& address() const = 0;
+  virtual std::string provider() const = 0;  // as fi_getinfo named it
+  virtual int num_domains() const = 0;
+  virtual bool hmem() const = 0;  // the provider accepted FI_HMEM
+
+  // ---- memory
+  virtual MemoryRegion register_memory(void* ptr, size_t size,
+                                       MemoryKind kind = MemoryKind::kHost, int device = 0) = 0;
+  virtual void deregister_memory(const MemoryRegion& region) = 0;
+  virtual MemoryDescriptor descriptor(const MemoryRegion& region) const = 0;
+
+  // ---- peers
+  // Idempotent: the same address gives the same id. Descriptors add their
+  // owner implicitly.
+  virtual PeerId add_peer(const EngineAddress& address) = 0;
+  // Members' buffers; the work requests for each member are built once.
+  // Members are sharded across domains (member i uses domain i % domains).
+  virtual GroupId add_peer_group(const std::vector<MemoryDescriptor>& members) = 0;
+
+  // ---- one-sided writes (the immediate is delivered to the target's
+  // immediate counter after the data is in place)
+  virtual TransferPtr write(const MemoryRegion& src, uint64_t src_offset,
+                            const MemoryDescriptor& dst, uint64_t dst_offset, size_t len,
+                            std::optional<uint32_t> imm = std::nullopt, Callback cb = {}) = 0;
+  // Every page carries `imm` when given: the target waits for
+  // pages.size() counts.
+  virtual TransferPtr paged_write(const MemoryRegion& src, const MemoryDescriptor& dst,
+                                  const PagedWrite& pages, std::optional<uint32_t> imm = std::nullopt,
+                                  Callback cb = {}) = 0;
+  // Every slice carries `imm`: member m gets one count per slice for it.
+  virtual TransferPtr scatter(GroupId group, const MemoryRegion& src,
+                              const std::vector<ScatterSlice>& slices, uint32_t imm,
+                              Callback cb = {}) = 0;
+  // A zero-byte write with `imm` to every member: each gets one count.
+  virtual TransferPtr barrier(GroupId group, uint32_t imm, Callback cb = {}) = 0;
+
+  // ---- immediate counters (this engine as the target)
+  // Waits until `imm` has been received `count` times, then consumes them.
+  // TimeoutError naming imm, count and what arrived (timeout_s < 0: the
+  // engine's timeout).
+  virtual void wait_imm(uint32_t imm, uint64_t count, double timeout_s = -1) = 0;
+  virtual uint64_t imm_count(uint32_t imm) const = 0;
+
+  // ---- two-sided messages (<= max_message_bytes, from a registration)
+  virtual TransferPtr send(PeerId peer, const MemoryRegion& src, uint64_t offset, size_t len,
+                           Callback cb = {}) = 0;
+  // The next received message, in arrival order; nullopt after timeout_s.
+  virtual std::optional<Message> recv(double timeout_s) = 0;
+};
+
+// fi_version() of the libfabric loaded at run time, e.g. "1.17".
+std::string fabric_runtime_version();
+// True when fi_getinfo offers the provider with what the engine needs.
+bool provider_available(const std::string& provider);
+
+}  // namespace moelink::fabric

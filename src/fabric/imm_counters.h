@@ -1,0 +1,26 @@
+// Immediate counters: how many times each 32-bit immediate has arrived.
+// Workers add; user threads wait until a count is reached and consume it.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+
+namespace moelink::fabric {
+
+class ImmCounters {
+ public:
+  void add(uint32_t imm, uint64_t n = 1);
+  // Waits until count(imm) >= count, then subtracts count. Throws
+  // TimeoutError naming imm, the count wanted and the count seen.
+  void wait(uint32_t imm, uint64_t count, double timeout_s);
+  uint64_t get(uint32_t imm) const;
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::unordered_map<uint32_t, uint64_t> counts_;
+};
+
+}  // namespace moelink::fabric

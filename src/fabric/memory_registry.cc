@@ -1,0 +1,64 @@
+#include "fabric/memory_registry.h"
+
+#include "moelink/errors.h"
+
+namespace moelink::fabric {
+
+void check_range(uint64_t size, uint64_t offset, uint64_t len, const std::string& op,
+                 const char* side) {
+  if (offset > size || len > size - offset)
+    throw InvalidArgument("TransferEngine " + op + ": " + side + " range [" +
+                          std::to_string(offset) + ", " + std::to_string(offset) + " + " +
+                          std::to_string(len) + ") is outside the " + std::to_string(size) +
+                          "-byte registration");
+}
+
+uint64_t MemoryRegistry::add(void* ptr, size_t size, std::vector<Domain::Mr> mrs) {
+  auto r = std::make_shared<Registration>();
+  r->ptr = ptr;
+  r->size = size;
+  r->mrs = std::move(mrs);
+  std::lock_guard<std::mutex> lock(mu_);
+  r->id = next_id_++;
+  regs_[r->id] = r;
+  return r->id;
+}
+
+std::shared_ptr<Registration> MemoryRegistry::remove(uint64_t id, const std::string& op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regs_.find(id);
+  if (it == regs_.end())
+    throw InvalidArgument("TransferEngine " + op + ": memory region " + std::to_string(id) +
+                          " is not registered");
+  auto r = it->second;
+  regs_.erase(it);
+  return r;
+}
+
+std::shared_ptr<const Registration> MemoryRegistry::check(const MemoryRegion& region,
+                                                          uint64_t offset, uint64_t len,
+                                                          const std::string& op) const {
+  std::shared_ptr<const Registration> r;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = regs_.find(region.id);
+    if (it != regs_.end()) r = it->second;
+  }
+  if (!r || r->ptr != region.ptr)
+    throw InvalidArgument("TransferEngine " + op + ": source memory " +
+                          std::to_string(reinterpret_cast<uintptr_t>(region.ptr)) +
+                          " (region " + std::to_string(region.id) +
+                          ") is not registered with this engine");
+  check_range(r->size, offset, len, op, "source");
+  return r;
+}
+
+std::vector<std::shared_ptr<Registration>> MemoryRegistry::take_all() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<Registration>> out;
+  for (auto& [id, r] : regs_) out.push_back(r);
+  regs_.clear();
+  return out;
+}
+
+}  // namespace moelink::fabric

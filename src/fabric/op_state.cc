@@ -1,0 +1,54 @@
+#include "fabric/op_state.h"
+
+namespace moelink::fabric {
+
+void OpState::wait(double timeout_s) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  // The worker fails the op at its deadline; wait a little past it.
+  auto until = deadline_ + std::chrono::seconds(5);
+  if (timeout_s >= 0)
+    until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                               std::chrono::duration<double>(timeout_s));
+  if (!cv_.wait_until(lock, until, [&] { return done_.load(); }))
+    throw TimeoutError("TransferEngine " + what_ + ": not complete within the wait's timeout");
+  if (error_) std::rethrow_exception(error_);
+}
+
+void OpState::complete_one() {
+  if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) finish();
+}
+
+void OpState::fail(std::exception_ptr e) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finishing_ || error_) return;
+    error_ = e;
+  }
+  finish();
+}
+
+// The callback runs before done() turns true, so a waiter sees its effects.
+void OpState::finish() {
+  Callback cb;
+  std::exception_ptr err;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finishing_) return;
+    finishing_ = true;
+    cb = std::move(cb_);
+    err = error_;
+  }
+  if (cb) {
+    try {
+      cb(err);
+    } catch (...) {  // a throwing callback must not kill the worker
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();
+}
+
+}  // namespace moelink::fabric

@@ -1,0 +1,361 @@
+// TransferEngine over libfabric: peers, peer groups (prebuilt work-request
+// templates) and the operations, which validate on the calling thread and
+// hand work requests to the worker of the chosen domain.
+#include "moelink/transfer_engine.h"
+
+#include <rdma/fabric.h>
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <mutex>
+
+#include "fabric/fabric_domain.h"
+#include "fabric/imm_counters.h"
+#include "fabric/memory_registry.h"
+#include "fabric/op_state.h"
+#include "fabric/worker.h"
+
+namespace moelink::fabric {
+
+namespace {
+
+struct Peer {
+  EngineAddress address;
+  std::vector<fi_addr_t> fi_addr;  // per local domain
+};
+
+// A group member's template: everything of its work request but the local
+// buffer, the length, the remote offset and the immediate.
+struct Member {
+  PeerId peer = 0;
+  WorkRequest tmpl;
+  uint64_t size = 0;
+};
+
+class FabricEngine final : public TransferEngine {
+ public:
+  explicit FabricEngine(const EngineOptions& o) : options_(o) {
+    if (o.num_domains < 1 || o.num_domains > 64)
+      throw InvalidArgument("TransferEngine: num_domains " + std::to_string(o.num_domains) +
+                            " is outside 1..64");
+    if (o.domains_per_worker < 1)
+      throw InvalidArgument("TransferEngine: domains_per_worker must be >= 1");
+    if (o.timeout_s <= 0) throw InvalidArgument("TransferEngine: timeout_s must be > 0");
+    if (o.recv_buffers < 1 || o.max_message_bytes < 1)
+      throw InvalidArgument("TransferEngine: recv_buffers and max_message_bytes must be >= 1");
+    info_ = query_provider(o.provider);
+    for (int i = 0; i < o.num_domains; ++i)
+      domains_.push_back(std::make_unique<Domain>(
+          info_->domains[static_cast<size_t>(i) % info_->domains.size()], i));
+    address_.name = o.name;
+    for (auto& d : domains_) address_.endpoints.push_back(d->name());
+    Worker::Options wo{o.yield_when_idle, o.max_message_bytes, o.recv_buffers};
+    for (int first = 0; first < o.num_domains; first += o.domains_per_worker) {
+      std::vector<Domain*> group;
+      for (int i = first; i < std::min(o.num_domains, first + o.domains_per_worker); ++i)
+        group.push_back(domains_[i].get());
+      workers_.push_back(std::make_unique<Worker>(group, imms_, messages_, wo));
+    }
+  }
+
+  ~FabricEngine() override {
+    for (auto& w : workers_) w->stop();
+    for (auto& r : registry_.take_all())
+      for (auto& mr : r->mrs) Domain::close_mr(mr);
+    for (auto& d : domains_) d->close_endpoint();  // no completions after this
+    workers_.clear();                               // frees abandoned contexts
+    domains_.clear();
+  }
+
+  const EngineAddress& address() const override { return address_; }
+  std::string provider() const override { return domains_[0]->provider(); }
+  int num_domains() const override { return static_cast<int>(domains_.size()); }
+  bool hmem() const override { return info_->hmem; }
+
+  MemoryRegion register_memory(void* ptr, size_t size, MemoryKind kind, int device) override {
+    if (!ptr || size == 0)
+      throw InvalidArgument("TransferEngine register_memory: null pointer or zero size");
+    std::vector<Domain::Mr> mrs;
+    try {
+      for (auto& d : domains_) {
+        Domain::Mr mr;
+        worker_of(d->index()).call([&] { mr = d->register_memory(ptr, size, kind, device); });
+        mrs.push_back(mr);
+      }
+    } catch (...) {
+      for (auto& mr : mrs) Domain::close_mr(mr);
+      throw;
+    }
+    return MemoryRegion{registry_.add(ptr, size, std::move(mrs)), ptr, size};
+  }
+
+  void deregister_memory(const MemoryRegion& region) override {
+    auto r = registry_.remove(region.id, "deregister_memory");
+    for (size_t i = 0; i < r->mrs.size(); ++i)
+      worker_of(static_cast<int>(i)).call([&] { Domain::close_mr(r->mrs[i]); });
+  }
+
+  MemoryDescriptor descriptor(const MemoryRegion& region) const override {
+    auto r = registry_.check(region, 0, 0, "descriptor");
+    MemoryDescriptor d;
+    d.owner = address_;
+    d.size = r->size;
+    for (size_t i = 0; i < domains_.size(); ++i) {
+      d.remote_base.push_back(domains_[i]->remote_base(r->ptr));
+      d.keys.push_back(r->mrs[i].key);
+    }
+    return d;
+  }
+
+  PeerId add_peer(const EngineAddress& address) override {
+    if (address.endpoints.empty())
+      throw InvalidArgument("TransferEngine add_peer: address of '" + address.name +
+                            "' has no endpoints");
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    const auto key = address.serialize();
+    const std::string k(key.begin(), key.end());
+    auto it = peer_ids_.find(k);
+    if (it != peer_ids_.end()) return it->second;
+    Peer p;
+    p.address = address;
+    for (auto& d : domains_) {
+      // Local domain i talks to the peer's domain i (mod its count).
+      const auto& name = address.endpoints[d->index() % address.endpoints.size()];
+      fi_addr_t a = FI_ADDR_UNSPEC;
+      worker_of(d->index()).call([&] { a = d->insert_address(name); });
+      p.fi_addr.push_back(a);
+    }
+    const PeerId id = static_cast<PeerId>(peers_.size());
+    peers_.push_back(std::move(p));
+    peer_ids_[k] = id;
+    return id;
+  }
+
+  GroupId add_peer_group(const std::vector<MemoryDescriptor>& members) override {
+    if (members.empty()) throw InvalidArgument("TransferEngine add_peer_group: no members");
+    std::vector<Member> group;
+    for (size_t i = 0; i < members.size(); ++i) {
+      const PeerId peer = add_peer(members[i].owner);
+      Domain* d = domains_[i % domains_.size()].get();
+      group.push_back(Member{peer, make_template(peer, d, members[i], "add_peer_group"),
+                             members[i].size});
+    }
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    groups_.push_back(std::move(group));
+    return static_cast<GroupId>(groups_.size() - 1);
+  }
+
+  TransferPtr write(const MemoryRegion& src, uint64_t src_offset, const MemoryDescriptor& dst,
+                    uint64_t dst_offset, size_t len, std::optional<uint32_t> imm,
+                    Callback cb) override {
+    const PeerId peer = add_peer(dst.owner);
+    const std::string what = "write to " + peer_str(peer);
+    auto reg = registry_.check(src, src_offset, len, what);
+    check_range(dst.size, dst_offset, len, what, "destination");
+    Domain* d = domains_[static_cast<size_t>(peer) % domains_.size()].get();
+    WorkRequest wr = make_template(peer, d, dst, what);
+    fill(wr, *reg, d, src_offset, dst_offset, len, imm);
+    auto op = new_op(what, 1, std::move(cb));
+    wr.op = op;
+    std::vector<WorkRequest> wrs{wr};
+    worker_of(d->index()).submit(std::move(wrs));
+    return op;
+  }
+
+  TransferPtr paged_write(const MemoryRegion& src, const MemoryDescriptor& dst,
+                          const PagedWrite& p, std::optional<uint32_t> imm, Callback cb) override {
+    const PeerId peer = add_peer(dst.owner);
+    const std::string what = "paged_write to " + peer_str(peer);
+    if (p.src_pages.size() != p.dst_pages.size())
+      throw InvalidArgument("TransferEngine " + what + ": " + std::to_string(p.src_pages.size()) +
+                            " source pages but " + std::to_string(p.dst_pages.size()) +
+                            " destination pages");
+    auto reg = registry_.check(src, 0, 0, what);
+    std::vector<std::vector<WorkRequest>> per_domain(domains_.size());
+    auto op = new_op(what, static_cast<int>(std::max<size_t>(1, p.src_pages.size())), std::move(cb));
+    for (size_t i = 0; i < p.src_pages.size(); ++i) {
+      const uint64_t so = p.src_offset + p.src_pages[i] * p.src_stride;
+      const uint64_t dof = p.dst_offset + p.dst_pages[i] * p.dst_stride;
+      const std::string page = what + " (page " + std::to_string(i) + ")";
+      check_range(reg->size, so, p.page_bytes, page, "source");
+      check_range(dst.size, dof, p.page_bytes, page, "destination");
+      // Pages are sharded across domains (NICs).
+      Domain* d = domains_[i % domains_.size()].get();
+      WorkRequest wr = make_template(peer, d, dst, what);
+      fill(wr, *reg, d, so, dof, p.page_bytes, imm);
+      wr.op = op;
+      per_domain[d->index()].push_back(std::move(wr));
+    }
+    submit_all(per_domain);
+    if (p.src_pages.empty()) op->complete_one();
+    return op;
+  }
+
+  TransferPtr scatter(GroupId group, const MemoryRegion& src,
+                      const std::vector<ScatterSlice>& slices, uint32_t imm, Callback cb) override {
+    const std::vector<Member>& members = group_at(group, "scatter");
+    const std::string what = "scatter (group " + std::to_string(group) + ")";
+    auto reg = registry_.check(src, 0, 0, what);
+    auto op = new_op(what, static_cast<int>(std::max<size_t>(1, slices.size())), std::move(cb));
+    std::vector<std::vector<WorkRequest>> per_domain(domains_.size());
+    for (const auto& s : slices) {
+      if (s.member >= members.size())
+        throw InvalidArgument("TransferEngine " + what + ": member " + std::to_string(s.member) +
+                              " of a " + std::to_string(members.size()) + "-member group");
+      const Member& m = members[s.member];
+      const std::string w = "scatter to " + peer_str(m.peer);
+      check_range(reg->size, s.src_offset, s.len, w, "source");
+      check_range(m.size, s.dst_offset, s.len, w, "destination");
+      WorkRequest wr = m.tmpl;
+      fill(wr, *reg, wr.domain, s.src_offset, s.dst_offset, s.len, imm);
+      wr.op = op;
+      per_domain[wr.domain->index()].push_back(std::move(wr));
+    }
+    submit_all(per_domain);
+    if (slices.empty()) op->complete_one();
+    return op;
+  }
+
+  TransferPtr barrier(GroupId group, uint32_t imm, Callback cb) override {
+    const std::vector<Member>& members = group_at(group, "barrier");
+    const std::string what = "barrier (group " + std::to_string(group) + ")";
+    auto op = new_op(what, static_cast<int>(members.size()), std::move(cb));
+    std::vector<std::vector<WorkRequest>> per_domain(domains_.size());
+    for (const Member& m : members) {
+      WorkRequest wr = m.tmpl;  // zero bytes, no local buffer
+      wr.has_imm = true;
+      wr.imm = imm;
+      wr.op = op;
+      per_domain[wr.domain->index()].push_back(std::move(wr));
+    }
+    submit_all(per_domain);
+    return op;
+  }
+
+  void wait_imm(uint32_t imm, uint64_t count, double timeout_s) override {
+    imms_.wait(imm, count, timeout_s < 0 ? options_.timeout_s : timeout_s);
+  }
+  uint64_t imm_count(uint32_t imm) const override { return imms_.get(imm); }
+
+  TransferPtr send(PeerId peer, const MemoryRegion& src, uint64_t offset, size_t len,
+                   Callback cb) override {
+    const std::string what = "send to " + peer_str(peer);  // throws for unknown peers
+    auto reg = registry_.check(src, offset, len, what);
+    if (len > options_.max_message_bytes)
+      throw InvalidArgument("TransferEngine " + what + ": " + std::to_string(len) +
+                            " bytes exceed max_message_bytes " +
+                            std::to_string(options_.max_message_bytes));
+    Domain* d = domains_[static_cast<size_t>(peer) % domains_.size()].get();
+    WorkRequest wr;
+    wr.kind = WorkRequest::Kind::kSend;
+    wr.domain = d;
+    wr.dest = peer_addr(peer, d);
+    wr.buf = static_cast<char*>(reg->ptr) + offset;
+    wr.len = len;
+    wr.desc = reg->mrs[d->index()].desc;
+    auto op = new_op(what, 1, std::move(cb));
+    wr.op = op;
+    std::vector<WorkRequest> wrs{wr};
+    worker_of(d->index()).submit(std::move(wrs));
+    return op;
+  }
+
+  std::optional<Message> recv(double timeout_s) override { return messages_.pop(timeout_s); }
+
+ private:
+  Worker& worker_of(int domain) { return *workers_[domain / options_.domains_per_worker]; }
+
+  std::string peer_str(PeerId peer) {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    if (peer < 0 || static_cast<size_t>(peer) >= peers_.size())
+      throw InvalidArgument("TransferEngine: unknown peer " + std::to_string(peer) + " (" +
+                            std::to_string(peers_.size()) + " peers added)");
+    return "peer '" + peers_[peer].address.name + "' (peer " + std::to_string(peer) + ")";
+  }
+
+  fi_addr_t peer_addr(PeerId peer, Domain* d) {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    return peers_[peer].fi_addr[d->index()];
+  }
+
+  const std::vector<Member>& group_at(GroupId g, const char* op) {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    if (g < 0 || static_cast<size_t>(g) >= groups_.size())
+      throw InvalidArgument(std::string("TransferEngine ") + op + ": unknown peer group " +
+                            std::to_string(g));
+    return groups_[g];  // a deque: references stay valid
+  }
+
+  // The write template for (peer, local domain d, destination descriptor).
+  WorkRequest make_template(PeerId peer, Domain* d, const MemoryDescriptor& dst,
+                            const std::string& what) {
+    if (dst.keys.size() != dst.owner.endpoints.size() || dst.keys.size() != dst.remote_base.size())
+      throw InvalidArgument("TransferEngine " + what + ": malformed descriptor");
+    const size_t rd = static_cast<size_t>(d->index()) % dst.keys.size();
+    WorkRequest wr;
+    wr.kind = WorkRequest::Kind::kWrite;
+    wr.domain = d;
+    wr.dest = peer_addr(peer, d);
+    wr.remote_addr = dst.remote_base[rd];
+    wr.remote_key = dst.keys[rd];
+    return wr;
+  }
+
+  static void fill(WorkRequest& wr, const Registration& reg, Domain* d, uint64_t src_offset,
+                   uint64_t dst_offset, size_t len, std::optional<uint32_t> imm) {
+    wr.buf = static_cast<char*>(reg.ptr) + src_offset;
+    wr.len = len;
+    wr.desc = reg.mrs[d->index()].desc;
+    wr.remote_addr += dst_offset;
+    wr.has_imm = imm.has_value();
+    wr.imm = imm.value_or(0);
+  }
+
+  std::shared_ptr<OpState> new_op(const std::string& what, int wrs, Callback cb) {
+    auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(options_.timeout_s));
+    auto op = std::make_shared<OpState>(what, wrs, deadline, std::move(cb));
+    return op;
+  }
+
+  void submit_all(std::vector<std::vector<WorkRequest>>& per_domain) {
+    for (size_t i = 0; i < per_domain.size(); ++i)
+      if (!per_domain[i].empty()) worker_of(static_cast<int>(i)).submit(std::move(per_domain[i]));
+  }
+
+  EngineOptions options_;
+  std::unique_ptr<ProviderInfo> info_;
+  std::vector<std::unique_ptr<Domain>> domains_;
+  EngineAddress address_;
+  ImmCounters imms_;
+  MessageQueue messages_;
+  MemoryRegistry registry_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::mutex peers_mu_;
+  std::vector<Peer> peers_;
+  std::map<std::string, PeerId> peer_ids_;
+  std::deque<std::vector<Member>> groups_;
+};
+
+}  // namespace
+
+std::unique_ptr<TransferEngine> TransferEngine::create(const EngineOptions& options) {
+  return std::make_unique<FabricEngine>(options);
+}
+
+std::string fabric_runtime_version() {
+  const uint32_t v = fi_version();
+  return std::to_string(FI_MAJOR(v)) + "." + std::to_string(FI_MINOR(v));
+}
+
+bool provider_available(const std::string& provider) {
+  try {
+    query_provider(provider);
+    return true;
+  } catch (const ProviderUnavailable&) {
+    return false;
+  }
+}
+
+}  // namespace moelink::fabric

@@ -1,0 +1,299 @@
+// The worker loop: take new work, post what the provider accepts (-FI_EAGAIN
+// keeps it queued), read completions, fail operations past their deadline,
+// and sleep briefly when idle (yield mode).
+//
+// Completion classification (never by length): an entry with FI_REMOTE_WRITE
+// is a peer's write carrying an immediate (counted; under FI_RX_CQ_DATA it
+// consumed a posted receive, which is reposted); an entry with FI_RECV is a
+// two-sided message; anything else is one of our own work requests, found
+// through its context.
+#include "fabric/worker.h"
+
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#include <cstring>
+#include <future>
+
+namespace moelink::fabric {
+
+struct Worker::Ctx {
+  fi_context2 fi;  // first: libfabric's FI_CONTEXT2 space
+  bool is_recv = false;
+  // own work requests
+  WorkRequest wr;
+  // receive buffers
+  Domain* domain = nullptr;
+  char* buf = nullptr;
+  void* desc = nullptr;
+};
+
+struct Worker::RecvSlab {
+  Domain* domain = nullptr;
+  std::vector<char> memory;
+  Domain::Mr mr;
+  std::vector<Ctx> ctxs;
+};
+
+void MessageQueue::push(Message m) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    q_.push_back(std::move(m));
+  }
+  cv_.notify_all();
+}
+
+std::optional<Message> MessageQueue::pop(double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return !q_.empty(); }))
+    return std::nullopt;
+  Message m = std::move(q_.front());
+  q_.pop_front();
+  return m;
+}
+
+Worker::Worker(std::vector<Domain*> domains, ImmCounters& imms, MessageQueue& messages,
+               const Options& options)
+    : domains_(std::move(domains)), imms_(imms), messages_(messages), options_(options) {
+  // Receive buffers, posted before the thread starts (nothing else touches
+  // the endpoints yet).
+  for (Domain* d : domains_) {
+    auto slab = std::make_unique<RecvSlab>();
+    slab->domain = d;
+    const size_t n = static_cast<size_t>(options_.recv_buffers);
+    slab->memory.resize(n * options_.max_message_bytes);
+    slab->mr = d->register_memory(slab->memory.data(), slab->memory.size(), MemoryKind::kHost, 0);
+    slab->ctxs.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      Ctx& c = slab->ctxs[i];
+      c.is_recv = true;
+      c.domain = d;
+      c.buf = slab->memory.data() + i * options_.max_message_bytes;
+      c.desc = slab->mr.desc;
+    }
+    slabs_.push_back(std::move(slab));
+    for (auto& c : slabs_.back()->ctxs) repost(&c);
+  }
+  thread_ = std::thread([this] { loop(); });
+}
+
+Worker::~Worker() {
+  stop();
+  release();
+}
+
+void Worker::repost(Ctx* c) {
+  for (;;) {
+    const ssize_t rc =
+        fi_recv(c->domain->ep(), c->buf, options_.max_message_bytes, c->desc, FI_ADDR_UNSPEC, &c->fi);
+    if (rc == 0) return;
+    if (rc != -FI_EAGAIN) check_fi(static_cast<int>(rc), "TransferEngine: fi_recv");
+    fi_cq_data_entry e[1];
+    (void)fi_cq_read(c->domain->cq(), e, 0);  // progress
+  }
+}
+
+void Worker::submit(std::vector<WorkRequest>&& wrs) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) {
+      for (auto& wr : wrs)
+        wr.op->fail(std::make_exception_ptr(FabricError("TransferEngine " + wr.op->what() +
+                                                        ": the engine is shutting down")));
+      return;
+    }
+    for (auto& wr : wrs) incoming_.push_back(std::move(wr));
+  }
+  wake_.notify_one();
+}
+
+void Worker::call(const std::function<void()>& fn) {
+  std::packaged_task<void()> task(fn);
+  auto fut = task.get_future();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) throw FabricError("TransferEngine: the engine is shutting down");
+    tasks_.emplace_back([&task] { task(); });
+  }
+  wake_.notify_one();
+  fut.get();
+}
+
+void Worker::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Worker::release() {
+  const auto closed = std::make_exception_ptr(
+      FabricError("TransferEngine: the engine was destroyed before the operation completed"));
+  for (Ctx* c : inflight_) {
+    c->wr.op->fail(closed);
+    delete c;
+  }
+  inflight_.clear();
+  for (auto& wr : pending_) wr.op->fail(closed);
+  pending_.clear();
+  for (auto& wr : incoming_) wr.op->fail(closed);
+  incoming_.clear();
+  for (auto& s : slabs_) Domain::close_mr(s->mr);
+  slabs_.clear();
+}
+
+void Worker::run_tasks() {
+  std::deque<std::function<void()>> tasks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks.swap(tasks_);
+    while (!incoming_.empty()) {
+      pending_.push_back(std::move(incoming_.front()));
+      incoming_.pop_front();
+    }
+  }
+  for (auto& t : tasks) t();
+}
+
+bool Worker::post(WorkRequest& wr) {
+  auto* c = new Ctx;
+  c->wr = wr;
+  ssize_t rc;
+  if (wr.kind == WorkRequest::Kind::kWrite) {
+    // WR template: one local iov, one remote iov, the immediate as CQ data.
+    iovec iov{wr.buf, wr.len};
+    fi_rma_iov riov{wr.remote_addr, wr.len, wr.remote_key};
+    fi_msg_rma msg{};
+    msg.msg_iov = &iov;
+    msg.desc = &wr.desc;
+    msg.iov_count = 1;
+    msg.addr = wr.dest;
+    msg.rma_iov = &riov;
+    msg.rma_iov_count = 1;
+    msg.context = &c->fi;
+    msg.data = wr.imm;
+    rc = fi_writemsg(wr.domain->ep(), &msg, FI_COMPLETION | (wr.has_imm ? FI_REMOTE_CQ_DATA : 0));
+  } else {
+    rc = fi_send(wr.domain->ep(), wr.buf, wr.len, wr.desc, wr.dest, &c->fi);
+  }
+  if (rc == 0) {
+    inflight_.insert(c);
+    return true;
+  }
+  delete c;
+  if (rc == -FI_EAGAIN) return false;
+  fail_op(wr.op, std::make_exception_ptr(FabricError(
+                     "TransferEngine " + wr.op->what() + ": posting failed on domain " +
+                     std::to_string(wr.domain->index()) + ": " + fi_strerror(static_cast<int>(-rc)))));
+  return true;
+}
+
+void Worker::fail_op(const std::shared_ptr<OpState>& op, std::exception_ptr e) { op->fail(e); }
+
+void Worker::handle_error(Domain& d) {
+  fi_cq_err_entry err{};
+  if (fi_cq_readerr(d.cq(), &err, 0) <= 0) return;
+  if (!err.op_context) return;  // a peer's write that failed on our side
+  if (err.flags & FI_REMOTE_WRITE) {  // under FI_RX_CQ_DATA it used a receive
+    if (d.rx_cq_data()) repost(reinterpret_cast<Ctx*>(err.op_context));
+    return;
+  }
+  Ctx* c = reinterpret_cast<Ctx*>(err.op_context);
+  if (c->is_recv) {
+    if (err.err != FI_ECANCELED) repost(c);
+    return;
+  }
+  char buf[256] = {0};
+  const char* detail = fi_cq_strerror(d.cq(), err.prov_errno, err.err_data, buf, sizeof(buf));
+  inflight_.erase(c);
+  c->wr.op->fail(std::make_exception_ptr(FabricError(
+      "TransferEngine " + c->wr.op->what() + ": completion error on domain " +
+      std::to_string(d.index()) + ": " + fi_strerror(err.err) + " (" +
+      (detail ? detail : "") + ")")));
+  delete c;
+}
+
+int Worker::poll(Domain& d) {
+  fi_cq_data_entry entries[32];
+  const ssize_t n = fi_cq_read(d.cq(), entries, 32);
+  if (n == -FI_EAGAIN) return 0;
+  if (n == -FI_EAVAIL) {
+    handle_error(d);
+    return 1;
+  }
+  if (n < 0) return 0;
+  for (ssize_t i = 0; i < n; ++i) {
+    const fi_cq_data_entry& e = entries[i];
+    if (e.flags & FI_REMOTE_WRITE) {
+      if (e.flags & FI_REMOTE_CQ_DATA) imms_.add(static_cast<uint32_t>(e.data));
+      if (d.rx_cq_data() && e.op_context) repost(reinterpret_cast<Ctx*>(e.op_context));
+      continue;
+    }
+    Ctx* c = reinterpret_cast<Ctx*>(e.op_context);
+    if (!c) continue;
+    if (e.flags & FI_RECV) {
+      Message m;
+      m.data.assign(c->buf, c->buf + e.len);
+      messages_.push(std::move(m));
+      repost(c);
+      continue;
+    }
+    inflight_.erase(c);
+    c->wr.op->complete_one();
+    delete c;
+  }
+  return static_cast<int>(n);
+}
+
+void Worker::check_deadlines() {
+  const auto now = Clock::now();
+  if (now < next_deadline_check_) return;
+  next_deadline_check_ = now + std::chrono::milliseconds(2);
+  for (Ctx* c : inflight_) {
+    const auto& op = c->wr.op;
+    if (!op->done() && now > op->deadline())
+      op->fail(std::make_exception_ptr(TimeoutError(
+          "TransferEngine " + op->what() +
+          ": not complete within the engine timeout (the peer is unreachable or gone)")));
+  }
+  // Queued work of failed or expired operations is dropped.
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (!it->op->done() && now > it->op->deadline())
+      it->op->fail(std::make_exception_ptr(TimeoutError(
+          "TransferEngine " + it->op->what() +
+          ": could not be posted within the engine timeout (the provider stayed busy)")));
+    it = it->op->done() ? pending_.erase(it) : it + 1;
+  }
+}
+
+void Worker::loop() {
+  int idle = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (stop_) break;
+      if (options_.yield_when_idle && idle > 200 && incoming_.empty() && tasks_.empty() &&
+          pending_.empty())
+        wake_.wait_for(lock, std::chrono::microseconds(50));
+    }
+    run_tasks();
+    int work = 0;
+    while (!pending_.empty()) {
+      if (pending_.front().op->done()) {  // failed meanwhile: drop the rest
+        pending_.pop_front();
+        continue;
+      }
+      if (!post(pending_.front())) break;
+      pending_.pop_front();
+      ++work;
+    }
+    for (Domain* d : domains_) work += poll(*d);
+    check_deadlines();
+    idle = work ? 0 : idle + 1;
+  }
+}
+
+}  // namespace moelink::fabric

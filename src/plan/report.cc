@@ -1,0 +1,213 @@
+#include "moelink/plan/report.h"
+
+#include <cstdarg>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+namespace moelink::plan {
+namespace {
+using nlohmann::json;
+
+std::string fmt(const char* f, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, f);
+  std::vsnprintf(buf, sizeof buf, f, ap);
+  va_end(ap);
+  return buf;
+}
+
+json kernel_json(const Kernel& k) {
+  return {{"name", k.name}, {"class", to_string(k.cls)}, {"stage", k.stage}, {"flops", k.flops},
+          {"bytes", k.bytes}, {"intensity", k.intensity()}, {"time_us", k.time_us},
+          {"memory_bound", k.memory_bound}, {"m", k.m}};
+}
+
+json layer_json(const LayerTiming& t) {
+  json j;
+  j["total_us"] = t.total_us;
+  j["exposed_comm_us"] = t.exposed_comm_us;
+  json cls = json::object();
+  for (int c = 0; c < kNumKernelClasses; ++c) cls[to_string(KernelClass(c))] = t.class_us[c];
+  j["class_us"] = cls;
+  j["kernels"] = json::array();
+  for (const auto& k : t.kernels) j["kernels"].push_back(kernel_json(k));
+  auto comm = [](const CommCost& c) {
+    return json{{"send_us", c.send_us}, {"transfer_us", c.transfer_us}, {"recv_us", c.recv_us},
+                {"total_us", c.total_us()}, {"bytes_nvlink", c.bytes_nvlink},
+                {"bytes_network", c.bytes_network}, {"measured", c.measured}};
+  };
+  j["dispatch"] = comm(t.dispatch);
+  j["combine"] = comm(t.combine);
+  return j;
+}
+
+json point_json(const SweepPoint& p) {
+  return {{"ep", p.layout.ep}, {"dp", p.layout.dp}, {"tp", p.layout.tp}, {"batch", p.work.batch},
+          {"overlap", to_string(p.work.overlap)}, {"gpu", p.gpu}, {"output_tok_s", p.output_tok_s},
+          {"throughput_node", p.throughput_node}, {"throughput_gpu", p.throughput_gpu},
+          {"step_us", p.step_us}, {"tokens_per_expert", p.tokens_per_expert},
+          {"groupgemm_memory_bound", p.groupgemm_memory_bound}, {"fits", p.fits}};
+}
+}  // namespace
+
+std::string format_step_table(const PlanInput& in, const StepResult& r, const MemoryReport& mem) {
+  std::string s;
+  s += fmt("%s on %s x %d (%d node%s, %s), %s, overlap %s\n", in.model.name.c_str(), in.gpu.name.c_str(),
+           in.layout.gpus(), in.layout.nodes(), in.layout.nodes() > 1 ? "s" : "", in.net.name.c_str(),
+           in.layout.str().c_str(), to_string(in.work.overlap));
+  s += fmt("batch %d per DP group, KV %d tokens, query length %d (MTP %d draft, acceptance %.2f)\n\n",
+           in.work.batch, in.work.kv_len, in.work.query_len(), in.work.draft_tokens, in.work.acceptance);
+  const bool mb = in.work.overlap == OverlapMode::kMicroBatch;
+  s += fmt("MoE layer kernels (per GPU%s):\n", mb ? ", one micro-batch of two" : "");
+  s += fmt("  %-18s %-16s %5s %12s %12s %9s %9s %s\n", "kernel", "class", "stage", "GFLOP", "MB", "FLOP/B",
+           "time us", "bound");
+  for (const auto& k : r.moe_layer.kernels)
+    s += fmt("  %-18s %-16s %5d %12.3f %12.3f %9.1f %9.1f %s\n", k.name.c_str(), to_string(k.cls), k.stage,
+             k.flops / 1e9, k.bytes / 1e6, k.intensity(), k.time_us, k.memory_bound ? "memory" : "compute");
+  auto comm = [&](const char* n, const CommCost& c) {
+    s += fmt("  %-18s send %.1f + transfer %.1f + recv %.1f = %.1f us (NVLink %.2f MB, network %.2f MB)%s\n", n,
+             c.send_us, c.transfer_us, c.recv_us, c.total_us(), c.bytes_nvlink / 1e6, c.bytes_network / 1e6,
+             c.measured ? " [measured]" : "");
+  };
+  comm("dispatch", r.moe_layer.dispatch);
+  comm("combine", r.moe_layer.combine);
+  s += "\nMoE layer time by class (us, dispatch/combine as exposed):\n";
+  for (int c = 0; c < kNumKernelClasses; ++c)
+    if (r.moe_layer.class_us[c] > 0)
+      s += fmt("  %-18s %9.1f  %5.1f%%\n", to_string(KernelClass(c)), r.moe_layer.class_us[c],
+               100 * r.moe_layer.class_us[c] / r.moe_layer.total_us);
+  s += fmt("  %-18s %9.1f\n", "total", r.moe_layer.total_us);
+  s += fmt("\nGroupGEMM: %.1f tokens per expert, %.1f of %.0f local experts active\n", r.shape.tokens_per_expert,
+           r.shape.active_experts, r.shape.local_experts);
+  s += fmt("Step: %lld MoE x %.1f + %lld dense x %.1f + head %.1f + MTP draft %.1f = %.1f us\n",
+           (long long)in.model.num_moe_layers(), r.moe_layer.total_us, (long long)in.model.num_dense_layers,
+           r.dense_layer.total_us, r.head_us, r.draft_us, r.step_us);
+  s += fmt("Output speed %.1f tok/s per request (%.2f tokens per step); throughput %.0f tok/s per GPU, %.0f per node\n",
+           r.output_tok_s, r.tokens_per_step, r.throughput_gpu, r.throughput_node);
+  s += fmt("\nMemory per GPU (GB): weights %.1f (routed experts %.1f, attention %.1f, shared %.1f, dense MLP %.1f, "
+           "embeddings %.1f, MTP %.1f, other %.1f)\n",
+           mem.weight_bytes / 1e9, mem.routed_expert_bytes / 1e9, mem.attention_bytes / 1e9,
+           mem.shared_expert_bytes / 1e9, mem.dense_mlp_bytes / 1e9, mem.embedding_bytes / 1e9, mem.mtp_bytes / 1e9,
+           mem.other_bytes / 1e9);
+  s += fmt("  KV %.1f (%.0f bytes per token), buffers %.1f, reserve %.1f; used %.1f of %.1f: %s %.1f; "
+           "max batch %d\n",
+           mem.kv_bytes / 1e9, mem.kv_bytes_per_token, mem.buffer_bytes / 1e9, mem.reserve_bytes / 1e9,
+           mem.used_bytes / 1e9, mem.capacity_bytes / 1e9, mem.fits() ? "free" : "OVER BY",
+           std::abs(mem.free_bytes) / 1e9, mem.max_batch);
+  return s;
+}
+
+std::string step_json(const PlanInput& in, const StepResult& r, const MemoryReport& mem) {
+  json j;
+  j["model"] = in.model.name;
+  j["gpu"] = in.gpu.name;
+  j["network"] = in.net.name;
+  j["layout"] = {{"ep", in.layout.ep}, {"dp", in.layout.dp}, {"tp", in.layout.tp},
+                 {"gpus_per_node", in.layout.gpus_per_node}, {"nodes", in.layout.nodes()}};
+  j["workload"] = {{"batch", in.work.batch}, {"kv_len", in.work.kv_len}, {"draft_tokens", in.work.draft_tokens},
+                   {"acceptance", in.work.acceptance}, {"overlap", to_string(in.work.overlap)}};
+  j["moe_layer"] = layer_json(r.moe_layer);
+  if (in.model.num_dense_layers > 0) j["dense_layer"] = layer_json(r.dense_layer);
+  j["tokens_per_expert"] = r.tokens_per_expert;
+  j["active_experts"] = r.shape.active_experts;
+  j["head_us"] = r.head_us;
+  j["draft_us"] = r.draft_us;
+  j["step_us"] = r.step_us;
+  j["tokens_per_step"] = r.tokens_per_step;
+  j["output_tok_s"] = r.output_tok_s;
+  j["throughput_gpu"] = r.throughput_gpu;
+  j["throughput_node"] = r.throughput_node;
+  j["memory"] = {{"weight_bytes", mem.weight_bytes}, {"routed_expert_bytes", mem.routed_expert_bytes},
+                 {"attention_bytes", mem.attention_bytes}, {"kv_bytes_per_token", mem.kv_bytes_per_token},
+                 {"kv_bytes", mem.kv_bytes}, {"buffer_bytes", mem.buffer_bytes},
+                 {"reserve_bytes", mem.reserve_bytes}, {"capacity_bytes", mem.capacity_bytes},
+                 {"free_bytes", mem.free_bytes}, {"fits", mem.fits()}, {"max_batch", mem.max_batch}};
+  return j.dump(1) + "\n";
+}
+
+std::string step_csv(const PlanInput& in, const StepResult& r) {
+  std::string s = "layer,kernel,class,stage,flops,bytes,intensity,time_us,memory_bound\n";
+  auto rows = [&](const char* layer, const LayerTiming& t) {
+    for (const auto& k : t.kernels)
+      s += fmt("%s,%s,%s,%d,%.6g,%.6g,%.6g,%.6g,%d\n", layer, k.name.c_str(), to_string(k.cls), k.stage, k.flops,
+               k.bytes, k.intensity(), k.time_us, k.memory_bound ? 1 : 0);
+    s += fmt("%s,dispatch,Dispatch,3,0,%.6g,0,%.6g,0\n", layer, t.dispatch.bytes_nvlink + t.dispatch.bytes_network,
+             t.dispatch.total_us());
+    s += fmt("%s,combine,Combine,4,0,%.6g,0,%.6g,0\n", layer, t.combine.bytes_nvlink + t.combine.bytes_network,
+             t.combine.total_us());
+  };
+  rows("moe", r.moe_layer);
+  if (in.model.num_dense_layers > 0) {
+    for (const auto& k : r.dense_layer.kernels)
+      s += fmt("dense,%s,%s,%d,%.6g,%.6g,%.6g,%.6g,%d\n", k.name.c_str(), to_string(k.cls), k.stage, k.flops,
+               k.bytes, k.intensity(), k.time_us, k.memory_bound ? 1 : 0);
+  }
+  return s;
+}
+
+std::string format_sweep_table(const std::vector<SweepPoint>& pts) {
+  std::string s = fmt("%-20s %6s %-10s %10s %12s %11s %9s %10s\n", "layout", "batch", "overlap", "tok/s/req",
+                      "tok/s/node", "tok/s/GPU", "step ms", "m/expert");
+  for (const auto& p : pts)
+    s += fmt("%-20s %6d %-10s %10.1f %12.0f %11.0f %9.2f %10.1f\n", p.layout.str().c_str(), p.work.batch,
+             to_string(p.work.overlap), p.output_tok_s, p.throughput_node, p.throughput_gpu, p.step_us / 1e3,
+             p.tokens_per_expert);
+  return s;
+}
+
+std::string sweep_json(const std::vector<SweepPoint>& pts) {
+  json j = json::object();
+  j["points"] = json::array();
+  for (const auto& p : pts) j["points"].push_back(point_json(p));
+  json fr = json::object();
+  for (const auto& [ep, f] : frontiers_by_ep(pts)) {
+    json a = json::array();
+    for (const auto& p : f) a.push_back(point_json(p));
+    fr["EP" + std::to_string(ep)] = a;
+  }
+  j["frontiers"] = fr;
+  return j.dump(1) + "\n";
+}
+
+std::string sweep_csv(const std::vector<SweepPoint>& pts) {
+  std::string s = "ep,dp,tp,batch,overlap,gpu,output_tok_s,throughput_node,throughput_gpu,step_us,tokens_per_expert,"
+                  "groupgemm_memory_bound,pareto\n";
+  auto fr = frontiers_by_ep(pts);
+  for (const auto& p : pts) {
+    bool on = false;
+    for (const auto& q : fr[p.layout.ep])
+      on |= q.layout.tp == p.layout.tp && q.work.batch == p.work.batch && q.work.overlap == p.work.overlap;
+    s += fmt("%d,%d,%d,%d,%s,%s,%.6g,%.6g,%.6g,%.6g,%.6g,%d,%d\n", p.layout.ep, p.layout.dp, p.layout.tp,
+             p.work.batch, to_string(p.work.overlap), p.gpu.c_str(), p.output_tok_s, p.throughput_node,
+             p.throughput_gpu, p.step_us, p.tokens_per_expert, p.groupgemm_memory_bound ? 1 : 0, on ? 1 : 0);
+  }
+  return s;
+}
+
+std::vector<CalibrationRow> compare_calibration(const PlanInput& base, const Calibration& c) {
+  std::vector<CalibrationRow> rows;
+  Layout l{c.world_size, c.world_size, 1, base.layout.gpus_per_node};
+  for (const auto& smp : c.samples) {
+    // The bench sends `tokens` tokens per rank: batch x query length = tokens at TP1.
+    LayerShape s = layer_shape(base.model, l, smp.tokens / base.work.query_len(), base.work.query_len());
+    CommCost d = dispatch_cost(base.model, base.gpu, base.net, l, s);
+    CommCost cb = combine_cost(base.model, base.gpu, base.net, l, s);
+    rows.push_back({smp.tokens, d.total_us(), smp.dispatch_us, cb.total_us(), smp.combine_us});
+  }
+  return rows;
+}
+
+std::string format_calibration(const std::vector<CalibrationRow>& rows, const Calibration& c) {
+  std::string s = fmt("Calibration from %s (%s, %s, %d ranks, hidden %ld): model vs measured p50, us\n",
+                      c.source.c_str(), c.machine.c_str(), c.date.c_str(), c.world_size, c.hidden_dim);
+  s += fmt("  %8s %10s %10s %7s %10s %10s %7s\n", "tokens", "disp model", "disp meas", "ratio", "comb model",
+           "comb meas", "ratio");
+  for (const auto& r : rows)
+    s += fmt("  %8.0f %10.1f %10.1f %7.2f %10.1f %10.1f %7.2f\n", r.tokens, r.dispatch_model_us,
+             r.dispatch_measured_us, r.dispatch_model_us / r.dispatch_measured_us, r.combine_model_us,
+             r.combine_measured_us, r.combine_model_us / r.combine_measured_us);
+  return s;
+}
+
+}  // namespace moelink::plan

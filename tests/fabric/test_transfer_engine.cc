@@ -1,0 +1,299 @@
+// TransferEngine across forked processes on the shm and tcp providers.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <numeric>
+#include <vector>
+
+#include "fabric_test_util.h"
+#include "rank_harness.h"
+
+namespace {
+
+using namespace moelink::fabric;
+using moelink_test::exchange_descriptors;
+using moelink_test::make_engine;
+using moelink_test::run_processes;
+using moelink_test::run_ranks;
+
+constexpr int kTimeout = 90;  // per test, all ranks together
+
+void remove_shm_files_of(int pid) {
+  const std::string prefix = std::to_string(pid) + ":";
+  std::error_code ec;
+  for (const auto& f : std::filesystem::directory_iterator("/dev/shm", ec))
+    if (f.path().filename().string().rfind(prefix, 0) == 0) std::filesystem::remove(f.path(), ec);
+}
+
+uint8_t pattern(int rank, size_t i) { return static_cast<uint8_t>(rank * 31 + i * 7 + 1); }
+
+class FabricTest : public testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    setenv("FI_TCP_IFACE", "lo", 0);
+    if (!moelink_test::fabric_provider_available(GetParam()))
+      GTEST_SKIP() << "libfabric provider '" << GetParam() << "' is not available here";
+  }
+  std::string provider() const { return GetParam(); }
+};
+
+// Warm-up: the first operation on tcp connects (75-170 ms); a barrier to
+// every peer makes later timings and timeouts independent of it.
+void warm_up(TransferEngine& e, moelink::Bootstrap& b, const std::vector<MemoryDescriptor>& d) {
+  std::vector<MemoryDescriptor> others;
+  for (int r = 0; r < b.world_size(); ++r)
+    if (r != b.rank()) others.push_back(d[r]);
+  const GroupId g = e.add_peer_group(others);
+  e.barrier(g, 0xfff0)->wait();
+  e.wait_imm(0xfff0, static_cast<uint64_t>(b.world_size() - 1));
+}
+
+TEST(FabricDescriptor, SerializationRoundTrips) {
+  MemoryDescriptor d;
+  d.owner.name = "rank3";
+  d.owner.endpoints = {std::string("\x01\x00\x02", 3), "abc"};
+  d.size = 12345;
+  d.remote_base = {0x1000, 0};
+  d.keys = {7, 99};
+  const auto bytes = d.serialize();
+  const auto back = MemoryDescriptor::deserialize(bytes.data(), bytes.size());
+  EXPECT_EQ(back.owner, d.owner);
+  EXPECT_EQ(back.size, d.size);
+  EXPECT_EQ(back.remote_base, d.remote_base);
+  EXPECT_EQ(back.keys, d.keys);
+  const auto a = d.owner.serialize();
+  EXPECT_EQ(EngineAddress::deserialize(a.data(), a.size()), d.owner);
+  moelink_test::expect_throw_naming<moelink::InvalidArgument>(
+      [&] { MemoryDescriptor::deserialize(bytes.data(), bytes.size() - 1); }, {"MemoryDescriptor"});
+}
+
+TEST(FabricProvider, UnknownProviderThrows) {
+  run_processes(1, [](int, int) {
+    moelink_test::expect_throw_naming<moelink::ProviderUnavailable>(
+        [] { make_engine("no-such-provider", 0); }, {"no-such-provider"});
+  }, kTimeout);
+}
+
+TEST_P(FabricTest, WriteWithImmediateBothDirections) {
+  const std::string prov = provider();
+  run_ranks(2, [&](int rank, moelink::Bootstrap& b) {
+    auto e = make_engine(prov, rank);
+    std::vector<uint8_t> src(1 << 16), dst(1 << 16, 0);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = pattern(rank, i);
+    auto rs = e->register_memory(src.data(), src.size());
+    auto rd = e->register_memory(dst.data(), dst.size());
+    auto d = exchange_descriptors(b, *e, rd);
+    warm_up(*e, b, d);
+    const int peer = 1 - rank;
+    // 1000 bytes from src+24 to peer's dst+100, then the whole rest.
+    e->write(rs, 24, d[peer], 100, 1000, 7u)->wait();
+    std::atomic<int> called{0};
+    e->write(rs, 0, d[peer], 4096, 60000, 8u, [&](std::exception_ptr err) {
+       if (!err) called++;
+     })->wait();
+    RANK_CHECK(called == 1) << "callback not called";
+    e->wait_imm(7, 1);
+    e->wait_imm(8, 1);
+    for (size_t i = 0; i < 1000; ++i)
+      if (dst[100 + i] != pattern(peer, 24 + i)) {
+        RANK_FAIL() << "byte " << i << " of the first write is wrong";
+        break;
+      }
+    for (size_t i = 0; i < 60000; ++i)
+      if (dst[4096 + i] != pattern(peer, i)) {
+        RANK_FAIL() << "byte " << i << " of the second write is wrong";
+        break;
+      }
+    RANK_CHECK(dst[99] == 0 && dst[1100] == 0) << "write spilled outside its range";
+    RANK_CHECK(e->imm_count(7) == 0) << "wait_imm did not consume";
+    b.barrier();
+  }, kTimeout);
+}
+
+TEST_P(FabricTest, PagedWriteWithStrides) {
+  const std::string prov = provider();
+  run_ranks(2, [&](int rank, moelink::Bootstrap& b) {
+    auto e = make_engine(prov, rank, /*num_domains=*/2);
+    constexpr size_t kPage = 256, kSrcStride = 512, kDstStride = 384, kPages = 16;
+    std::vector<uint8_t> src(kSrcStride * kPages), dst(64 + kDstStride * kPages, 0);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = pattern(rank, i);
+    auto rs = e->register_memory(src.data(), src.size());
+    auto rd = e->register_memory(dst.data(), dst.size());
+    auto d = exchange_descriptors(b, *e, rd);
+    warm_up(*e, b, d);
+    PagedWrite p;
+    p.page_bytes = kPage;
+    p.src_stride = kSrcStride;
+    p.dst_stride = kDstStride;
+    p.dst_offset = 64;
+    for (size_t i = 0; i < 10; ++i) {  // pages 0..9 to slots (3i) % 16, reversed
+      p.src_pages.push_back(9 - i);
+      p.dst_pages.push_back((3 * i) % kPages);
+    }
+    e->paged_write(rs, d[1 - rank], p, 21u)->wait();
+    e->wait_imm(21, p.src_pages.size());
+    for (size_t i = 0; i < p.src_pages.size(); ++i)
+      for (size_t j = 0; j < kPage; ++j) {
+        const size_t at = 64 + p.dst_pages[i] * kDstStride + j;
+        if (dst[at] != pattern(1 - rank, p.src_pages[i] * kSrcStride + j)) {
+          RANK_FAIL() << "page " << i << " byte " << j << " is wrong";
+          i = p.src_pages.size();
+          break;
+        }
+      }
+    b.barrier();
+  }, kTimeout);
+}
+
+// Each rank scatters a different slice of one buffer to every other rank,
+// then a barrier; repeated to check the counters' consumption.
+TEST_P(FabricTest, ScatterAndBarrierOverGroup) {
+  const std::string prov = provider();
+  for (int domains : {1, 2}) {
+    constexpr int kWorld = 3;
+    run_ranks(kWorld, [&](int rank, moelink::Bootstrap& b) {
+      auto e = make_engine(prov, rank, domains);
+      constexpr size_t kSlice = 4000;
+      std::vector<uint8_t> src(kSlice * kWorld), dst(kSlice * kWorld, 0);
+      auto rs = e->register_memory(src.data(), src.size());
+      auto rd = e->register_memory(dst.data(), dst.size());
+      auto d = exchange_descriptors(b, *e, rd);
+      warm_up(*e, b, d);
+      std::vector<MemoryDescriptor> members(d.begin(), d.end());  // includes self
+      const GroupId g = e->add_peer_group(members);
+      for (int round = 0; round < 3; ++round) {
+        for (size_t i = 0; i < src.size(); ++i) src[i] = pattern(rank + round, i);
+        std::vector<ScatterSlice> slices;
+        for (int m = 0; m < kWorld; ++m)  // slice m of src to member m at offset rank*kSlice
+          slices.push_back({static_cast<size_t>(m), m * kSlice, rank * kSlice, kSlice});
+        e->scatter(g, rs, slices, 100 + round)->wait();
+        e->wait_imm(100 + round, kWorld);
+        for (int from = 0; from < kWorld; ++from)
+          for (size_t j = 0; j < kSlice; ++j)
+            if (dst[from * kSlice + j] != pattern(from + round, rank * kSlice + j)) {
+              RANK_FAIL() << "round " << round << ": slice from rank " << from << " byte " << j;
+              break;
+            }
+        e->barrier(g, 200)->wait();  // nobody overwrites dst before all checked
+        e->wait_imm(200, kWorld);
+      }
+      b.barrier();
+    }, kTimeout);
+  }
+}
+
+TEST_P(FabricTest, SendRecvMessages) {
+  const std::string prov = provider();
+  run_ranks(2, [&](int rank, moelink::Bootstrap& b) {
+    auto e = make_engine(prov, rank);
+    std::vector<char> buf(4096);
+    auto rb = e->register_memory(buf.data(), buf.size());
+    auto addrs = moelink_test::gather_blobs(b, e->address().serialize());
+    const PeerId peer =
+        e->add_peer(EngineAddress::deserialize(addrs[1 - rank].data(), addrs[1 - rank].size()));
+    for (int i = 0; i < 20; ++i) {
+      const std::string text = "hello " + std::to_string(i) + " from rank" + std::to_string(rank);
+      std::memcpy(buf.data() + 100, text.data(), text.size());
+      e->send(peer, rb, 100, text.size())->wait();
+    }
+    for (int i = 0; i < 20; ++i) {
+      auto m = e->recv(30.0);
+      RANK_CHECK(m.has_value()) << "message " << i << " did not arrive";
+      if (!m) break;
+      const std::string got(m->data.begin(), m->data.end());
+      RANK_CHECK(got.rfind("hello ", 0) == 0 && got.find("rank" + std::to_string(1 - rank)) !=
+                                                    std::string::npos)
+          << "unexpected message '" << got << "'";
+    }
+    RANK_CHECK(!e->recv(0.05).has_value()) << "extra message";
+    b.barrier();
+  }, kTimeout);
+}
+
+TEST_P(FabricTest, InvalidUseNamesOperationAndPeer) {
+  const std::string prov = provider();
+  run_processes(1, [&](int, int) {
+    using moelink::InvalidArgument;
+    using moelink_test::expect_throw_naming;
+    auto e = make_engine(prov, 0);
+    std::vector<char> a(4096), other(64);
+    auto ra = e->register_memory(a.data(), a.size());
+    const auto self = e->descriptor(ra);  // writes to oneself are fine
+    e->write(ra, 0, self, 2048, 1024, 5u)->wait();
+    e->wait_imm(5, 1);
+    MemoryRegion fake{9999, other.data(), other.size()};
+    expect_throw_naming<InvalidArgument>([&] { e->write(fake, 0, self, 0, 8); },
+                                         {"write to peer 'rank0'", "not registered"});
+    expect_throw_naming<InvalidArgument>([&] { e->write(ra, 4000, self, 0, 200); },
+                                         {"write to peer 'rank0'", "source range", "4096"});
+    expect_throw_naming<InvalidArgument>([&] { e->write(ra, 0, self, 4000, 200); },
+                                         {"write", "destination range"});
+    expect_throw_naming<InvalidArgument>([&] { e->send(7, ra, 0, 8); }, {"unknown peer 7"});
+    expect_throw_naming<InvalidArgument>([&] { e->barrier(3, 1); }, {"barrier", "unknown peer group 3"});
+    PagedWrite p;
+    p.page_bytes = 512;
+    p.src_stride = 512;
+    p.dst_stride = 512;
+    p.src_pages = {0, 8};
+    p.dst_pages = {0, 1};
+    expect_throw_naming<InvalidArgument>([&] { e->paged_write(ra, self, p); },
+                                         {"paged_write", "page 1", "source range"});
+    expect_throw_naming<moelink::TimeoutError>([&] { e->wait_imm(77, 1, 0.05); },
+                                               {"wait_imm", "immediate 77", "0 of 1"});
+    e->deregister_memory(ra);
+    expect_throw_naming<InvalidArgument>([&] { e->write(ra, 0, self, 0, 8); }, {"not registered"});
+    expect_throw_naming<InvalidArgument>([&] { e->deregister_memory(ra); }, {"not registered"});
+  }, kTimeout);
+}
+
+// Rank 1 vanishes (exits without closing anything) after the exchange; rank
+// 0's operations fail with an error naming the peer within the timeout, and
+// its engine is destroyed cleanly afterwards.
+TEST_P(FabricTest, PeerDisappearsMidTransfer) {
+  const std::string prov = provider();
+  run_ranks(2, [&](int rank, moelink::Bootstrap& b) {
+    auto e = make_engine(prov, rank, 1, /*timeout_s=*/4.0);
+    std::vector<char> buf(1 << 20);
+    auto r = e->register_memory(buf.data(), buf.size());
+    auto d = exchange_descriptors(b, *e, r);
+    warm_up(*e, b, d);
+    const int32_t my_pid = getpid();
+    std::vector<int32_t> pids(2);
+    b.all_gather(&my_pid, pids.data(), sizeof(my_pid));
+    if (rank == 1) _exit(0);
+    usleep(300 * 1000);
+    const auto start = std::chrono::steady_clock::now();
+    bool failed = false;
+    for (int i = 0; i < 50 && !failed; ++i) {
+      try {
+        e->write(r, 0, d[1], 0, buf.size(), 1u)->wait();
+      } catch (const moelink::Error& err) {
+        failed = true;
+        RANK_CHECK(std::string(err.what()).find("peer 'rank1'") != std::string::npos)
+            << "error does not name the peer: " << err.what();
+      }
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // shm may accept writes into a dead peer's memory: then they succeed.
+    if (prov != "shm") {
+      RANK_CHECK(failed) << "writes to a vanished peer did not fail";
+    }
+    RANK_CHECK(s < 30) << "failure took " << s << " s";
+    moelink_test::expect_throw_naming<moelink::TimeoutError>([&] { e->wait_imm(1, 1, 0.2); },
+                                                             {"wait_imm"});
+    e.reset();
+    // The shm provider leaves the vanished rank's region ("<pid>:<n>:<m>").
+    if (prov == "shm") remove_shm_files_of(pids[1]);
+  }, kTimeout);
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, FabricTest, testing::Values("shm", "tcp"),
+                         [](const auto& info) { return std::string(info.param); });
+
+}  // namespace
