@@ -192,6 +192,11 @@ CommCost comm_cost(const GpuProfile& gpu, const NetworkProfile& net, const Layou
   const double kern = gpu.eff.kernel_overhead_us + (l.ep > l.gpus_per_node ? net.kernel_us : 0);
   c.send_us = kern + send_local_bytes / bw * 1e6;
   c.recv_us = kern + recv_local_bytes / bw * 1e6;
+  if (net.nvlink_transfer_in_kernel && l.ep <= l.gpus_per_node) {
+    // Single node, copies done by the kernels: nothing left in flight to hide.
+    c.send_us += c.transfer_us;
+    c.transfer_us = 0;
+  }
   return c;
 }
 }  // namespace

@@ -67,6 +67,8 @@ NetworkProfile network_from_json_text(const std::string& text, const std::string
   n.kernel_us = j.value("kernel_us", 0.0);
   n.nvlink_efficiency = j.value("nvlink_efficiency", n.nvlink_efficiency);
   n.nvlink_latency_us = j.value("nvlink_latency_us", n.nvlink_latency_us);
+  n.nvlink_transfer_in_kernel = j.value("nvlink_transfer_in_kernel", false);
+  if (n.nvlink_efficiency <= 0) throw PlanError(what + ": nvlink_efficiency must be > 0");
   return n;
 }
 

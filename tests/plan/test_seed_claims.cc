@@ -1,7 +1,10 @@
 // The seed article's figures the planner must reproduce (H100/H200 constants).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <vector>
 
 #include "moelink/plan/sweep.h"
 #include "plan_test_util.h"
@@ -11,7 +14,7 @@ using namespace moelink::plan::test;
 
 // Claim 1: single node EP8 DP1 TP8, batch 1, MTP (query length 2): > 100 tok/s.
 TEST(PlanSeedClaims, SingleNodeBatchOneAbove100) {
-  PlanInput in = input("deepseek-v3", "h200", "nvlink", {8, 1, 8, 8}, 1);
+  PlanInput in = input("deepseek-v3", "h200", "nvlink-seed", {8, 1, 8, 8}, 1);
   ASSERT_EQ(in.work.query_len(), 2);
   StepResult r = simulate_step(in);
   EXPECT_GT(r.output_tok_s, 100);
@@ -19,33 +22,59 @@ TEST(PlanSeedClaims, SingleNodeBatchOneAbove100) {
   EXPECT_NEAR(r.throughput_node, r.output_tok_s, 1e-9);  // one request per node
 }
 
-// Claim 2: at 40-80 tok/s, EP128 on 16 H100 nodes gives several times the
-// per-node throughput of one H200 node (seed ~5x; accepted 3-8x).
+// Claim 2 (issue 5): "At 40-80 tok/s per request, EP128 (16 nodes of H100) gives
+// several times (seed: ~5x; accept 3-8x) the per-node throughput of a single H200
+// node." Both sides sweep the seed's space (TP 1, 2, 4, 8) with every batch size
+// 1..128 per DP group, so the frontier is read at each speed from real
+// configurations instead of chords between power-of-two points. The single node
+// uses the seed's own NVLink kernels (profile nvlink-seed, docs/planner.md).
+//
+// 50-80 tok/s: the issue's bound, [3, 8], at every point.
+// 40 tok/s: NOT reproduced. A feasible single-node layout exists there (EP8 DP4
+// TP2, ~25 requests per DP group, all 32 local experts streamed), and the
+// roofline puts it at ~2x, not 3x: that speed is the knee where the H200 node's
+// experts become fully activated. We found no seed-stated mechanism that moves
+// the knee below 40 tok/s (docs/planner.md, "Departures"), so the test pins what
+// the model gives (EP128 ahead by >= 1.8x) rather than the issue's 3x.
 TEST(PlanSeedClaims, EP128BeatsSingleNodeAtEqualSpeed) {
+  std::vector<int> every_batch;
+  for (int b = 1; b <= 128; ++b) every_batch.push_back(b);
   SweepSpec one;
   one.eps = {8};
-  auto single = sweep(input("deepseek-v3", "h200", "nvlink", {8, 8, 1, 8}, 1), one);
-  SweepSpec multi;
+  one.batches = every_batch;
+  auto single = sweep(input("deepseek-v3", "h200", "nvlink-seed", {8, 8, 1, 8}, 1), one);
+  SweepSpec multi = one;
   multi.eps = {128};
   auto ep128 = sweep(input("deepseek-v3", "h100", "ib-cx7", {128, 128, 1, 8}, 1), multi);
   auto f1 = pareto_frontier(single), f2 = pareto_frontier(ep128);
-  double log_sum = 0, best = 0;
-  int n = 0;
-  for (double speed = 50; speed <= 80; speed += 10) {
-    const double a = frontier_throughput_at(f1, speed), b = frontier_throughput_at(f2, speed);
-    ASSERT_GT(a, 0) << speed;
-    ASSERT_GT(b, 0) << speed;
-    EXPECT_GT(b / a, 2.0) << "at " << speed << " tok/s";
-    log_sum += std::log(b / a);
-    best = std::max(best, b / a);
-    ++n;
+  for (double speed : {40.0, 50.0, 60.0, 70.0, 80.0}) {
+    const double a = throughput_at_speed(single, speed), b = throughput_at_speed(ep128, speed);
+    ASSERT_GT(a, 0) << "no feasible single-node layout at " << speed << " tok/s";
+    ASSERT_GT(b, 0) << "no feasible EP128 layout at " << speed << " tok/s";
+    // The frontier read as a curve agrees with the exact sweep within 10%.
+    EXPECT_NEAR(frontier_throughput_at(f1, speed) / a, 1.0, 0.1) << speed;
+    EXPECT_NEAR(frontier_throughput_at(f2, speed) / b, 1.0, 0.1) << speed;
+    const double ratio = b / a;
+    std::printf("claim 2: %.0f tok/s: single %.0f, EP128 %.0f tok/s per node, %.2fx\n", speed, a, b, ratio);
+    if (speed >= 50) {
+      EXPECT_GE(ratio, 3.0) << "at " << speed << " tok/s";
+      EXPECT_LE(ratio, 8.0) << "at " << speed << " tok/s";
+    } else {
+      EXPECT_GE(ratio, 1.8) << "at " << speed << " tok/s (issue: 3x; see comment)";
+      EXPECT_LE(ratio, 8.0) << "at " << speed << " tok/s";
+    }
   }
-  const double geo = std::exp(log_sum / n);
-  EXPECT_GE(geo, 3.0);
-  EXPECT_LE(geo, 8.0);
-  EXPECT_GE(best, 3.0);
-  // At 40 tok/s EP128 still wins.
-  EXPECT_GT(frontier_throughput_at(f2, 40), frontier_throughput_at(f1, 40));
+  // Seed: at 64 requests per GPU (TP1) the single node is slightly ahead of
+  // EP128 in throughput per node (NVLink vs IB).
+  auto at = [](const std::vector<SweepPoint>& pts, int tp, int b) {
+    double best = 0;
+    for (const auto& p : pts)
+      if (p.layout.tp == tp && p.work.batch == b) best = std::max(best, p.throughput_node);
+    return best;
+  };
+  const double s64 = at(single, 1, 64), m64 = at(ep128, 1, 64);
+  EXPECT_GT(s64, m64);
+  EXPECT_LT(s64, 1.25 * m64);
   // Higher EP shifts the frontier out: EP128 beats EP16 at 60 tok/s.
   SweepSpec e16;
   e16.eps = {16};

@@ -38,6 +38,10 @@ struct NetworkProfile {
                                // (packing, posting work requests, polling): never hidden
   double nvlink_efficiency = 0.85;
   double nvlink_latency_us = 12;  // fixed cost of one dispatch or combine inside a node
+  // true: inside one node (EP <= GPUs per node) the send/receive kernels move the
+  // data themselves (NVLink loads/stores), so the transfer is GPU time that no
+  // overlap mode can hide (see docs/planner.md, "nvlink-seed").
+  bool nvlink_transfer_in_kernel = false;
 };
 
 GpuProfile gpu_from_json_text(const std::string& text, const std::string& fallback_name);
