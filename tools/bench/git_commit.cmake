@@ -11,7 +11,8 @@ if(GIT_FOUND)
                   OUTPUT_STRIP_TRAILING_WHITESPACE)
   # Only a bare 40-digit hash counts (a copied tree without a usable .git can
   # make git print other text and still succeed); else $MOELINK_GIT_COMMIT.
-  if(rc EQUAL 0 AND out MATCHES "^[0-9a-f]+$" AND out MATCHES "^.{40}$")
+  string(LENGTH "${out}" out_len)  # CMake regexes have no {40}
+  if(rc EQUAL 0 AND out MATCHES "^[0-9a-f]+$" AND out_len EQUAL 40)
     set(commit "${out}")
     execute_process(COMMAND ${GIT_EXECUTABLE} -C ${SOURCE_DIR} status --porcelain
                             --untracked-files=no
