@@ -1,7 +1,8 @@
 // One libfabric domain (one NIC): fabric, domain, address vector, completion
 // queue and one RDM endpoint, plus what fi_getinfo said about memory
-// registration. Only the worker thread driving the domain calls into it
-// after construction.
+// registration. After construction it is only called under its worker's
+// endpoint mutex (by the worker or by a user thread posting/polling, see
+// worker.h): the domain is opened FI_THREAD_DOMAIN.
 #pragma once
 
 #include <rdma/fabric.h>

@@ -4,6 +4,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <unordered_map>
 
@@ -14,7 +15,10 @@ class ImmCounters {
   void add(uint32_t imm, uint64_t n = 1);
   // Waits until count(imm) >= count, then subtracts count. Throws
   // TimeoutError naming imm, the count wanted and the count seen.
-  void wait(uint32_t imm, uint64_t count, double timeout_s);
+  // With `progress`, the waiter calls it (one non-blocking progress pass)
+  // kSpinPolls times before sleeping, then after every short sleep.
+  void wait(uint32_t imm, uint64_t count, double timeout_s,
+            const std::function<bool()>& progress = {});
   uint64_t get(uint32_t imm) const;
 
  private:

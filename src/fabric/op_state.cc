@@ -1,15 +1,41 @@
 #include "fabric/op_state.h"
 
+#include <algorithm>
+
 namespace moelink::fabric {
 
 void OpState::wait(double timeout_s) const {
-  std::unique_lock<std::mutex> lock(mu_);
   // The worker fails the op at its deadline; wait a little past it.
   auto until = deadline_ + std::chrono::seconds(5);
   if (timeout_s >= 0)
     until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                std::chrono::duration<double>(timeout_s));
-  if (!cv_.wait_until(lock, until, [&] { return done_.load(); }))
+  // Drive progress from this thread: poll while there is work and for
+  // kSpinPolls passes without, then sleep in short slices (woken early by
+  // completion) with a pass after each: the workers' idle policy.
+  ProgressHook::Waiting waiting(progress_.get());
+  if (progress_) {
+    for (int idle = 0; idle < kSpinPolls && !done();)
+      idle = progress_->run() ? 0 : idle + 1;
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  for (int idle = kSpinPolls;;) {
+    if (done_.load()) break;
+    const auto now = Clock::now();
+    if (now >= until) break;
+    if (!progress_) {
+      cv_.wait_until(lock, until, [&] { return done_.load(); });
+      continue;
+    }
+    if (idle >= kSpinPolls)
+      cv_.wait_until(lock, std::min<Clock::time_point>(until, now + kIdleSleep),
+                     [&] { return done_.load(); });
+    if (done_.load()) break;
+    lock.unlock();
+    idle = progress_->run() ? 0 : idle + 1;
+    lock.lock();
+  }
+  if (!done_.load())
     throw TimeoutError("TransferEngine " + what_ + ": not complete within the wait's timeout");
   if (error_) std::rethrow_exception(error_);
 }

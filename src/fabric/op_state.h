@@ -5,6 +5,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -14,14 +16,64 @@ namespace moelink::fabric {
 
 using Clock = std::chrono::steady_clock;
 
+// Lets a waiting user thread drive the engine's progress itself (read
+// completions) instead of sleeping until the worker wakes it. Cleared when
+// the engine is destroyed; operations may outlive it.
+class ProgressHook {
+ public:
+  explicit ProgressHook(std::function<bool()> fn) : fn_(std::move(fn)) {}
+  // Threads currently waiting and driving progress; while there are any,
+  // idle workers sleep instead of spinning (they would compete for the
+  // same cores and the same endpoint lock).
+  std::atomic<int>& waiters() { return waiters_; }
+  struct Waiting {
+    explicit Waiting(ProgressHook* h) : h_(h) {
+      if (h_) h_->waiters_.fetch_add(1, std::memory_order_relaxed);
+    }
+    ~Waiting() {
+      if (h_) h_->waiters_.fetch_sub(1, std::memory_order_relaxed);
+    }
+    Waiting(const Waiting&) = delete;
+    Waiting& operator=(const Waiting&) = delete;
+    ProgressHook* h_;
+  };
+  // One non-blocking pass; false when another thread is in one, the engine
+  // is gone, or there was nothing to do.
+  bool run() {
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    return lock.owns_lock() && fn_ && fn_();
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    fn_ = nullptr;
+  }
+
+ private:
+  std::mutex mu_;
+  std::function<bool()> fn_;
+  std::atomic<int> waiters_{0};
+};
+
+// Waiters poll this many times (progress passes) before sleeping, then
+// sleep at most this long between passes: the workers' idle policy.
+inline constexpr int kSpinPolls = 200;
+inline constexpr std::chrono::microseconds kIdleSleep{50};
+
 class OpState : public Transfer {
  public:
   // `what` names the operation and peer for error messages.
-  OpState(std::string what, int work_requests, Clock::time_point deadline, Callback cb)
-      : what_(std::move(what)), remaining_(work_requests), deadline_(deadline), cb_(std::move(cb)) {}
+  OpState(std::string what, int work_requests, Clock::time_point deadline, Callback cb,
+          std::shared_ptr<ProgressHook> progress = nullptr)
+      : what_(std::move(what)),
+        remaining_(work_requests),
+        deadline_(deadline),
+        cb_(std::move(cb)),
+        has_cb_(static_cast<bool>(cb_)),
+        progress_(std::move(progress)) {}
 
   const std::string& what() const { return what_; }
   Clock::time_point deadline() const { return deadline_; }
+  bool has_callback() const { return has_cb_; }
 
   bool done() const override { return done_.load(std::memory_order_acquire); }
   std::exception_ptr error() const override {
@@ -41,6 +93,8 @@ class OpState : public Transfer {
   std::atomic<int> remaining_;
   const Clock::time_point deadline_;
   Callback cb_;
+  const bool has_cb_;
+  const std::shared_ptr<ProgressHook> progress_;
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   std::exception_ptr error_;

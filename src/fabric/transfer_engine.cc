@@ -1,13 +1,17 @@
 // TransferEngine over libfabric: peers, peer groups (prebuilt work-request
 // templates) and the operations, which validate on the calling thread and
-// hand work requests to the worker of the chosen domain.
+// submit work requests to the worker of the chosen domain (posted from the
+// calling thread when its endpoints are free, see worker.h). Waiters
+// (Transfer::wait, wait_imm) drive progress themselves through a
+// ProgressHook before sleeping.
 #include "moelink/transfer_engine.h"
 
 #include <rdma/fabric.h>
 
 #include <algorithm>
 #include <deque>
-#include <map>
+#include <functional>
+#include <unordered_map>
 #include <mutex>
 
 #include "fabric/fabric_domain.h"
@@ -23,6 +27,16 @@ namespace {
 struct Peer {
   EngineAddress address;
   std::vector<fi_addr_t> fi_addr;  // per local domain
+};
+
+// Peers are looked up by address on every write: hash the address in place
+// instead of serializing it.
+struct AddressHash {
+  size_t operator()(const EngineAddress& a) const {
+    size_t h = std::hash<std::string>()(a.name);
+    for (const auto& e : a.endpoints) h = h * 1000003u ^ std::hash<std::string>()(e);
+    return h;
+  }
 };
 
 // A group member's template: everything of its work request but the local
@@ -50,7 +64,14 @@ class FabricEngine final : public TransferEngine {
           info_->domains[static_cast<size_t>(i) % info_->domains.size()], i));
     address_.name = o.name;
     for (auto& d : domains_) address_.endpoints.push_back(d->name());
-    Worker::Options wo{o.yield_when_idle, o.max_message_bytes, o.recv_buffers};
+    progress_ = std::make_shared<ProgressHook>([this] {
+      bool any = false;
+      for (auto& w : workers_) any |= w->progress();
+      return any;
+    });
+    progress_fn_ = [this] { return progress_->run(); };
+    Worker::Options wo{o.yield_when_idle, o.max_message_bytes, o.recv_buffers,
+                       &progress_->waiters()};
     for (int first = 0; first < o.num_domains; first += o.domains_per_worker) {
       std::vector<Domain*> group;
       for (int i = first; i < std::min(o.num_domains, first + o.domains_per_worker); ++i)
@@ -60,6 +81,7 @@ class FabricEngine final : public TransferEngine {
   }
 
   ~FabricEngine() override {
+    progress_->clear();  // operations may outlive the engine
     for (auto& w : workers_) w->stop();
     for (auto& r : registry_.take_all())
       for (auto& mr : r->mrs) Domain::close_mr(mr);
@@ -113,9 +135,7 @@ class FabricEngine final : public TransferEngine {
       throw InvalidArgument("TransferEngine add_peer: address of '" + address.name +
                             "' has no endpoints");
     std::lock_guard<std::mutex> lock(peers_mu_);
-    const auto key = address.serialize();
-    const std::string k(key.begin(), key.end());
-    auto it = peer_ids_.find(k);
+    auto it = peer_ids_.find(address);
     if (it != peer_ids_.end()) return it->second;
     Peer p;
     p.address = address;
@@ -128,7 +148,7 @@ class FabricEngine final : public TransferEngine {
     }
     const PeerId id = static_cast<PeerId>(peers_.size());
     peers_.push_back(std::move(p));
-    peer_ids_[k] = id;
+    peer_ids_.emplace(address, id);
     return id;
   }
 
@@ -173,19 +193,29 @@ class FabricEngine final : public TransferEngine {
                             " destination pages");
     auto reg = registry_.check(src, 0, 0, what);
     std::vector<std::vector<WorkRequest>> per_domain(domains_.size());
+    // One template per domain used (pages are sharded across domains),
+    // built at the domain's first page as before (same error order).
+    std::vector<WorkRequest> tmpl;
     auto op = new_op(what, static_cast<int>(std::max<size_t>(1, p.src_pages.size())), std::move(cb));
     for (size_t i = 0; i < p.src_pages.size(); ++i) {
       const uint64_t so = p.src_offset + p.src_pages[i] * p.src_stride;
       const uint64_t dof = p.dst_offset + p.dst_pages[i] * p.dst_stride;
-      const std::string page = what + " (page " + std::to_string(i) + ")";
-      check_range(reg->size, so, p.page_bytes, page, "source");
-      check_range(dst.size, dof, p.page_bytes, page, "destination");
+      if (!in_range(reg->size, so, p.page_bytes) || !in_range(dst.size, dof, p.page_bytes)) {
+        const std::string page = what + " (page " + std::to_string(i) + ")";
+        check_range(reg->size, so, p.page_bytes, page, "source");
+        check_range(dst.size, dof, p.page_bytes, page, "destination");
+      }
       // Pages are sharded across domains (NICs).
-      Domain* d = domains_[i % domains_.size()].get();
-      WorkRequest wr = make_template(peer, d, dst, what);
+      const size_t di = i % domains_.size();
+      Domain* d = domains_[di].get();
+      if (di == tmpl.size()) {
+        tmpl.push_back(make_template(peer, d, dst, what));
+        per_domain[di].reserve(p.src_pages.size() / domains_.size() + 1);
+      }
+      WorkRequest wr = tmpl[di];
       fill(wr, *reg, d, so, dof, p.page_bytes, imm);
       wr.op = op;
-      per_domain[d->index()].push_back(std::move(wr));
+      per_domain[di].push_back(std::move(wr));
     }
     submit_all(per_domain);
     if (p.src_pages.empty()) op->complete_one();
@@ -204,9 +234,11 @@ class FabricEngine final : public TransferEngine {
         throw InvalidArgument("TransferEngine " + what + ": member " + std::to_string(s.member) +
                               " of a " + std::to_string(members.size()) + "-member group");
       const Member& m = members[s.member];
-      const std::string w = "scatter to " + peer_str(m.peer);
-      check_range(reg->size, s.src_offset, s.len, w, "source");
-      check_range(m.size, s.dst_offset, s.len, w, "destination");
+      if (!in_range(reg->size, s.src_offset, s.len) || !in_range(m.size, s.dst_offset, s.len)) {
+        const std::string w = "scatter to " + peer_str(m.peer);
+        check_range(reg->size, s.src_offset, s.len, w, "source");
+        check_range(m.size, s.dst_offset, s.len, w, "destination");
+      }
       WorkRequest wr = m.tmpl;
       fill(wr, *reg, wr.domain, s.src_offset, s.dst_offset, s.len, imm);
       wr.op = op;
@@ -234,7 +266,8 @@ class FabricEngine final : public TransferEngine {
   }
 
   void wait_imm(uint32_t imm, uint64_t count, double timeout_s) override {
-    imms_.wait(imm, count, timeout_s < 0 ? options_.timeout_s : timeout_s);
+    ProgressHook::Waiting waiting(progress_.get());
+    imms_.wait(imm, count, timeout_s < 0 ? options_.timeout_s : timeout_s, progress_fn_);
   }
   uint64_t imm_count(uint32_t imm) const override { return imms_.get(imm); }
 
@@ -302,6 +335,10 @@ class FabricEngine final : public TransferEngine {
     return wr;
   }
 
+  static bool in_range(uint64_t size, uint64_t offset, uint64_t len) {
+    return offset <= size && len <= size - offset;
+  }
+
   static void fill(WorkRequest& wr, const Registration& reg, Domain* d, uint64_t src_offset,
                    uint64_t dst_offset, size_t len, std::optional<uint32_t> imm) {
     wr.buf = static_cast<char*>(reg.ptr) + src_offset;
@@ -315,7 +352,7 @@ class FabricEngine final : public TransferEngine {
   std::shared_ptr<OpState> new_op(const std::string& what, int wrs, Callback cb) {
     auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                        std::chrono::duration<double>(options_.timeout_s));
-    auto op = std::make_shared<OpState>(what, wrs, deadline, std::move(cb));
+    auto op = std::make_shared<OpState>(what, wrs, deadline, std::move(cb), progress_);
     return op;
   }
 
@@ -334,7 +371,9 @@ class FabricEngine final : public TransferEngine {
   std::vector<std::unique_ptr<Worker>> workers_;
   std::mutex peers_mu_;
   std::vector<Peer> peers_;
-  std::map<std::string, PeerId> peer_ids_;
+  std::unordered_map<EngineAddress, PeerId, AddressHash> peer_ids_;
+  std::shared_ptr<ProgressHook> progress_;
+  std::function<bool()> progress_fn_;
   std::deque<std::vector<Member>> groups_;
 };
 

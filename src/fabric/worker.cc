@@ -18,9 +18,16 @@
 
 namespace moelink::fabric {
 
+namespace {
+constexpr std::chrono::microseconds kHelpedSleep{1000};
+}  // namespace
+
 struct Worker::Ctx {
   fi_context2 fi;  // first: libfabric's FI_CONTEXT2 space
   bool is_recv = false;
+  // in-flight list links (own work requests)
+  Ctx* prev = nullptr;
+  Ctx* next = nullptr;
   // own work requests
   WorkRequest wr;
   // receive buffers
@@ -76,11 +83,43 @@ Worker::Worker(std::vector<Domain*> domains, ImmCounters& imms, MessageQueue& me
     for (auto& c : slabs_.back()->ctxs) repost(&c);
   }
   thread_ = std::thread([this] { loop(); });
+  thread_id_ = thread_.get_id();
 }
 
 Worker::~Worker() {
   stop();
   release();
+  for (Ctx* c : free_ctxs_) delete c;
+}
+
+bool Worker::on_worker_thread() const { return std::this_thread::get_id() == thread_id_; }
+
+Worker::Ctx* Worker::get_ctx() {
+  if (free_ctxs_.empty()) return new Ctx;
+  Ctx* c = free_ctxs_.back();
+  free_ctxs_.pop_back();
+  return c;
+}
+
+void Worker::put_ctx(Ctx* c) {
+  c->wr.op.reset();
+  free_ctxs_.push_back(c);
+}
+
+void Worker::link(Ctx* c) {
+  c->prev = nullptr;
+  c->next = inflight_;
+  if (inflight_) inflight_->prev = c;
+  inflight_ = c;
+}
+
+void Worker::unlink(Ctx* c) {
+  if (c->prev)
+    c->prev->next = c->next;
+  else
+    inflight_ = c->next;
+  if (c->next) c->next->prev = c->prev;
+  c->prev = c->next = nullptr;
 }
 
 void Worker::repost(Ctx* c) {
@@ -95,6 +134,12 @@ void Worker::repost(Ctx* c) {
 }
 
 void Worker::submit(std::vector<WorkRequest>&& wrs) {
+  // Direct posting needs the endpoints (ep_mu_) and nothing queued before
+  // this submission (incoming_, pending_), so that work requests are posted
+  // in submission order. The worker thread itself (a callback submitting)
+  // always queues.
+  std::unique_lock<std::mutex> ep(ep_mu_, std::defer_lock);
+  if (!on_worker_thread()) (void)ep.try_lock();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) {
@@ -103,9 +148,56 @@ void Worker::submit(std::vector<WorkRequest>&& wrs) {
                                                         ": the engine is shutting down")));
       return;
     }
-    for (auto& wr : wrs) incoming_.push_back(std::move(wr));
+    if (!ep.owns_lock() || stopped_ || !incoming_.empty() || !pending_.empty()) {
+      for (auto& wr : wrs) incoming_.push_back(std::move(wr));
+      if (ep.owns_lock()) ep.unlock();
+      wake_.notify_one();
+      return;
+    }
   }
-  wake_.notify_one();
+  size_t i = 0;
+  for (; i < wrs.size(); ++i) {
+    if (wrs[i].op->done()) continue;  // failed meanwhile
+    // Not posted (busy provider or an error): the worker retries and, on a
+    // hard error, fails the op on its thread (where callbacks run).
+    if (try_post(wrs[i]) != PostResult::kPosted) break;
+  }
+  const bool queued = i < wrs.size();
+  for (; i < wrs.size(); ++i) pending_.push_back(std::move(wrs[i]));
+  ep.unlock();
+  user_posted_.store(true, std::memory_order_relaxed);
+  // Completions are read by a waiter (progress) or by the worker's next pass
+  // (at most one idle sleep away); queued work needs the worker now.
+  if (queued) wake_.notify_one();
+}
+
+bool Worker::progress() {
+  if (on_worker_thread()) return false;
+  std::unique_lock<std::mutex> ep(ep_mu_, std::try_to_lock);
+  if (!ep.owns_lock() || stopped_) return false;
+  int work = 0;
+  bool wake = false;
+  {  // work queued while the endpoints were busy: post it from here too
+    std::lock_guard<std::mutex> lock(mu_);
+    while (!incoming_.empty()) {
+      pending_.push_back(std::move(incoming_.front()));
+      incoming_.pop_front();
+    }
+  }
+  while (!pending_.empty()) {
+    if (pending_.front().op->done()) {
+      pending_.pop_front();
+      continue;
+    }
+    if (try_post(pending_.front()) != PostResult::kPosted) break;
+    pending_.pop_front();
+    ++work;
+  }
+  for (Domain* d : domains_) work += poll(*d, false, &wake);
+  if (!pending_.empty() || !deferred_.empty()) wake = true;
+  ep.unlock();
+  if (wake) wake_.notify_one();
+  return work > 0;
 }
 
 void Worker::call(const std::function<void()>& fn) {
@@ -127,20 +219,29 @@ void Worker::stop() {
   }
   wake_.notify_all();
   if (thread_.joinable()) thread_.join();
+  std::lock_guard<std::mutex> ep(ep_mu_);  // waits for a user thread posting or polling
+  stopped_ = true;
 }
 
 void Worker::release() {
   const auto closed = std::make_exception_ptr(
       FabricError("TransferEngine: the engine was destroyed before the operation completed"));
-  for (Ctx* c : inflight_) {
+  std::lock_guard<std::mutex> ep(ep_mu_);
+  deferred_.clear();  // still in the in-flight list
+  while (inflight_) {
+    Ctx* c = inflight_;
+    unlink(c);
     c->wr.op->fail(closed);
-    delete c;
+    put_ctx(c);
   }
-  inflight_.clear();
   for (auto& wr : pending_) wr.op->fail(closed);
   pending_.clear();
-  for (auto& wr : incoming_) wr.op->fail(closed);
-  incoming_.clear();
+  std::deque<WorkRequest> incoming;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    incoming.swap(incoming_);
+  }
+  for (auto& wr : incoming) wr.op->fail(closed);
   for (auto& s : slabs_) Domain::close_mr(s->mr);
   slabs_.clear();
 }
@@ -158,8 +259,8 @@ void Worker::run_tasks() {
   for (auto& t : tasks) t();
 }
 
-bool Worker::post(WorkRequest& wr) {
-  auto* c = new Ctx;
+Worker::PostResult Worker::try_post(WorkRequest& wr) {
+  Ctx* c = get_ctx();
   c->wr = wr;
   ssize_t rc;
   if (wr.kind == WorkRequest::Kind::kWrite) {
@@ -180,14 +281,22 @@ bool Worker::post(WorkRequest& wr) {
     rc = fi_send(wr.domain->ep(), wr.buf, wr.len, wr.desc, wr.dest, &c->fi);
   }
   if (rc == 0) {
-    inflight_.insert(c);
-    return true;
+    link(c);
+    return PostResult::kPosted;
   }
-  delete c;
-  if (rc == -FI_EAGAIN) return false;
-  fail_op(wr.op, std::make_exception_ptr(FabricError(
-                     "TransferEngine " + wr.op->what() + ": posting failed on domain " +
-                     std::to_string(wr.domain->index()) + ": " + fi_strerror(static_cast<int>(-rc)))));
+  put_ctx(c);
+  if (rc == -FI_EAGAIN) return PostResult::kAgain;
+  last_post_error_ = static_cast<int>(-rc);
+  return PostResult::kFailed;
+}
+
+bool Worker::post(WorkRequest& wr) {
+  const PostResult r = try_post(wr);
+  if (r == PostResult::kAgain) return false;
+  if (r == PostResult::kFailed)
+    fail_op(wr.op, std::make_exception_ptr(FabricError(
+                       "TransferEngine " + wr.op->what() + ": posting failed on domain " +
+                       std::to_string(wr.domain->index()) + ": " + fi_strerror(last_post_error_))));
   return true;
 }
 
@@ -208,19 +317,23 @@ void Worker::handle_error(Domain& d) {
   }
   char buf[256] = {0};
   const char* detail = fi_cq_strerror(d.cq(), err.prov_errno, err.err_data, buf, sizeof(buf));
-  inflight_.erase(c);
+  unlink(c);
   c->wr.op->fail(std::make_exception_ptr(FabricError(
       "TransferEngine " + c->wr.op->what() + ": completion error on domain " +
       std::to_string(d.index()) + ": " + fi_strerror(err.err) + " (" +
       (detail ? detail : "") + ")")));
-  delete c;
+  put_ctx(c);
 }
 
-int Worker::poll(Domain& d) {
+int Worker::poll(Domain& d, bool on_worker, bool* wake) {
   fi_cq_data_entry entries[32];
   const ssize_t n = fi_cq_read(d.cq(), entries, 32);
   if (n == -FI_EAGAIN) return 0;
   if (n == -FI_EAVAIL) {
+    if (!on_worker) {  // error entries are the worker's (they may run callbacks)
+      *wake = true;
+      return 0;
+    }
     handle_error(d);
     return 1;
   }
@@ -241,9 +354,14 @@ int Worker::poll(Domain& d) {
       repost(c);
       continue;
     }
-    inflight_.erase(c);
+    if (!on_worker && c->wr.op->has_callback()) {  // the callback runs on the worker
+      deferred_.push_back(c);
+      *wake = true;
+      continue;
+    }
+    unlink(c);
     c->wr.op->complete_one();
-    delete c;
+    put_ctx(c);
   }
   return static_cast<int>(n);
 }
@@ -252,7 +370,7 @@ void Worker::check_deadlines() {
   const auto now = Clock::now();
   if (now < next_deadline_check_) return;
   next_deadline_check_ = now + std::chrono::milliseconds(2);
-  for (Ctx* c : inflight_) {
+  for (Ctx* c = inflight_; c; c = c->next) {
     const auto& op = c->wr.op;
     if (!op->done() && now > op->deadline())
       op->fail(std::make_exception_ptr(TimeoutError(
@@ -271,16 +389,32 @@ void Worker::check_deadlines() {
 
 void Worker::loop() {
   int idle = 0;
+  bool queued = false;  // pending_ or deferred_ non-empty at the end of the last pass
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(mu_);
       if (stop_) break;
-      if (options_.yield_when_idle && idle > 200 && incoming_.empty() && tasks_.empty() &&
-          pending_.empty())
-        wake_.wait_for(lock, std::chrono::microseconds(50));
+      // While a user thread waits it polls the same completion queues and
+      // wakes the worker for what is the worker's (callbacks, errors, queued
+      // work), so the worker sleeps longer then (fewer wake-ups competing
+      // for the cores). Cost: after the last waiter returns, a completion
+      // nobody waits for may be seen up to kHelpedSleep late.
+      const bool waiting = options_.waiters && options_.waiters->load(std::memory_order_relaxed) > 0;
+      const bool helped = user_posted_.exchange(false, std::memory_order_relaxed) || waiting;
+      if (options_.yield_when_idle && (idle > 200 || helped) && incoming_.empty() &&
+          tasks_.empty() && !queued)
+        wake_.wait_for(lock, waiting ? kHelpedSleep : kIdleSleep);
     }
+    std::lock_guard<std::mutex> ep(ep_mu_);
     run_tasks();
     int work = 0;
+    for (Ctx* c : deferred_) {  // completed while a user thread polled
+      unlink(c);
+      c->wr.op->complete_one();
+      put_ctx(c);
+      ++work;
+    }
+    deferred_.clear();
     while (!pending_.empty()) {
       if (pending_.front().op->done()) {  // failed meanwhile: drop the rest
         pending_.pop_front();
@@ -290,8 +424,10 @@ void Worker::loop() {
       pending_.pop_front();
       ++work;
     }
-    for (Domain* d : domains_) work += poll(*d);
+    bool unused = false;
+    for (Domain* d : domains_) work += poll(*d, true, &unused);
     check_deadlines();
+    queued = !pending_.empty() || !deferred_.empty();
     idle = work ? 0 : idle + 1;
   }
 }
