@@ -21,6 +21,9 @@ class Bootstrap {
   virtual void barrier();
 
   std::vector<char> all_gather(const std::vector<char>& in);
+  // Like all_gather, but each rank may contribute a different number of
+  // bytes (serialized descriptors, endpoint names); returns one blob per rank.
+  std::vector<std::vector<char>> all_gather_blobs(const std::vector<char>& in);
 };
 
 // TCP rendezvous: rank 0 listens on host:port, the others connect to it.

@@ -52,6 +52,22 @@ std::vector<char> Bootstrap::all_gather(const std::vector<char>& in) {
   return out;
 }
 
+std::vector<std::vector<char>> Bootstrap::all_gather_blobs(const std::vector<char>& in) {
+  const uint64_t n = in.size();
+  std::vector<uint64_t> sizes(world_size());
+  all_gather(&n, sizes.data(), sizeof(n));
+  uint64_t max = 0;
+  for (uint64_t s : sizes) max = std::max(max, s);
+  std::vector<char> padded(max);
+  if (n > 0) std::memcpy(padded.data(), in.data(), n);
+  std::vector<char> all(max * world_size());
+  all_gather(padded.data(), all.data(), max);
+  std::vector<std::vector<char>> out;
+  for (int r = 0; r < world_size(); ++r)
+    out.emplace_back(all.begin() + r * max, all.begin() + r * max + sizes[r]);
+  return out;
+}
+
 namespace {
 
 using Clock = std::chrono::steady_clock;

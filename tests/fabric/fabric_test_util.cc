@@ -34,22 +34,6 @@ bool fabric_provider_available(const std::string& provider) {
   return cache[provider] = WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
-std::vector<std::vector<char>> gather_blobs(moelink::Bootstrap& b, const std::vector<char>& mine) {
-  const uint64_t n = mine.size();
-  std::vector<uint64_t> sizes(b.world_size());
-  b.all_gather(&n, sizes.data(), sizeof(n));
-  uint64_t max = 0;
-  for (auto s : sizes) max = std::max(max, s);
-  std::vector<char> padded(max);
-  std::memcpy(padded.data(), mine.data(), mine.size());
-  std::vector<char> all(max * b.world_size());
-  b.all_gather(padded.data(), all.data(), max);
-  std::vector<std::vector<char>> out;
-  for (int r = 0; r < b.world_size(); ++r)
-    out.emplace_back(all.begin() + r * max, all.begin() + r * max + sizes[r]);
-  return out;
-}
-
 std::unique_ptr<TransferEngine> make_engine(const std::string& provider, int rank, int num_domains,
                                             double timeout_s) {
   EngineOptions o;
@@ -65,7 +49,7 @@ std::unique_ptr<TransferEngine> make_engine(const std::string& provider, int ran
 std::vector<MemoryDescriptor> exchange_descriptors(moelink::Bootstrap& b, TransferEngine& e,
                                                    const MemoryRegion& region) {
   std::vector<MemoryDescriptor> out;
-  for (const auto& blob : gather_blobs(b, e.descriptor(region).serialize()))
+  for (const auto& blob : b.all_gather_blobs(e.descriptor(region).serialize()))
     out.push_back(MemoryDescriptor::deserialize(blob.data(), blob.size()));
   return out;
 }

@@ -15,8 +15,6 @@ namespace moelink_test {
 // Whether `provider` is usable, asked in a forked child. Cached.
 bool fabric_provider_available(const std::string& provider);
 
-// Every rank contributes a blob of any size; returns all, indexed by rank.
-std::vector<std::vector<char>> gather_blobs(moelink::Bootstrap& b, const std::vector<char>& mine);
 
 // An engine named "rank<r>" with test-friendly options.
 std::unique_ptr<moelink::fabric::TransferEngine> make_engine(const std::string& provider, int rank,

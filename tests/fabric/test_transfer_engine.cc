@@ -194,7 +194,7 @@ TEST_P(FabricTest, SendRecvMessages) {
     auto e = make_engine(prov, rank);
     std::vector<char> buf(4096);
     auto rb = e->register_memory(buf.data(), buf.size());
-    auto addrs = moelink_test::gather_blobs(b, e->address().serialize());
+    auto addrs = b.all_gather_blobs(e->address().serialize());
     const PeerId peer =
         e->add_peer(EngineAddress::deserialize(addrs[1 - rank].data(), addrs[1 - rank].size()));
     for (int i = 0; i < 20; ++i) {

@@ -26,22 +26,6 @@ Layout Layout::make(size_t peers, size_t scatter_bytes, size_t pages, size_t pag
   return l;
 }
 
-std::vector<std::vector<char>> gather_blobs(moelink::Bootstrap& b, const std::vector<char>& mine) {
-  const uint64_t n = mine.size();
-  std::vector<uint64_t> sizes(b.world_size());
-  b.all_gather(&n, sizes.data(), sizeof(n));
-  uint64_t max = 0;
-  for (auto s : sizes) max = std::max(max, s);
-  std::vector<char> padded(max);
-  std::memcpy(padded.data(), mine.data(), mine.size());
-  std::vector<char> all(max * b.world_size());
-  b.all_gather(padded.data(), all.data(), max);
-  std::vector<std::vector<char>> out;
-  for (int r = 0; r < b.world_size(); ++r)
-    out.emplace_back(all.begin() + r * max, all.begin() + r * max + sizes[r]);
-  return out;
-}
-
 EngineTransport::EngineTransport(moelink::Bootstrap& b, Buffers& buf, const Layout& l,
                                  const std::string& provider, bool yield_when_idle) {
   EngineOptions o;
@@ -53,7 +37,7 @@ EngineTransport::EngineTransport(moelink::Bootstrap& b, Buffers& buf, const Layo
   e_ = TransferEngine::create(o);  // default recv_buffers (64) and max_message_bytes (4096)
   src_ = e_->register_memory(buf.src.data(), buf.src.size());
   dst_ = e_->register_memory(buf.dst.data(), buf.dst.size());
-  for (const auto& blob : gather_blobs(b, e_->descriptor(dst_).serialize()))
+  for (const auto& blob : b.all_gather_blobs(e_->descriptor(dst_).serialize()))
     d_.push_back(MemoryDescriptor::deserialize(blob.data(), blob.size()));
   if (b.rank() == 0) {
     std::vector<MemoryDescriptor> peers(d_.begin() + 1, d_.end());
@@ -90,7 +74,7 @@ RawTransport::RawTransport(moelink::Bootstrap& b, Buffers& buf, const Layout& l,
               reinterpret_cast<const char*>(&base) + 8);
   mine.insert(mine.end(), reinterpret_cast<const char*>(&key),
               reinterpret_cast<const char*>(&key) + 8);
-  for (const auto& blob : gather_blobs(b, mine)) {
+  for (const auto& blob : b.all_gather_blobs(mine)) {
     RawFabric::Remote r;
     const size_t n = blob.size() - 16;
     std::memcpy(&r.base, blob.data() + n, 8);

@@ -44,7 +44,6 @@ struct Buffers {
   std::vector<uint8_t> src, dst;
 };
 
-std::vector<std::vector<char>> gather_blobs(moelink::Bootstrap& b, const std::vector<char>& mine);
 
 class EngineTransport {
  public:
