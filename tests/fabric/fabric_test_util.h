@@ -15,7 +15,6 @@ namespace moelink_test {
 // Whether `provider` is usable, asked in a forked child. Cached.
 bool fabric_provider_available(const std::string& provider);
 
-
 // An engine named "rank<r>" with test-friendly options.
 std::unique_ptr<moelink::fabric::TransferEngine> make_engine(const std::string& provider, int rank,
                                                              int num_domains = 1,

@@ -44,7 +44,6 @@ struct Buffers {
   std::vector<uint8_t> src, dst;
 };
 
-
 class EngineTransport {
  public:
   EngineTransport(moelink::Bootstrap& b, Buffers& buf, const Layout& layout,
