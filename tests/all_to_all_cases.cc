@@ -89,7 +89,7 @@ std::string CaseSpec::describe() const {
      << " idx=" << moelink::dtype_name(index_dtype) << " routing=" << routing_name(routing)
      << " seed=" << seed << (split ? " split" : "") << (accumulate ? " accumulate" : "")
      << (strided ? " strided" : "") << (padded ? " padded" : "") << (identity_expert ? " identity" : "")
-     << (backend == moelink::Backend::kCPU ? " cpu" : " nvlink") << "]";
+     << " " << moelink::backend_name(backend) << "]";
   return os.str();
 }
 

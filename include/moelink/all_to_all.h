@@ -10,6 +10,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "moelink/bootstrap.h"
 #include "moelink/config.h"
@@ -20,7 +21,24 @@ namespace moelink {
 enum class Backend {
   kNVLink,  // GPUs of one node, peer-mapped memory, GPU-initiated transfers
   kCPU,     // processes of one host, POSIX shared memory, CPU loops
+  // GPUs of one or more nodes: NVSHMEM symmetric memory and GPU-initiated
+  // puts/signals (src/nvshmem). Needs a build with NVSHMEM.
+  kNVSHMEM,
+  // Ranks on different nodes: a host proxy drives the TransferEngine
+  // (libfabric) with GPU kernels packing and unpacking (src/internode).
+  // Needs a build with libfabric.
+  kInternode,
+  // The same inter-node protocol, proxy and engine with CPU loops in place
+  // of kernels: host tensors, no GPU (CI, tests).
+  kInternodeCPU,
 };
+
+// "nvlink", "cpu", "nvshmem", "internode", "internode-cpu".
+const char* backend_name(Backend b);
+// True for the backends whose tensors live in host memory.
+inline bool backend_uses_host_memory(Backend b) {
+  return b == Backend::kCPU || b == Backend::kInternodeCPU;
+}
 
 struct Options {
   Backend backend = Backend::kNVLink;
@@ -35,6 +53,15 @@ struct Options {
   // Run check() after every call (synchronizing the stream). < 0: read
   // MOELINK_DEBUG.
   int debug = -1;
+
+  // ---- kInternode / kInternodeCPU only
+  // libfabric provider: "efa", "shm", "tcp", or "" to read
+  // MOELINK_FABRIC_PROVIDER, else the first of efa, shm, tcp offered.
+  std::string fabric_provider;
+  // Tokens per (sender, receiver) pair that go out with the routing
+  // information, before offsets are known (private receive space per
+  // sender). < 0: min(max_num_tokens, 32).
+  int max_private_tokens = -1;
 };
 
 namespace detail {

@@ -224,13 +224,15 @@ class EnvBootstrap : public OwningBootstrap {
 
 // ------------------------------------------------------------------ all-to-all
 
-const char* backend_name(Backend b) { return b == Backend::kCPU ? "cpu" : "nvlink"; }
-
 Backend parse_backend(const std::string& s) {
   std::string l = lower(s);
   if (l == "cpu") return Backend::kCPU;
   if (l == "nvlink" || l == "cuda" || l == "gpu") return Backend::kNVLink;
-  throw InvalidArgument("moelink: AllToAll: backend = '" + s + "' must be 'nvlink' or 'cpu'");
+  if (l == "nvshmem") return Backend::kNVSHMEM;
+  if (l == "internode") return Backend::kInternode;
+  if (l == "internode-cpu" || l == "internode_cpu") return Backend::kInternodeCPU;
+  throw InvalidArgument("moelink: AllToAll: backend = '" + s +
+                        "' must be 'nvlink', 'cpu', 'nvshmem', 'internode' or 'internode-cpu'");
 }
 
 #if defined(MOELINK_WITH_CUDA)
@@ -253,7 +255,7 @@ class PyAllToAll {
     o.timeout_s = timeout_s;
     o.debug = debug;
     nb::gil_scoped_release release;
-    if (o.backend == Backend::kNVLink) {
+    if (!backend_uses_host_memory(o.backend)) {
 #if defined(MOELINK_WITH_CUDA)
       device_ = current_cuda_device();
 #endif
@@ -269,7 +271,7 @@ class PyAllToAll {
   ConvertContext context(const char* call) {
     ConvertContext ctx;
     ctx.call = call;
-    ctx.place = impl().backend() == Backend::kCPU ? Place::kHost : Place::kCuda;
+    ctx.place = backend_uses_host_memory(impl().backend()) ? Place::kHost : Place::kCuda;
     ctx.device_id = device_;
     return ctx;
   }

@@ -128,6 +128,16 @@ ResolvedOptions resolve_options(const Options& o) {
   r.num_blocks = o.num_blocks;
   r.timeout_s = o.timeout_s > 0 ? o.timeout_s : env_double("MOELINK_TIMEOUT_S", 30.0);
   r.debug = o.debug >= 0 ? o.debug != 0 : env_flag("MOELINK_DEBUG");
+  r.fabric_provider = o.fabric_provider;
+  if (r.fabric_provider.empty()) {
+    const char* p = std::getenv("MOELINK_FABRIC_PROVIDER");
+    if (p != nullptr) r.fabric_provider = p;
+  }
+  if (o.max_private_tokens > 1048576)
+    throw InvalidArgument("moelink: Options.max_private_tokens = " +
+                          std::to_string(o.max_private_tokens) +
+                          " must be in [0, max_num_tokens] (< 0 = default)");
+  r.max_private_tokens = o.max_private_tokens;
   return r;
 }
 
@@ -227,10 +237,37 @@ std::unique_ptr<AllToAll> AllToAll::create(const Config& config, Bootstrap& boot
                           " disagree with the bootstrap's " + std::to_string(bootstrap.rank()) +
                           "/" + std::to_string(bootstrap.world_size()));
   auto resolved = detail::resolve_options(options);
-  std::unique_ptr<detail::AllToAllImpl> impl =
-      resolved.backend == Backend::kCPU ? detail::make_cpu_impl(config, resolved, bootstrap)
-                                        : detail::make_nvlink_impl(config, resolved, bootstrap);
+  if (resolved.max_private_tokens > config.max_num_tokens)
+    throw InvalidArgument("moelink: Options.max_private_tokens = " +
+                          std::to_string(resolved.max_private_tokens) + " must be in [0, " +
+                          std::to_string(config.max_num_tokens) +
+                          "] (max_num_tokens; < 0 = default)");
+  std::unique_ptr<detail::AllToAllImpl> impl;
+  switch (resolved.backend) {
+    case Backend::kCPU: impl = detail::make_cpu_impl(config, resolved, bootstrap); break;
+    case Backend::kNVLink: impl = detail::make_nvlink_impl(config, resolved, bootstrap); break;
+    case Backend::kNVSHMEM: impl = detail::make_nvshmem_impl(config, resolved, bootstrap); break;
+    case Backend::kInternode:
+    case Backend::kInternodeCPU:
+      impl = detail::make_internode_impl(config, resolved, bootstrap);
+      break;
+    default:
+      throw InvalidArgument("moelink: Options.backend = " +
+                            std::to_string(static_cast<int>(resolved.backend)) +
+                            " is not a moelink::Backend");
+  }
   return std::unique_ptr<AllToAll>(new AllToAll(std::move(impl)));
+}
+
+const char* backend_name(Backend b) {
+  switch (b) {
+    case Backend::kNVLink: return "nvlink";
+    case Backend::kCPU: return "cpu";
+    case Backend::kNVSHMEM: return "nvshmem";
+    case Backend::kInternode: return "internode";
+    case Backend::kInternodeCPU: return "internode-cpu";
+  }
+  return "unknown";
 }
 
 const Config& AllToAll::config() const { return impl_->config(); }

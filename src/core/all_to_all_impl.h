@@ -30,6 +30,8 @@ struct ResolvedOptions {
   int num_blocks;
   double timeout_s;
   bool debug;
+  std::string fabric_provider;  // may still be "" (engine picks)
+  int max_private_tokens;       // resolved against max_num_tokens by the backend
 };
 ResolvedOptions resolve_options(const Options& o);
 
@@ -64,9 +66,15 @@ class AllToAllImpl {
 
 std::unique_ptr<AllToAllImpl> make_cpu_impl(const Config& c, const ResolvedOptions& o,
                                             Bootstrap& bootstrap);
-// Throws InvalidArgument when moelink was built without CUDA.
+// Each throws InvalidArgument when moelink was built without what the
+// backend needs (CUDA, NVSHMEM, libfabric).
 std::unique_ptr<AllToAllImpl> make_nvlink_impl(const Config& c, const ResolvedOptions& o,
                                                Bootstrap& bootstrap);
+std::unique_ptr<AllToAllImpl> make_nvshmem_impl(const Config& c, const ResolvedOptions& o,
+                                                Bootstrap& bootstrap);
+// kInternode and kInternodeCPU.
+std::unique_ptr<AllToAllImpl> make_internode_impl(const Config& c, const ResolvedOptions& o,
+                                                  Bootstrap& bootstrap);
 
 // Throws InputError / TimeoutError describing `e` (no-op for kOk).
 void throw_if_error(const ErrorRecord& e, const Config& c);
