@@ -89,7 +89,10 @@ std::string CaseSpec::describe() const {
      << " idx=" << moelink::dtype_name(index_dtype) << " routing=" << routing_name(routing)
      << " seed=" << seed << (split ? " split" : "") << (accumulate ? " accumulate" : "")
      << (strided ? " strided" : "") << (padded ? " padded" : "") << (identity_expert ? " identity" : "")
-     << " " << moelink::backend_name(backend) << "]";
+     << " " << moelink::backend_name(backend);
+  if (!fabric_provider.empty()) os << " provider=" << fabric_provider;
+  if (max_private_tokens >= 0) os << " private=" << max_private_tokens;
+  os << "]";
   return os.str();
 }
 
@@ -299,6 +302,8 @@ CaseRunner::CaseRunner(const CaseSpec& spec, int rank, moelink::Bootstrap& boots
   o.backend = spec.backend;
   o.timeout_s = spec.timeout_s;
   o.num_blocks = spec.num_blocks;
+  o.fabric_provider = spec.fabric_provider;
+  o.max_private_tokens = spec.max_private_tokens;
   o.debug = 0;
   a2a_ = moelink::AllToAll::create(config_, bootstrap, o);
   const int64_t T = spec_.rows(), S = config_.hidden_dim_scale;

@@ -85,6 +85,10 @@ struct CaseSpec {
   Inject inject = Inject::kNone;
   double timeout_s = 30.0;
   int num_blocks = 0;
+  // kInternode / kInternodeCPU: provider ("" = default) and private tokens
+  // per (sender, receiver) pair (< 0 = default).
+  std::string fabric_provider;
+  int max_private_tokens = -1;
 
   moelink::Config config(int rank) const;
   int64_t rows() const { return input_rows > 0 ? input_rows : max_num_tokens; }

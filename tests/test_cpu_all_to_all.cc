@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "all_to_all_cases.h"
+#include "case_builders.h"
 #include "rank_harness.h"
 #include "ref_dtype.h"
 #include "reference.h"
@@ -22,13 +23,6 @@ using moelink::DType;
 
 constexpr int kCaseTimeoutS = 240;
 
-struct NamedCase {
-  std::string name;
-  CaseSpec spec;
-};
-
-void PrintTo(const NamedCase& c, std::ostream* os) { *os << c.name << " " << c.spec.describe(); }
-
 void run_cpu_case(const CaseSpec& spec) {
   run_ranks(spec.world_size, [&](int rank, moelink::Bootstrap& bs) {
     auto ops = make_host_memory_ops();
@@ -38,29 +32,8 @@ void run_cpu_case(const CaseSpec& spec) {
 
 // A spec with the CPU backend and the given shape; the rest default.
 CaseSpec cpu(int W, int dp, int64_t T, int E, int k, int64_t H, DType in, DType out, DType y) {
-  CaseSpec s;
-  s.backend = moelink::Backend::kCPU;
-  s.world_size = W;
-  s.dp_size = dp;
-  s.max_num_tokens = T;
-  s.num_experts = E;
-  s.experts_per_token = k;
-  s.hidden_dim = H;
-  s.in_dtype = in;
-  s.hidden_dim_scale = in == DType::kFloat8E4M3 ? static_cast<int>(std::max<int64_t>(H / 128, 1)) : 0;
-  s.out_dtype = out;
-  s.y_dtype = y;
-  return s;
+  return make_spec(moelink::Backend::kCPU, W, dp, T, E, k, H, in, out, y);
 }
-
-template <typename F>
-CaseSpec with(CaseSpec s, F f) {
-  f(s);
-  return s;
-}
-
-constexpr DType kFp8 = DType::kFloat8E4M3, kBf16 = DType::kBFloat16, kFp16 = DType::kFloat16,
-                kFp32 = DType::kFloat32;
 
 // ------------------------------------------------------------ shapes and dtypes
 

@@ -21,8 +21,8 @@ class InvalidArgument : public Error {
 };
 
 // A peer did not arrive within the timeout (MOELINK_TIMEOUT_S, default 30 s),
-// or the process bootstrap could not reach a peer. The AllToAll object is
-// unusable afterwards: destroy it.
+// a transfer to a peer failed (it is gone), or the process bootstrap could
+// not reach a peer. The AllToAll object is unusable afterwards: destroy it.
 class TimeoutError : public Error {
  public:
   using Error::Error;

@@ -160,7 +160,7 @@ const char* phase_name(Phase p) {
   return "unknown phase";
 }
 
-void throw_if_error(const ErrorRecord& e, const Config& c) {
+void throw_if_error(const ErrorRecord& e, const Config& c, const std::string& detail) {
   auto code = static_cast<ErrorCode>(e.code);
   if (code == ErrorCode::kOk) return;
   std::ostringstream os;
@@ -185,6 +185,16 @@ void throw_if_error(const ErrorRecord& e, const Config& c) {
       os << "timed out after " << e.value << " s waiting for rank " << e.peer
          << " (dead, stalled, or not calling the same sequence of dispatch/combine); "
             "this AllToAll is unusable now";
+      if (!detail.empty()) os << " [" << detail << "]";
+      throw TimeoutError(os.str());
+    case ErrorCode::kPeerLost:
+      os << "lost contact with ";
+      if (e.peer >= 0)
+        os << "rank " << e.peer;
+      else
+        os << "a peer";
+      os << " (a transfer failed or a peer broke the protocol: " << detail
+         << "); this AllToAll is unusable now";
       throw TimeoutError(os.str());
     default:
       os << "unknown error code " << e.code;
@@ -361,6 +371,9 @@ void AllToAll::combine(const Tensor& out_tokens, const Tensor& indices, const Te
   if (impl_->options().debug) check();
 }
 
-void AllToAll::check() { detail::throw_if_error(impl_->wait_and_take_error(), impl_->config()); }
+void AllToAll::check() {
+  const detail::ErrorRecord e = impl_->wait_and_take_error();
+  detail::throw_if_error(e, impl_->config(), impl_->error_detail());
+}
 
 }  // namespace moelink

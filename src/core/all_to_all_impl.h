@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "core/layout.h"
 #include "moelink/all_to_all.h"
@@ -53,6 +54,9 @@ class AllToAllImpl {
   // Waits for the work issued so far, returns the error record and clears it
   // unless it is a timeout (which leaves the peers out of step for good).
   virtual ErrorRecord wait_and_take_error() = 0;
+  // More about the last error taken, when the backend knows more than the
+  // record holds (e.g. what the transfer engine said). May be empty.
+  virtual std::string error_detail() const { return {}; }
 
   // Host-side call-order state (0 dispatch send, 1 dispatch recv, 2 combine
   // send, 3 combine recv), kept by the public AllToAll.
@@ -77,6 +81,6 @@ std::unique_ptr<AllToAllImpl> make_internode_impl(const Config& c, const Resolve
                                                   Bootstrap& bootstrap);
 
 // Throws InputError / TimeoutError describing `e` (no-op for kOk).
-void throw_if_error(const ErrorRecord& e, const Config& c);
+void throw_if_error(const ErrorRecord& e, const Config& c, const std::string& detail = {});
 
 }  // namespace moelink::detail

@@ -172,6 +172,7 @@ enum class ErrorCode : int32_t {
   kBoundMTooLarge = 2,   // value = m
   kExpertOverflow = 3,   // value = local expert, extra = capacity
   kTimeout = 4,          // peer = the rank waited for
+  kPeerLost = 5,         // a transfer failed or a peer broke the protocol; peer or -1
 };
 enum class Phase : int32_t { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3 };
 

@@ -1,12 +1,16 @@
-// In progress.
+// Entry point of the inter-node backends: kInternodeCPU runs the protocol with
+// CPU loops, kInternode with GPU kernels; both over the same Proxy.
 #include "core/all_to_all_impl.h"
+#include "internode/internode_impl.h"
 #include "moelink/errors.h"
 
 namespace moelink::detail {
 
-std::unique_ptr<AllToAllImpl> make_internode_impl(const Config&, const ResolvedOptions&,
-                                                  Bootstrap&) {
-  throw InvalidArgument("moelink: backend \"internode\" is not built yet");
+std::unique_ptr<AllToAllImpl> make_internode_impl(const Config& c, const ResolvedOptions& o,
+                                                  Bootstrap& bootstrap) {
+  if (o.backend == Backend::kInternodeCPU)
+    return internode::make_internode_cpu_impl(c, o, bootstrap);
+  return internode::make_internode_gpu_impl(c, o, bootstrap);
 }
 
 }  // namespace moelink::detail

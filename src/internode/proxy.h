@@ -1,0 +1,114 @@
+// The host proxy of the inter-node all-to-all: one thread per AllToAll that
+// runs the protocol of protocol.h over the TransferEngine while the packing
+// and unpacking (CPU loops or GPU kernels) happen elsewhere.
+//
+// The packer and the proxy talk through two words (ProxySignals) that may sit
+// in pinned, GPU-mapped host memory: the packer raises `request` to a step
+// number when the step's inputs are ready (a release store on the CPU, a
+// stream memory operation on the GPU); the proxy runs the steps in order and
+// raises `done`. Steps of epoch e (e >= 1):
+//   2e-1  dispatch: post routing info + private tokens, gather every peer's,
+//         post the rest, wait for the rest to arrive
+//   2e    combine: post the output rows (zero bytes to peers without rows),
+//         wait for every peer's
+// A step always finishes: on a timeout or a failed transfer the proxy records
+// the first error (naming the peer) and from then on finishes every step
+// without touching the network, so nobody waits forever.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/all_to_all_impl.h"
+#include "internode/protocol.h"
+#include "internode/route_matrix.h"
+#include "moelink/transfer_engine.h"
+
+namespace moelink::detail::internode {
+
+struct ProxySignals {
+  uint64_t request;  // written by the packer
+  uint64_t done;     // written by the proxy
+};
+
+inline uint64_t dispatch_step(uint32_t epoch) { return 2ull * epoch - 1; }
+inline uint64_t combine_step(uint32_t epoch) { return 2ull * epoch; }
+
+class Proxy {
+ public:
+  struct Buffers {
+    void* send;  // Layout::send_bytes, registered with the engine
+    void* recv;  // Layout::recv_bytes
+    fabric::MemoryKind kind = fabric::MemoryKind::kHost;
+    int device = 0;
+  };
+  // Collective over the bootstrap: creates the engine, registers the
+  // buffers, exchanges descriptors, starts the thread. `spin_polls`: polls
+  // of `request` before the idle proxy starts to yield and sleep.
+  Proxy(const Geometry& g, const Layout& l, const ResolvedOptions& o, Bootstrap& bootstrap,
+        const Buffers& buffers, ProxySignals* signals, int spin_polls);
+  ~Proxy();
+  Proxy(const Proxy&) = delete;
+  Proxy& operator=(const Proxy&) = delete;
+
+  // Valid from the end of a dispatch step to the start of the next one.
+  const RouteMatrix& matrix() const { return matrix_; }
+  const std::string& provider() const { return provider_; }
+
+  // The first error so far (kOk when none) and what the engine said about
+  // it. Every proxy error (a timeout, a lost peer, a peer breaking the
+  // protocol) is final.
+  ErrorRecord error() const;
+  std::string error_detail() const;
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+
+ private:
+  void run();
+  void run_step(uint64_t step);
+  void dispatch(uint32_t epoch);
+  void combine(uint32_t epoch);
+
+  // Waits for imm (kind, peer) once; false (error recorded) on timeout.
+  bool wait_peer(ImmKind kind, int peer, Phase phase);
+  // A rank some peer reported gone (kAbort), or -1.
+  int reported_gone() const;
+  std::chrono::steady_clock::duration report_grace() const;
+  // Waits for this step's own transfers; false (error recorded) on failure.
+  bool wait_transfers(Phase phase);
+  void fail(ErrorCode code, Phase phase, int peer, const std::string& detail);
+  double remaining_s() const;
+
+  char* send() const { return static_cast<char*>(buffers_.send); }
+  char* recv() const { return static_cast<char*>(buffers_.recv); }
+  int member(int rank) const { return rank < g_.rank ? rank : rank - 1; }
+
+  Geometry g_;
+  Layout l_;
+  ResolvedOptions o_;
+  Buffers buffers_;
+  ProxySignals* signals_;
+  int spin_polls_;
+  std::unique_ptr<fabric::TransferEngine> engine_;
+  std::string provider_;
+  fabric::MemoryRegion send_mr_{}, recv_mr_{};
+  fabric::GroupId peers_ = -1;  // every rank but this one, in rank order
+  RouteMatrix matrix_;
+  std::vector<fabric::TransferPtr> pending_;  // this step's transfers
+  std::vector<int64_t> block_offset_;         // [W] own dispatch blocks in send
+  std::chrono::steady_clock::time_point deadline_;
+
+  mutable std::mutex error_mu_;
+  ErrorRecord error_{};
+  std::string error_detail_;
+  std::atomic<bool> failed_{false};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace moelink::detail::internode
