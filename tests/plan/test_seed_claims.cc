@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "moelink/plan/memory.h"
 #include "moelink/plan/sweep.h"
 #include "plan_test_util.h"
 
@@ -28,24 +29,40 @@ TEST(PlanSeedClaims, SingleNodeBatchOneAbove100) {
 // 1..128 per DP group, so the frontier is read at each speed from real
 // configurations instead of chords between power-of-two points. The single node
 // uses the seed's own NVLink kernels (profile nvlink-seed, docs/planner.md).
-//
+namespace {
+std::vector<int> every_batch() {
+  std::vector<int> v;
+  for (int b = 1; b <= 128; ++b) v.push_back(b);
+  return v;
+}
+// One H200 node (EP8, TP 1..8) or 16 H100 nodes (EP128), every batch 1..128.
+std::vector<SweepPoint> single_node_points(std::vector<int> tps = {1, 2, 4, 8}) {
+  SweepSpec spec;
+  spec.eps = {8};
+  spec.tps = tps;
+  spec.batches = every_batch();
+  return sweep(input("deepseek-v3", "h200", "nvlink-seed", {8, 8, 1, 8}, 1), spec);
+}
+std::vector<SweepPoint> ep128_points() {
+  SweepSpec spec;
+  spec.eps = {128};
+  spec.batches = every_batch();
+  return sweep(input("deepseek-v3", "h100", "ib-cx7", {128, 128, 1, 8}, 1), spec);
+}
+// The configuration behind throughput_at_speed(pts, speed).
+SweepPoint best_at_speed(const std::vector<SweepPoint>& pts, double speed) {
+  SweepPoint best;
+  for (const auto& p : pts)
+    if (p.output_tok_s >= speed && p.throughput_node > best.throughput_node) best = p;
+  return best;
+}
+}  // namespace
+
 // 50-80 tok/s: the issue's bound, [3, 8], at every point.
-// 40 tok/s: NOT reproduced. A feasible single-node layout exists there (EP8 DP4
-// TP2, ~25 requests per DP group, all 32 local experts streamed), and the
-// roofline puts it at ~2x, not 3x: that speed is the knee where the H200 node's
-// experts become fully activated. We found no seed-stated mechanism that moves
-// the knee below 40 tok/s (docs/planner.md, "Departures"), so the test pins what
-// the model gives (EP128 ahead by >= 1.8x) rather than the issue's 3x.
+// 40 tok/s: NOT reproduced (~2x); see the next test and docs/planner.md.
 TEST(PlanSeedClaims, EP128BeatsSingleNodeAtEqualSpeed) {
-  std::vector<int> every_batch;
-  for (int b = 1; b <= 128; ++b) every_batch.push_back(b);
-  SweepSpec one;
-  one.eps = {8};
-  one.batches = every_batch;
-  auto single = sweep(input("deepseek-v3", "h200", "nvlink-seed", {8, 8, 1, 8}, 1), one);
-  SweepSpec multi = one;
-  multi.eps = {128};
-  auto ep128 = sweep(input("deepseek-v3", "h100", "ib-cx7", {128, 128, 1, 8}, 1), multi);
+  auto single = single_node_points();
+  auto ep128 = ep128_points();
   auto f1 = pareto_frontier(single), f2 = pareto_frontier(ep128);
   for (double speed : {40.0, 50.0, 60.0, 70.0, 80.0}) {
     const double a = throughput_at_speed(single, speed), b = throughput_at_speed(ep128, speed);
@@ -60,7 +77,7 @@ TEST(PlanSeedClaims, EP128BeatsSingleNodeAtEqualSpeed) {
       EXPECT_GE(ratio, 3.0) << "at " << speed << " tok/s";
       EXPECT_LE(ratio, 8.0) << "at " << speed << " tok/s";
     } else {
-      EXPECT_GE(ratio, 1.8) << "at " << speed << " tok/s (issue: 3x; see comment)";
+      EXPECT_GE(ratio, 1.8) << "at " << speed << " tok/s (issue: 3x; see the next test)";
       EXPECT_LE(ratio, 8.0) << "at " << speed << " tok/s";
     }
   }
@@ -80,6 +97,51 @@ TEST(PlanSeedClaims, EP128BeatsSingleNodeAtEqualSpeed) {
   e16.eps = {16};
   auto f16 = pareto_frontier(sweep(input("deepseek-v3", "h100", "ib-cx7", {16, 16, 1, 8}, 1), e16));
   EXPECT_GT(frontier_throughput_at(f2, 60), frontier_throughput_at(f16, 60));
+}
+
+// Why 40 tok/s gives ~2x and not the seed's ~5x (docs/planner.md, "Departures").
+// These are the numbers the doc quotes; if the model changes and one of them
+// moves, update the doc with it.
+TEST(PlanSeedClaims, Claim2At40IsTheSingleNodeKnee) {
+  auto single = single_node_points();
+  auto ep128 = ep128_points();
+  const double a = throughput_at_speed(single, 40), b = throughput_at_speed(ep128, 40);
+  const double ratio = b / a;
+  EXPECT_GE(ratio, 1.8);
+  EXPECT_LE(ratio, 2.5) << "40 tok/s moved; docs/planner.md says ~2x";
+
+  // The single node's best configuration at 40 tok/s is a DP layout (not DP1
+  // TP8), streams essentially all 32 local experts every step, and is far from
+  // its KV capacity: neither memory nor the layout choice caps it.
+  const SweepPoint s = best_at_speed(single, 40);
+  EXPECT_GT(s.layout.dp, 1);
+  PlanInput in = input("deepseek-v3", "h200", "nvlink-seed", s.layout, s.work.batch, s.work.overlap);
+  const StepResult r = simulate_step(in);
+  EXPECT_GE(r.shape.active_experts, 0.99 * r.shape.local_experts);
+  const MemoryReport mem = memory_report(in.model, in.gpu, in.layout, in.work);
+  ASSERT_TRUE(mem.fits());
+  EXPECT_LE(3 * s.work.batch, mem.max_batch);
+  double groupgemm = 0;
+  for (const auto& k : r.moe_layer.kernels)
+    if (k.cls == KernelClass::kGroupGemm) groupgemm += k.time_us;
+  EXPECT_GT(groupgemm, 0.5 * r.moe_layer.total_us);  // weight streaming dominates the layer
+
+  // The knee: the single node already reaches a third of EP128's 40 tok/s
+  // throughput a few percent above 40 tok/s, so 3x at 40 hinges on its step
+  // time being <10% slower than modelled around there.
+  double knee_speed = 0;
+  for (const auto& p : single)
+    if (p.throughput_node >= b / 3) knee_speed = std::max(knee_speed, p.output_tok_s);
+  EXPECT_GT(knee_speed, 40);
+  EXPECT_LT(knee_speed, 44);
+
+  // Restricting the single node to DP1 TP8 (the layout of the seed's batch-1
+  // discussion) would give >= 3x, but the seed sweeps TP 1, 2, 4, 8 on both
+  // sides and its frontier is the best over them.
+  const double tp8_only = throughput_at_speed(single_node_points({8}), 40);
+  ASSERT_GT(tp8_only, 0);
+  EXPECT_LT(tp8_only, a);
+  EXPECT_GE(b / tp8_only, 3.0);
 }
 
 // Claim 3: two micro-batches slow decode below per-GPU batch 32 and speed it
