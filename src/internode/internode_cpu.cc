@@ -61,8 +61,10 @@ class InternodeCpu final : public AllToAllImpl {
         send_(alloc_host(layout_.send_bytes)),
         recv_(alloc_host(layout_.recv_bytes)),
         signals_{0, 0},
+        plan_view_{c.world_size, c.dp_size},
+        plan_(static_cast<size_t>(plan_view_.words()), 0),
         proxy_(geometry_, layout_, o, bootstrap, {send_.get(), recv_.get()}, &signals_,
-               /*spin_polls=*/256),
+               plan_.data(), /*spin_polls=*/256),
         tokens_(static_cast<size_t>(geometry_.max_num_tokens)),
         num_dests_(static_cast<size_t>(geometry_.max_num_tokens), 0),
         counters_(static_cast<size_t>(geometry_.num_local_experts), 0),
@@ -173,22 +175,20 @@ class InternodeCpu final : public AllToAllImpl {
     bool clamped = false;
     const int64_t m = clamp_m(load<int32_t>(a.bound_m.data),
                               std::min(G.max_num_tokens, a.input_rows), &clamped);
-    const RouteMatrix& M = proxy_.matrix();
-    const int g = G.dp_group();
+    if (plan(kPlanCombineEpoch) != epoch_) return;
     const char* area = recv_.get() + layout_.combine_offset;
     for (int64_t t = 0; t < m; ++t) {
       char* out = elem(a.out_tokens, t);
       std::fill(acc_.begin(), acc_.end(), 0.0f);
       if (a.accumulate) add_scaled(acc_.data(), out, config_.out_dtype, G.hidden_dim, 1.0f);
-      const int sender = g * G.dp_size + G.sender_replica(t);
+      const int q = G.sender_replica(t);
       const int n = t < dispatch_m_ ? num_dests_[t] : 0;
       for (int d = 0; d < n; ++d) {
         const Destination& dest = tokens_[t][d];
         // Row of token t in rank dest.rank's block (protocol.h, step 6);
         // never trust the counts with our bounds.
-        if (dest.index >= static_cast<int32_t>(M.count(sender, dest.rank))) continue;
-        const int64_t row = M.combine_base(g, dest.rank) + M.recv_base(sender, dest.rank) -
-                            M.recv_base(g * G.dp_size, dest.rank) + dest.index;
+        if (dest.index >= plan(plan_view_.row_count(q, dest.rank))) continue;
+        const int64_t row = plan(plan_view_.row_base(q, dest.rank)) + dest.index;
         if (row < 0 || row >= layout_.combine_rows) continue;
         add_scaled(acc_.data(), area + row * layout_.row_bytes, config_.out_dtype, G.hidden_dim,
                    1.0f);
@@ -198,6 +198,11 @@ class InternodeCpu final : public AllToAllImpl {
   }
 
   // ---------------------------------------------------------------- helpers
+
+  int64_t plan(int64_t word) const {
+    return std::atomic_ref<int64_t>(const_cast<int64_t&>(plan_[static_cast<size_t>(word)]))
+        .load(std::memory_order_acquire);
+  }
 
   void request(uint64_t step) {
     std::atomic_ref<uint64_t>(signals_.request).store(step, std::memory_order_release);
@@ -283,10 +288,10 @@ class InternodeCpu final : public AllToAllImpl {
   // the batched-experts layout.
   void unpack(const DispatchArgs& a) {
     const Geometry& G = geometry_;
-    const RouteMatrix& M = proxy_.matrix();
+    if (plan(kPlanDispatchEpoch) != epoch_) return;
     for (int s = 0; s < G.world_size; ++s) {
-      const int64_t count = M.count(s, G.rank);
-      const int64_t shared_base = M.shared_base(s, G.rank);
+      const int64_t count = plan(plan_view_.recv_base(s + 1)) - plan(plan_view_.recv_base(s));
+      const int64_t shared_base = plan(plan_view_.shared_base(s));
       for (int64_t j = 0; j < count; ++j) {
         const char* slot = recv_.get() + layout_.recv_slot_offset(s, j, shared_base);
         const SlotHeader h = load<SlotHeader>(slot);
@@ -326,6 +331,8 @@ class InternodeCpu final : public AllToAllImpl {
   Layout layout_;
   HostBuffer send_, recv_;
   ProxySignals signals_;
+  PlanView plan_view_;
+  std::vector<int64_t> plan_;  // written by the proxy (protocol.h, PlanView)
   Proxy proxy_;
   uint32_t epoch_ = 0;
   int64_t dispatch_m_ = 0;

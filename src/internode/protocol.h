@@ -83,6 +83,32 @@ struct Layout {
   }
 };
 
+// What the proxy tells the unpacking side after a step, as int64 words in
+// memory both can read (pinned, GPU-mapped host memory for the GPU backend):
+//   [0] epoch whose dispatch step succeeded (anything else: do not unpack)
+//   [1] epoch whose combine step succeeded
+//   [2] slots this rank received
+//   recv_base[W + 1]  first receive index of each sender (+ the total)
+//   shared_base[W]    each sender's offset in this rank's shared area, slots
+//   row_base[dp][W]   combine row of the first token replica q sent rank r
+//   row_count[dp][W]  tokens replica q of this group sent rank r
+// Token t of this group, sent by replica q = t % dp at position j among q's
+// tokens for rank r, finds r's combine row at row_base[q][r] + j
+// (protocol step 6), valid when j < row_count[q][r].
+struct PlanView {
+  int world_size, dp_size;
+  MOELINK_HD int64_t words() const { return 3 + (world_size + 1) + world_size + 2 * dp_size * world_size; }
+  MOELINK_HD int64_t recv_base(int s) const { return 3 + s; }
+  MOELINK_HD int64_t shared_base(int s) const { return 3 + (world_size + 1) + s; }
+  MOELINK_HD int64_t row_base(int q, int r) const {
+    return 3 + (world_size + 1) + world_size + q * world_size + r;
+  }
+  MOELINK_HD int64_t row_count(int q, int r) const {
+    return row_base(q, r) + dp_size * world_size;
+  }
+};
+constexpr int kPlanDispatchEpoch = 0, kPlanCombineEpoch = 1, kPlanReceived = 2;
+
 // Offset of the dispatch block for `dest` in the send buffer, given the
 // sender's counts: blocks follow each other in rank order.
 MOELINK_HD int64_t block_offset(const Layout& l, const uint32_t* counts, int dest) {

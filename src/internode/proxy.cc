@@ -34,12 +34,14 @@ fabric::EngineOptions engine_options(const Geometry& g, const ResolvedOptions& o
 }  // namespace
 
 Proxy::Proxy(const Geometry& g, const Layout& l, const ResolvedOptions& o, Bootstrap& bootstrap,
-             const Buffers& buffers, ProxySignals* signals, int spin_polls)
+             const Buffers& buffers, ProxySignals* signals, int64_t* plan, int spin_polls)
     : g_(g),
       l_(l),
       o_(o),
       buffers_(buffers),
       signals_(signals),
+      plan_(plan),
+      plan_view_{g.world_size, g.dp_size},
       spin_polls_(spin_polls),
       matrix_(g, l),
       block_offset_(static_cast<size_t>(g.world_size), 0) {
@@ -255,6 +257,7 @@ void Proxy::dispatch(uint32_t epoch) {
     fail(ErrorCode::kPeerLost, Phase::kDispatchRecv, -1, bad);
     return;
   }
+  write_plan();
 
   // 4. The tokens past the private ones: one write per peer, at offsets
   //    only the matrix gives.
@@ -288,10 +291,34 @@ void Proxy::dispatch(uint32_t epoch) {
     if (s != me && matrix_.count(s, me) > P && !wait_peer(ImmKind::kData, s, Phase::kDispatchRecv))
       return;
   // 5. The send buffer is reused by the combine rows and the next epoch.
-  wait_transfers(Phase::kDispatchSend);
+  if (wait_transfers(Phase::kDispatchSend)) store_plan(kPlanDispatchEpoch, epoch);
 }
 
-void Proxy::combine(uint32_t) {
+// What the unpacking side needs from the matrix (protocol.h, PlanView).
+void Proxy::write_plan() {
+  const int me = g_.rank, W = g_.world_size, dp = g_.dp_size, grp = g_.dp_group();
+  const PlanView& v = plan_view_;
+  plan_[kPlanReceived] = matrix_.received(me);
+  for (int s = 0; s <= W; ++s) plan_[v.recv_base(s)] = matrix_.recv_base(s, me);
+  for (int s = 0; s < W; ++s) plan_[v.shared_base(s)] = matrix_.shared_base(s, me);
+  for (int q = 0; q < dp; ++q) {
+    const int sender = grp * dp + q;
+    for (int r = 0; r < W; ++r) {
+      plan_[v.row_base(q, r)] = matrix_.combine_base(grp, r) + matrix_.recv_base(sender, r) -
+                                matrix_.recv_base(grp * dp, r);
+      plan_[v.row_count(q, r)] = matrix_.count(sender, r);
+    }
+  }
+}
+
+// The epoch words are read by other threads (and the GPU) once `done` says
+// so; the release store of `done` publishes them. Atomic anyway, so that a
+// reader that looks early sees an old epoch, never a torn one.
+void Proxy::store_plan(int word, int64_t v) {
+  std::atomic_ref<int64_t>(plan_[word]).store(v, std::memory_order_release);
+}
+
+void Proxy::combine(uint32_t epoch) {
   const int me = g_.rank;
   // Every peer hears from this rank, with rows for its group or with zero
   // bytes: so every rank's combine waits for all peers, which both names a
@@ -327,7 +354,7 @@ void Proxy::combine(uint32_t) {
   }
   for (int r = 0; r < g_.world_size; ++r)
     if (r != me && !wait_peer(ImmKind::kCombine, r, Phase::kCombineRecv)) return;
-  wait_transfers(Phase::kCombineSend);
+  if (wait_transfers(Phase::kCombineSend)) store_plan(kPlanCombineEpoch, epoch);
 }
 
 }  // namespace moelink::detail::internode

@@ -51,14 +51,14 @@ class Proxy {
   // Collective over the bootstrap: creates the engine, registers the
   // buffers, exchanges descriptors, starts the thread. `spin_polls`: polls
   // of `request` before the idle proxy starts to yield and sleep.
+  // `plan`: PlanView::words() int64 words the proxy fills for the unpacking
+  // side (protocol.h).
   Proxy(const Geometry& g, const Layout& l, const ResolvedOptions& o, Bootstrap& bootstrap,
-        const Buffers& buffers, ProxySignals* signals, int spin_polls);
+        const Buffers& buffers, ProxySignals* signals, int64_t* plan, int spin_polls);
   ~Proxy();
   Proxy(const Proxy&) = delete;
   Proxy& operator=(const Proxy&) = delete;
 
-  // Valid from the end of a dispatch step to the start of the next one.
-  const RouteMatrix& matrix() const { return matrix_; }
   const std::string& provider() const { return provider_; }
 
   // The first error so far (kOk when none) and what the engine said about
@@ -73,6 +73,8 @@ class Proxy {
   void run_step(uint64_t step);
   void dispatch(uint32_t epoch);
   void combine(uint32_t epoch);
+  void write_plan();
+  void store_plan(int word, int64_t v);
 
   // Waits for imm (kind, peer) once; false (error recorded) on timeout.
   bool wait_peer(ImmKind kind, int peer, Phase phase);
@@ -93,6 +95,8 @@ class Proxy {
   ResolvedOptions o_;
   Buffers buffers_;
   ProxySignals* signals_;
+  int64_t* plan_;
+  PlanView plan_view_;
   int spin_polls_;
   std::unique_ptr<fabric::TransferEngine> engine_;
   std::string provider_;
