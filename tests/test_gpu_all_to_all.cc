@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "all_to_all_cases.h"
+#include "gpu_memory_ops.h"
 #include "rank_harness.h"
 
 namespace moelink_test {
@@ -26,58 +27,6 @@ constexpr const char* kNoGpu =
   do {                                                   \
     if (probe_gpu_count() == 0) GTEST_SKIP() << kNoGpu;  \
   } while (0)
-
-void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorName(e) + ": " +
-                             cudaGetErrorString(e));
-}
-#define CUDA_OK(call) cuda_ok((call), #call)
-
-// Device memory on one GPU, one non-blocking stream. Copies are synchronous
-// from the caller's point of view.
-class GpuMemoryOps : public MemoryOps {
- public:
-  explicit GpuMemoryOps(int device) {
-    CUDA_OK(cudaSetDevice(device));
-    CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    CUDA_OK(cudaMalloc(&scratch_, kScratchBytes));
-  }
-  ~GpuMemoryOps() override {
-    cudaFree(scratch_);
-    cudaStreamDestroy(stream_);
-  }
-  void* alloc(size_t bytes) override {
-    void* p = nullptr;
-    CUDA_OK(cudaMalloc(&p, std::max<size_t>(bytes, 1)));
-    return p;
-  }
-  void free(void* p) override { cudaFree(p); }
-  void h2d(void* dst, const void* src, size_t bytes) override {
-    CUDA_OK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
-    sync();
-  }
-  void d2h(void* dst, const void* src, size_t bytes) override {
-    CUDA_OK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
-    sync();
-  }
-  void fill(void* dst, uint8_t byte, size_t bytes) override {
-    CUDA_OK(cudaMemsetAsync(dst, byte, bytes, stream_));
-    sync();
-  }
-  cudaStream_t stream() override { return stream_; }
-  void sync() override { CUDA_OK(cudaStreamSynchronize(stream_)); }
-  // Unrelated device work queued between the halves (capturable).
-  void other_work() override {
-    CUDA_OK(cudaMemsetAsync(scratch_, ++calls_ & 0xFF, kScratchBytes, stream_));
-  }
-
- private:
-  static constexpr size_t kScratchBytes = 8 << 20;
-  cudaStream_t stream_ = nullptr;
-  void* scratch_ = nullptr;
-  int calls_ = 0;
-};
 
 int device_of(int rank) { return rank % probe_gpu_count(); }
 

@@ -333,9 +333,15 @@ void AllToAll::dispatch(const Tensor& out_expert_num_tokens, const Tensor& out_e
   a.weights = weights;
   a.bound_m = bound_m;
   a.input_rows = std::min(rows, routing_rows);
+  const int step = impl_->next_step;
   if (do_send) expect_step(*impl_, 0);
   if (do_recv) expect_step(*impl_, 1);
-  impl_->dispatch(a, do_send, do_recv);
+  try {
+    impl_->dispatch(a, do_send, do_recv);
+  } catch (...) {
+    impl_->next_step = step;  // a refused call did not happen
+    throw;
+  }
   if (impl_->options().debug) check();
 }
 
@@ -365,9 +371,15 @@ void AllToAll::combine(const Tensor& out_tokens, const Tensor& indices, const Te
   a.expert_y = expert_y;
   a.bound_m = bound_m;
   a.input_rows = std::min(ro, routing_rows);
+  const int step = impl_->next_step;
   if (do_send) expect_step(*impl_, 2);
   if (do_recv) expect_step(*impl_, 3);
-  impl_->combine(a, do_send, do_recv);
+  try {
+    impl_->combine(a, do_send, do_recv);
+  } catch (...) {
+    impl_->next_step = step;
+    throw;
+  }
   if (impl_->options().debug) check();
 }
 

@@ -1,0 +1,386 @@
+// The inter-node backend's kernels (protocol: protocol.h). They never wait
+// for a peer: the stream waits for the proxy (stream memory operations on
+// the pinned `done` word) between the pack and the unpack kernels, so no SM
+// is held while the network works.
+//
+// Reads of the pinned buffers and the plan use ld.cv: the host (proxy,
+// NIC) writes them between kernels and no GPU cache may serve an old copy.
+#include <cub/block/block_scan.cuh>
+
+#include "internode/gpu_kernels.h"
+#include "nvlink/device_utils.cuh"
+
+namespace moelink::detail::internode {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ int64_t host_word(const int64_t* p) {
+  return __ldcv(reinterpret_cast<const long long*>(p));
+}
+__device__ __forceinline__ uint4 host_16(const void* p) {
+  return __ldcv(reinterpret_cast<const uint4*>(p));
+}
+
+__device__ __forceinline__ int64_t expert_at(const Matrix2D& m, int64_t t, int i) {
+  return load_expert_id(m.data, m.dtype, t * m.stride0 + i * m.stride1);
+}
+__device__ __forceinline__ float weight_at(const Matrix2D& m, int64_t t, int i) {
+  return static_cast<const float*>(m.data)[t * m.stride0 + i * m.stride1];
+}
+
+__device__ __forceinline__ int64_t global_warp() {
+  return static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+}
+__device__ __forceinline__ int64_t warp_count() {
+  return static_cast<int64_t>(gridDim.x) * kWarps;
+}
+
+// ---------------------------------------------------------------- dispatch send
+
+// Block (q, r): position of every token of replica q among q's tokens for
+// rank r, in token order (an exclusive scan), and the count. Every replica
+// computes every replica's positions: combine needs them (protocol step 6).
+__global__ void __launch_bounds__(kThreads) route_scan_kernel(GpuDispatchParams p) {
+  const Geometry& g = p.c.geo;
+  const int W = g.world_size, dp = g.dp_size;
+  const int q = blockIdx.x / W, r = blockIdx.x % W;
+  const int64_t limit = g.max_num_tokens < p.input_rows ? g.max_num_tokens : p.input_rows;
+  const int32_t raw_m = *p.bound_m;
+  bool bad = false;
+  const int64_t m = clamp_m(raw_m, limit, &bad);
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) {
+      *p.c.state.dispatch_m = static_cast<int32_t>(m);
+      if (bad) record_error(p.c.state.error, ErrorCode::kBoundMTooLarge, Phase::kDispatchSend, -1,
+                            raw_m, limit);
+    }
+    for (int j = threadIdx.x; j < g.num_local_experts; j += kThreads) p.c.state.expert_counter[j] = 0;
+  }
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  const int64_t n_q = q < m ? (m - q + dp - 1) / dp : 0;
+  int base = 0;
+  for (int64_t u0 = 0; u0 < n_q; u0 += kThreads) {
+    const int64_t u = u0 + threadIdx.x;
+    const int64_t t = q + u * dp;
+    int hit = 0;
+    if (u < n_q)
+      for (int i = 0; i < g.experts_per_token; ++i) {
+        const int64_t e = expert_at(p.indices, t, i);
+        if (classify_route(e, g.num_experts) == RouteKind::kValid && g.rank_of_expert(e) == r) hit = 1;
+      }
+    int prefix = 0, total = 0;
+    Scan(scan).ExclusiveSum(hit, prefix, total);
+    if (u < n_q) p.c.state.dest_index[t * W + r] = hit ? base + prefix : -1;
+    base += total;
+    __syncthreads();  // the scan storage is reused
+  }
+  if (threadIdx.x == 0) p.c.state.counts[q * W + r] = static_cast<uint32_t>(base);
+}
+
+// One warp per own token: a slot per destination rank, at the token's
+// position in that rank's block; block 0 also writes the header.
+__global__ void __launch_bounds__(kThreads) pack_kernel(GpuDispatchParams p) {
+  const Geometry& g = p.c.geo;
+  const Layout& l = p.c.layout;
+  const int W = g.world_size, k = g.experts_per_token, lane = lane_id();
+  const uint32_t* own = p.c.state.counts + (g.rank % g.dp_size) * W;
+  extern __shared__ int64_t block_off[];  // [W]
+  if (threadIdx.x == 0) {
+    int64_t off = 0;
+    for (int r = 0; r < W; ++r) {
+      block_off[r] = off;
+      off += l.header_bytes + own[r] * l.slot_bytes;
+    }
+  }
+  const int64_t m = *p.c.state.dispatch_m;
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) {
+      const RouteHeader h{p.c.epoch, static_cast<uint32_t>(m)};
+      *reinterpret_cast<RouteHeader*>(p.c.send) = h;
+    }
+    uint32_t* counts = reinterpret_cast<uint32_t*>(p.c.send + sizeof(RouteHeader));
+    for (int r = threadIdx.x; r < W; r += kThreads) counts[r] = own[r];
+  }
+  __syncthreads();
+  const int mine = g.rank % g.dp_size;
+  const int64_t n_mine = mine < m ? (m - mine + g.dp_size - 1) / g.dp_size : 0;
+  for (int64_t u = global_warp(); u < n_mine; u += warp_count()) {
+    const int64_t t = mine + u * g.dp_size;
+    if (lane < k) {
+      const int64_t e = expert_at(p.indices, t, lane);
+      if (classify_route(e, g.num_experts) == RouteKind::kInvalid)
+        record_error(p.c.state.error, ErrorCode::kBadExpertId, Phase::kDispatchSend, -1, e,
+                     t * k + lane);
+    }
+    const char* x = p.x + t * p.x_row_bytes;
+    for (int r0 = 0; r0 < W; r0 += 32) {
+      const int r = r0 + lane;
+      const int32_t j = r < W ? p.c.state.dest_index[t * W + r] : -1;
+      uint32_t mask = __ballot_sync(0xffffffffu, j >= 0);
+      while (mask) {
+        const int b = __ffs(mask) - 1;
+        mask &= mask - 1;
+        const int dest = r0 + b;
+        const int32_t jj = __shfl_sync(0xffffffffu, j, b);
+        char* slot = p.c.send + block_off[dest] + l.header_bytes + jj * l.slot_bytes;
+        if (lane == 0) {
+          RouteEntry* routes = reinterpret_cast<RouteEntry*>(slot + g.slot_routes_offset);
+          uint32_t n = 0;
+          for (int i = 0; i < k; ++i) {
+            const int64_t e = expert_at(p.indices, t, i);
+            if (classify_route(e, g.num_experts) != RouteKind::kValid || g.rank_of_expert(e) != dest)
+              continue;
+            routes[n++] = RouteEntry{static_cast<int32_t>(e % g.num_local_experts),
+                                     weight_at(p.weights, t, i)};
+          }
+          *reinterpret_cast<SlotHeader*>(slot) =
+              SlotHeader{p.c.epoch, n, static_cast<uint32_t>(t), 0};
+        }
+        for (int64_t v = lane; v < g.token_bytes / 16; v += 32)
+          store_16(slot + g.slot_token_offset + 16 * v, load_input_16(x + 16 * v));
+        float* scales = reinterpret_cast<float*>(slot + g.slot_scale_offset);
+        for (int s = lane; s < g.hidden_dim_scale; s += 32)
+          scales[s] = p.x_scale[t * p.x_scale_s0 + s * p.x_scale_s1];
+      }
+    }
+  }
+  // The proxy reads the buffer once the stream's write of `request` lands.
+  __threadfence_system();
+}
+
+// ---------------------------------------------------------------- dispatch recv
+
+// One warp per received slot, in receive order: its routes get rows in the
+// batched-experts layout; the token is read once and stored per route.
+__global__ void __launch_bounds__(kThreads) unpack_kernel(GpuDispatchParams p) {
+  const Geometry& g = p.c.geo;
+  const Layout& l = p.c.layout;
+  const PlanView& pv = p.c.plan_view;
+  const int W = g.world_size, k = g.experts_per_token, lane = lane_id();
+  if (host_word(p.c.plan + kPlanDispatchEpoch) != p.c.epoch) return;
+  int64_t received = host_word(p.c.plan + kPlanReceived);
+  received = received < l.shared_slots ? received : l.shared_slots;
+  for (int64_t i = global_warp(); i < received; i += warp_count()) {
+    int sender = -1;
+    for (int s0 = 0; s0 < W && sender < 0; s0 += 32) {
+      const int s = s0 + lane;
+      const bool hit = s < W && host_word(p.c.plan + pv.recv_base(s)) <= i &&
+                       i < host_word(p.c.plan + pv.recv_base(s + 1));
+      const uint32_t mask = __ballot_sync(0xffffffffu, hit);
+      if (mask) sender = s0 + __ffs(mask) - 1;
+    }
+    if (sender < 0) continue;  // cannot happen with a consistent plan
+    const int64_t j = i - host_word(p.c.plan + pv.recv_base(sender));
+    const char* slot =
+        p.c.recv + l.recv_slot_offset(sender, j, host_word(p.c.plan + pv.shared_base(sender)));
+    const uint4 hw = host_16(slot);
+    const SlotHeader h = *reinterpret_cast<const SlotHeader*>(&hw);
+    const uint32_t nk = static_cast<uint32_t>(k);
+    const int n = h.epoch == p.c.epoch ? static_cast<int>(h.num_routes < nk ? h.num_routes : nk) : 0;
+    int32_t local = -1, row = -1;
+    if (lane < n) {
+      const uint2 raw = __ldcv(reinterpret_cast<const uint2*>(slot + g.slot_routes_offset) + lane);
+      const RouteEntry e = *reinterpret_cast<const RouteEntry*>(&raw);
+      local = e.local_expert;
+      if (local >= 0 && local < g.num_local_experts) {
+        row = atomicAdd(p.c.state.expert_counter + local, 1);
+        if (row >= g.expert_capacity) row = -1;  // reported by the count kernel
+      }
+      p.c.state.recv_routes[i * k + lane] = e;
+      p.c.state.recv_rows[i * k + lane] = row;
+    }
+    if (lane == 0) p.c.state.recv_routes_n[i] = n;
+    const uint32_t kept = __ballot_sync(0xffffffffu, row >= 0);
+    const int64_t vecs = g.token_bytes / 16;
+    for (int64_t v0 = 0; v0 < vecs; v0 += 32) {
+      const int64_t v = v0 + lane;
+      const uint4 val = v < vecs ? host_16(slot + g.slot_token_offset + 16 * v) : uint4{};
+      for (uint32_t m = kept; m; m &= m - 1) {
+        const int b = __ffs(m) - 1;
+        const int32_t lb = __shfl_sync(0xffffffffu, local, b), rb = __shfl_sync(0xffffffffu, row, b);
+        if (v < vecs) store_16(p.out_x + lb * p.out_x_s0_bytes + rb * p.out_x_s1_bytes + 16 * v, val);
+      }
+    }
+    for (int s0 = 0; s0 < g.hidden_dim_scale; s0 += 32) {
+      const int s = s0 + lane;
+      const float f = s < g.hidden_dim_scale
+                          ? __ldcv(reinterpret_cast<const float*>(slot + g.slot_scale_offset) + s)
+                          : 0.f;
+      for (uint32_t m = kept; m; m &= m - 1) {
+        const int b = __ffs(m) - 1;
+        const int32_t lb = __shfl_sync(0xffffffffu, local, b), rb = __shfl_sync(0xffffffffu, row, b);
+        if (s < g.hidden_dim_scale)
+          p.out_scale[lb * p.out_scale_s0 + rb * p.out_scale_s1 + s * p.out_scale_s2] = f;
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) count_kernel(GpuDispatchParams p) {
+  const Geometry& g = p.c.geo;
+  const bool ok = host_word(p.c.plan + kPlanDispatchEpoch) == p.c.epoch;
+  for (int j = threadIdx.x; j < g.num_local_experts; j += kThreads) {
+    const int32_t c = p.c.state.expert_counter[j];
+    if (ok && c > g.expert_capacity)
+      record_error(p.c.state.error, ErrorCode::kExpertOverflow, Phase::kDispatchRecv, -1, j,
+                   g.expert_capacity);
+    p.out_num_tokens[j] = ok ? (c < g.expert_capacity ? c : static_cast<int32_t>(g.expert_capacity)) : 0;
+  }
+}
+
+// ---------------------------------------------------------------- combine
+
+// One warp per received slot: the weighted sum of its routes' expert
+// outputs, rounded once to out_dtype, at its receive index in the send
+// buffer.
+template <typename YT, typename OutT>
+__global__ void __launch_bounds__(kThreads) combine_pack_kernel(GpuCombineParams p) {
+  const Geometry& g = p.c.geo;
+  const Layout& l = p.c.layout;
+  const int k = g.experts_per_token, lane = lane_id();
+  if (host_word(p.c.plan + kPlanDispatchEpoch) != p.c.epoch) return;
+  int64_t received = host_word(p.c.plan + kPlanReceived);
+  received = received < l.shared_slots ? received : l.shared_slots;
+  const int64_t nvec = g.hidden_dim / 8;
+  constexpr int kW = Vec8<YT>::kWords;
+  for (int64_t i = global_warp(); i < received; i += warp_count()) {
+    const int n = p.c.state.recv_routes_n[i];
+    const char* src = nullptr;
+    float w = 0.f;
+    if (lane < n) {
+      const int32_t row = p.c.state.recv_rows[i * k + lane];
+      const RouteEntry e = p.c.state.recv_routes[i * k + lane];
+      if (row >= 0) {
+        src = p.y + e.local_expert * p.y_s0_bytes + row * p.y_s1_bytes;
+        w = e.weight;
+      }
+    }
+    const uint32_t kept = __ballot_sync(0xffffffffu, src != nullptr);
+    char* dst = p.c.send + l.send_combine_offset + i * l.row_bytes;
+    for (int64_t v0 = 0; v0 < nvec; v0 += 32) {
+      const int64_t v = v0 + lane;
+      float acc[8] = {};
+      for (uint32_t m = kept; m; m &= m - 1) {
+        const int b = __ffs(m) - 1;
+        const char* s = reinterpret_cast<const char*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(src), b));
+        const float wb = __shfl_sync(0xffffffffu, w, b);
+        if (v < nvec) {
+          float f[8];
+          Vec8<YT>::load(s + v * 16 * kW, f);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] += wb * f[e];
+        }
+      }
+      if (v < nvec) Vec8<OutT>::store(dst + v * 16, acc);
+    }
+  }
+  __threadfence_system();
+}
+
+// One warp per token of this rank's group: the rows of the ranks that held
+// its routes, summed in fp32 (plus out_tokens when accumulating).
+template <typename OutT>
+__global__ void __launch_bounds__(kThreads) combine_unpack_kernel(GpuCombineParams p) {
+  const Geometry& g = p.c.geo;
+  const Layout& l = p.c.layout;
+  const PlanView& pv = p.c.plan_view;
+  const int W = g.world_size, lane = lane_id();
+  if (host_word(p.c.plan + kPlanCombineEpoch) != p.c.epoch) return;
+  const int64_t limit = g.max_num_tokens < p.input_rows ? g.max_num_tokens : p.input_rows;
+  bool bad = false;  // reported by the dispatch that read the same bound_m
+  const int64_t m = clamp_m(*p.bound_m, limit, &bad);
+  const int64_t dm = *p.c.state.dispatch_m;
+  const int64_t routed = m < dm ? m : dm;  // tokens past the dispatch's m have no routes
+  const int64_t nvec = g.hidden_dim / 8;
+  const char* area = p.c.recv + l.combine_offset;
+  for (int64_t t = global_warp(); t < m; t += warp_count()) {
+    const int q = g.sender_replica(t);
+    // Lanes 0..n-1 end up holding the source rows (at most min(k, W) < 32).
+    const char* my_src = nullptr;
+    int n = 0;
+    for (int r0 = 0; t < routed && r0 < W; r0 += 32) {
+      const int r = r0 + lane;
+      const char* src = nullptr;
+      if (r < W) {
+        const int32_t j = p.c.state.dest_index[t * W + r];
+        if (j >= 0 && j < host_word(p.c.plan + pv.row_count(q, r))) {
+          const int64_t row = host_word(p.c.plan + pv.row_base(q, r)) + j;
+          if (row >= 0 && row < l.combine_rows) src = area + row * l.row_bytes;
+        }
+      }
+      const uint32_t mask = __ballot_sync(0xffffffffu, src != nullptr);
+      const int cnt = __popc(mask);
+      const int from = lane >= n && lane < n + cnt ? __fns(mask, 0, lane - n + 1) : lane;
+      const char* moved = reinterpret_cast<const char*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(src), from));
+      if (lane >= n && lane < n + cnt) my_src = moved;
+      n += cnt;
+    }
+    char* out = p.out + t * p.out_row_bytes;
+    for (int64_t v0 = 0; v0 < nvec; v0 += 32) {
+      const int64_t v = v0 + lane;
+      float acc[8] = {};
+      if (p.accumulate && v < nvec) Vec8<OutT>::load(out + v * 16, acc);
+      for (int d = 0; d < n; ++d) {
+        const char* s = reinterpret_cast<const char*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_src), d));
+        if (v < nvec) {
+          const uint4 raw = host_16(s + v * 16);
+          float f[8];
+          Vec8<OutT>::from_raw(&raw, f);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] += f[e];
+        }
+      }
+      if (v < nvec) Vec8<OutT>::store(out + v * 16, acc);
+    }
+  }
+}
+
+template <typename OutT>
+cudaError_t launch_combine_pack_out(const GpuCombineParams& p, int blocks, cudaStream_t s) {
+  switch (p.y_dtype) {
+    case DType::kBFloat16: combine_pack_kernel<__nv_bfloat16, OutT><<<blocks, kThreads, 0, s>>>(p); break;
+    case DType::kFloat16: combine_pack_kernel<__half, OutT><<<blocks, kThreads, 0, s>>>(p); break;
+    default: combine_pack_kernel<float, OutT><<<blocks, kThreads, 0, s>>>(p); break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_dispatch_pack(const GpuDispatchParams& p, int blocks, cudaStream_t stream) {
+  const int W = p.c.geo.world_size;
+  route_scan_kernel<<<W * p.c.geo.dp_size, kThreads, 0, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  pack_kernel<<<blocks, kThreads, sizeof(int64_t) * W, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_dispatch_unpack(const GpuDispatchParams& p, int blocks, cudaStream_t stream) {
+  unpack_kernel<<<blocks, kThreads, 0, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  count_kernel<<<1, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_combine_pack(const GpuCombineParams& p, int blocks, cudaStream_t stream) {
+  return p.out_dtype == DType::kFloat16 ? launch_combine_pack_out<__half>(p, blocks, stream)
+                                        : launch_combine_pack_out<__nv_bfloat16>(p, blocks, stream);
+}
+
+cudaError_t launch_combine_unpack(const GpuCombineParams& p, int blocks, cudaStream_t stream) {
+  if (p.out_dtype == DType::kFloat16)
+    combine_unpack_kernel<__half><<<blocks, kThreads, 0, stream>>>(p);
+  else
+    combine_unpack_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace moelink::detail::internode

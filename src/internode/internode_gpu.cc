@@ -1,0 +1,336 @@
+// kInternode: the inter-node protocol (protocol.h) with GPU kernels packing
+// and unpacking and the Proxy thread moving the bytes over the
+// TransferEngine. Every peer is treated as remote (a rank per node, or GPUs
+// of one node forced through the network for testing): peers in the same
+// node do not use NVLink here yet.
+//
+// Buffers are staged in pinned host memory mapped into the GPU, which any
+// libfabric provider can register; the handshake with the proxy goes through
+// two pinned words: after the pack kernels the stream writes `request`
+// (cuStreamWriteValue64, ordered after the kernels' writes), before the
+// unpack kernels it waits for `done` (cuStreamWaitValue64): the GPU holds no
+// SM while the network works.
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "core/all_to_all_impl.h"
+#include "internode/gpu_kernels.h"
+#include "internode/internode_impl.h"
+#include "internode/protocol.h"
+#include "internode/proxy.h"
+#include "moelink/errors.h"
+#include "nvlink/cuda_check.h"
+
+namespace moelink::detail::internode {
+namespace {
+
+constexpr int kDefaultBlocks = 64;
+// pack_kernel keeps one int64 block offset per rank in shared memory.
+constexpr int kMaxGpuWorldSize = 4096;
+
+void check_driver(CUresult r, const char* what) {
+  if (r == CUDA_SUCCESS) return;
+  throw SystemError(std::string("moelink: internode: ") + what + " failed with CUresult " +
+                    std::to_string(static_cast<int>(r)));
+}
+
+// The few driver calls used, looked up through the runtime, so that
+// libmoelink does not link libcuda (absent where the build and the CPU tests
+// run without a driver).
+struct DriverCalls {
+  CUresult (*device_get)(CUdevice*, int);
+  CUresult (*device_attribute)(int*, CUdevice_attribute, CUdevice);
+  CUresult (*write_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned);
+  CUresult (*wait_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned);
+};
+
+template <typename Fn>
+void lookup(Fn* fn, const char* name) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  MOELINK_CUDA_CHECK(cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found));
+  if (found != cudaDriverEntryPointSuccess || p == nullptr)
+    throw SystemError(std::string("moelink: internode: the CUDA driver has no ") + name);
+  *fn = reinterpret_cast<Fn>(p);
+}
+
+const DriverCalls& driver() {
+  static const DriverCalls calls = [] {
+    DriverCalls c{};
+    lookup(&c.device_get, "cuDeviceGet");
+    lookup(&c.device_attribute, "cuDeviceGetAttribute");
+    lookup(&c.write_value64, "cuStreamWriteValue64");
+    lookup(&c.wait_value64, "cuStreamWaitValue64");
+    return c;
+  }();
+  return calls;
+}
+
+// Pinned host memory mapped into the GPU.
+class PinnedBuffer {
+ public:
+  explicit PinnedBuffer(int64_t bytes) : bytes_(bytes) {
+    MOELINK_CUDA_CHECK(cudaHostAlloc(&host_, static_cast<size_t>(bytes),
+                                     cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(host_, 0, static_cast<size_t>(bytes));
+    MOELINK_CUDA_CHECK(cudaHostGetDevicePointer(&device_, host_, 0));
+  }
+  ~PinnedBuffer() { cudaFreeHost(host_); }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  template <typename T = char>
+  T* host() const {
+    return static_cast<T*>(host_);
+  }
+  template <typename T = char>
+  T* device() const {
+    return static_cast<T*>(device_);
+  }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  void* host_ = nullptr;
+  void* device_ = nullptr;
+  int64_t bytes_;
+};
+
+int64_t resolve_private_tokens(const ResolvedOptions& o, const Config& c) {
+  return o.max_private_tokens >= 0 ? o.max_private_tokens : std::min<int64_t>(c.max_num_tokens, 32);
+}
+
+Matrix2D matrix(const Tensor& t) { return Matrix2D{t.data, t.dtype, t.stride[0], t.stride[1]}; }
+int64_t stride_bytes(const Tensor& t, int dim) {
+  return t.stride[dim] * static_cast<int64_t>(dtype_size(t.dtype));
+}
+
+class InternodeGpu final : public AllToAllImpl {
+ public:
+  InternodeGpu(const Config& c, const ResolvedOptions& o, Bootstrap& bootstrap)
+      : AllToAllImpl(c, o),
+        layout_(make_layout(geometry_, resolve_private_tokens(o, c))),
+        plan_view_{c.world_size, c.dp_size} {
+    if (c.world_size > kMaxGpuWorldSize)
+      throw InvalidArgument("moelink: internode: world_size = " + std::to_string(c.world_size) +
+                            " exceeds this backend's limit of " + std::to_string(kMaxGpuWorldSize));
+    MOELINK_CUDA_CHECK(cudaGetDevice(&device_));
+    MOELINK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
+    CUdevice dev;
+    check_driver(driver().device_get(&dev, device_), "cuDeviceGet");
+    int mem_ops = 0;
+    check_driver(
+        driver().device_attribute(&mem_ops, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, dev),
+        "cuDeviceGetAttribute");
+    if (!mem_ops)
+      throw InvalidArgument(
+          "moelink: internode: GPU " + std::to_string(device_) +
+          " lacks 64-bit stream memory operations (cuStreamWaitValue64), which the backend "
+          "needs to wait for the proxy without holding an SM");
+    send_ = std::make_unique<PinnedBuffer>(layout_.send_bytes);
+    recv_ = std::make_unique<PinnedBuffer>(layout_.recv_bytes);
+    plan_ = std::make_unique<PinnedBuffer>(8 * plan_view_.words());
+    signals_ = std::make_unique<PinnedBuffer>(sizeof(ProxySignals));
+    allocate_state();
+    proxy_ = std::make_unique<Proxy>(
+        geometry_, layout_, o, bootstrap,
+        Proxy::Buffers{send_->host(), recv_->host(), fabric::MemoryKind::kHost, device_},
+        signals_->host<ProxySignals>(), plan_->host<int64_t>(),
+        // A dedicated core: spin long before yielding, latency matters here.
+        /*spin_polls=*/1 << 20);
+  }
+
+  ~InternodeGpu() override {
+    // Work already queued may still wait for proxy steps: let it drain while
+    // the proxy runs. Errors here cannot be reported any more.
+    cudaDeviceSynchronize();
+    proxy_.reset();
+    cudaFree(private_);
+  }
+
+  Backend backend() const override { return Backend::kInternode; }
+  size_t buffer_bytes() const override {
+    return static_cast<size_t>(layout_.send_bytes + layout_.recv_bytes);
+  }
+
+  void dispatch(const DispatchArgs& a, bool send, bool recv) override {
+    refuse_capture(a.stream);
+    if (send) {
+      ++epoch_;
+      const GpuDispatchParams p = dispatch_params(a);
+      MOELINK_CUDA_CHECK(launch_dispatch_pack(p, blocks(), a.stream));
+      write_word(a.stream, &signals_->device<ProxySignals>()->request, dispatch_step(epoch_));
+    }
+    if (recv) {
+      wait_word(a.stream, &signals_->device<ProxySignals>()->done, dispatch_step(epoch_));
+      MOELINK_CUDA_CHECK(launch_dispatch_unpack(dispatch_params(a), blocks(), a.stream));
+    }
+    last_stream_ = a.stream;
+  }
+
+  void combine(const CombineArgs& a, bool send, bool recv) override {
+    refuse_capture(a.stream);
+    const GpuCombineParams p = combine_params(a);
+    if (send) {
+      MOELINK_CUDA_CHECK(launch_combine_pack(p, blocks(), a.stream));
+      write_word(a.stream, &signals_->device<ProxySignals>()->request, combine_step(epoch_));
+    }
+    if (recv) {
+      wait_word(a.stream, &signals_->device<ProxySignals>()->done, combine_step(epoch_));
+      MOELINK_CUDA_CHECK(launch_combine_unpack(p, blocks(), a.stream));
+    }
+    last_stream_ = a.stream;
+  }
+
+  ErrorRecord wait_and_take_error() override {
+    MOELINK_CUDA_CHECK(cudaStreamSynchronize(last_stream_));
+    if (proxy_->failed()) {
+      detail_ = proxy_->error_detail();
+      return proxy_->error();
+    }
+    detail_.clear();
+    ErrorRecord e{};
+    MOELINK_CUDA_CHECK(cudaMemcpy(&e, state_.error, sizeof(e), cudaMemcpyDeviceToHost));
+    if (e.code != 0) MOELINK_CUDA_CHECK(cudaMemset(state_.error, 0, sizeof(ErrorRecord)));
+    return e;
+  }
+  std::string error_detail() const override { return detail_; }
+
+ private:
+  void allocate_state() {
+    const Geometry& g = geometry_;
+    const int64_t T = g.max_num_tokens, W = g.world_size, k = g.experts_per_token;
+    const int64_t slots = static_cast<int64_t>(g.num_dp_groups) * T;
+    int64_t off = 0;
+    auto take = [&](int64_t bytes) {
+      const int64_t at = off;
+      off = align_up(off + bytes, 256);
+      return at;
+    };
+    const int64_t dest_off = take(4 * T * W);
+    const int64_t counts_off = take(4 * g.dp_size * W);
+    const int64_t counter_off = take(4 * int64_t{g.num_local_experts});
+    const int64_t n_off = take(4 * slots);
+    const int64_t routes_off = take(static_cast<int64_t>(sizeof(RouteEntry)) * slots * k);
+    const int64_t rows_off = take(4 * slots * k);
+    const int64_t m_off = take(4);
+    const int64_t error_off = take(sizeof(ErrorRecord));
+    void* mem = nullptr;
+    MOELINK_CUDA_CHECK(cudaMalloc(&mem, off));
+    MOELINK_CUDA_CHECK(cudaMemset(mem, 0, off));
+    private_ = static_cast<char*>(mem);
+    state_.dest_index = reinterpret_cast<int32_t*>(private_ + dest_off);
+    state_.counts = reinterpret_cast<uint32_t*>(private_ + counts_off);
+    state_.expert_counter = reinterpret_cast<int32_t*>(private_ + counter_off);
+    state_.recv_routes_n = reinterpret_cast<int32_t*>(private_ + n_off);
+    state_.recv_routes = reinterpret_cast<RouteEntry*>(private_ + routes_off);
+    state_.recv_rows = reinterpret_cast<int32_t*>(private_ + rows_off);
+    state_.dispatch_m = reinterpret_cast<int32_t*>(private_ + m_off);
+    state_.error = reinterpret_cast<ErrorRecord*>(private_ + error_off);
+  }
+
+  int blocks() const {
+    return options_.num_blocks > 0 ? std::min(options_.num_blocks, num_sms_)
+                                   : std::min(num_sms_, kDefaultBlocks);
+  }
+
+  // The stream waits carry the epoch as a constant: a replayed graph would
+  // wait for an old step. Refuse rather than hang.
+  static void refuse_capture(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+    if (status != cudaStreamCaptureStatusNone)
+      throw InvalidArgument(
+          "moelink: backend \"internode\" cannot be captured into a CUDA graph (its waits for "
+          "the proxy name the step); call dispatch/combine outside the capture");
+  }
+
+  static void write_word(cudaStream_t s, uint64_t* device_word, uint64_t v) {
+    check_driver(driver().write_value64(reinterpret_cast<CUstream>(s),
+                                      reinterpret_cast<CUdeviceptr>(device_word), v,
+                                      CU_STREAM_WRITE_VALUE_DEFAULT),
+                 "cuStreamWriteValue64");
+  }
+  static void wait_word(cudaStream_t s, uint64_t* device_word, uint64_t v) {
+    check_driver(driver().wait_value64(reinterpret_cast<CUstream>(s),
+                                     reinterpret_cast<CUdeviceptr>(device_word), v,
+                                     CU_STREAM_WAIT_VALUE_GEQ),
+                 "cuStreamWaitValue64");
+  }
+
+  GpuCommon common() const {
+    GpuCommon c{};
+    c.geo = geometry_;
+    c.layout = layout_;
+    c.plan_view = plan_view_;
+    c.epoch = epoch_;
+    c.send = send_->device();
+    c.recv = recv_->device();
+    c.plan = plan_->device<int64_t>();
+    c.state = state_;
+    return c;
+  }
+
+  GpuDispatchParams dispatch_params(const DispatchArgs& a) const {
+    GpuDispatchParams p{};
+    p.c = common();
+    p.x = static_cast<const char*>(a.dp_x.data);
+    p.x_row_bytes = stride_bytes(a.dp_x, 0);
+    p.x_scale = static_cast<const float*>(a.dp_x_scale.data);
+    p.x_scale_s0 = a.dp_x_scale.stride[0];
+    p.x_scale_s1 = a.dp_x_scale.stride[1];
+    p.indices = matrix(a.indices);
+    p.weights = matrix(a.weights);
+    p.bound_m = static_cast<const int32_t*>(a.bound_m.data);
+    p.input_rows = a.input_rows;
+    p.out_num_tokens = static_cast<int32_t*>(a.out_expert_num_tokens.data);
+    p.out_x = static_cast<char*>(a.out_expert_x.data);
+    p.out_x_s0_bytes = stride_bytes(a.out_expert_x, 0);
+    p.out_x_s1_bytes = stride_bytes(a.out_expert_x, 1);
+    p.out_scale = static_cast<float*>(a.out_expert_x_scale.data);
+    p.out_scale_s0 = a.out_expert_x_scale.stride[0];
+    p.out_scale_s1 = a.out_expert_x_scale.stride[1];
+    p.out_scale_s2 = a.out_expert_x_scale.stride[2];
+    return p;
+  }
+
+  GpuCombineParams combine_params(const CombineArgs& a) const {
+    GpuCombineParams p{};
+    p.c = common();
+    p.y = static_cast<const char*>(a.expert_y.data);
+    p.y_dtype = a.expert_y.dtype;
+    p.y_s0_bytes = stride_bytes(a.expert_y, 0);
+    p.y_s1_bytes = stride_bytes(a.expert_y, 1);
+    p.out = static_cast<char*>(a.out_tokens.data);
+    p.out_dtype = a.out_tokens.dtype;
+    p.out_row_bytes = stride_bytes(a.out_tokens, 0);
+    p.bound_m = static_cast<const int32_t*>(a.bound_m.data);
+    p.input_rows = a.input_rows;
+    p.accumulate = a.accumulate;
+    return p;
+  }
+
+  Layout layout_;
+  PlanView plan_view_;
+  int device_ = 0;
+  int num_sms_ = 0;
+  std::unique_ptr<PinnedBuffer> send_, recv_, plan_, signals_;
+  char* private_ = nullptr;
+  GpuState state_{};
+  std::unique_ptr<Proxy> proxy_;
+  uint32_t epoch_ = 0;
+  cudaStream_t last_stream_ = nullptr;
+  std::string detail_;
+};
+
+}  // namespace
+
+std::unique_ptr<AllToAllImpl> make_internode_gpu_impl(const Config& c, const ResolvedOptions& o,
+                                                      Bootstrap& bootstrap) {
+  return std::make_unique<InternodeGpu>(c, o, bootstrap);
+}
+
+}  // namespace moelink::detail::internode

@@ -1,0 +1,172 @@
+// The inter-node backend with GPU kernels (kInternode): forked ranks, one
+// GPU each (rank r on GPU r % gpu_count, so several ranks share one GPU as
+// well), every peer reached through libfabric (shm here: GPUs of one
+// machine treated as nodes, host staging), checked by the shared driver
+// against tests/reference.h. Skips without a GPU or without the provider.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "all_to_all_cases.h"
+#include "case_builders.h"
+#include "fabric_test_util.h"
+#include "gpu_memory_ops.h"
+#include "rank_harness.h"
+
+namespace moelink_test {
+namespace {
+
+using moelink::DType;
+
+#define REQUIRE_GPU_AND_SHM()                                                              \
+  do {                                                                                     \
+    if (probe_gpu_count() == 0)                                                            \
+      GTEST_SKIP() << "no CUDA GPU on this machine: the internode GPU tests run on the "   \
+                      "H200 device machine (tools/gpu_check.sh)";                         \
+    if (!fabric_provider_available("shm"))                                                 \
+      GTEST_SKIP() << "libfabric provider 'shm' is not available here";                    \
+  } while (0)
+
+CaseSpec gpu_node(int W, int dp, int64_t T, int E, int k, int64_t H, DType in, DType out, DType y) {
+  CaseSpec s = make_spec(moelink::Backend::kInternode, W, dp, T, E, k, H, in, out, y);
+  s.fabric_provider = "shm";
+  return s;
+}
+
+int device_of(int rank) { return rank % probe_gpu_count(); }
+
+void run_gpu_node_case(const CaseSpec& spec) {
+  run_ranks(spec.world_size, [&](int rank, moelink::Bootstrap& bs) {
+    GpuMemoryOps ops(device_of(rank));
+    run_case_on_rank(spec, rank, bs, ops);
+  }, 480);
+}
+
+class InternodeGpu : public testing::TestWithParam<NamedCase> {};
+
+TEST_P(InternodeGpu, DispatchAndCombineMatchReference) {
+  REQUIRE_GPU_AND_SHM();
+  run_gpu_node_case(GetParam().spec);
+}
+
+std::vector<NamedCase> cases() {
+  std::vector<NamedCase> v;
+  const CaseSpec deepseek = with(gpu_node(2, 1, 128, 256, 8, 7168, kFp8, kBf16, kBf16),
+                                 [](CaseSpec& s) { s.rounds = 3; });
+  v.push_back({"DeepSeekLike_W2", deepseek});
+  v.push_back({"DeepSeekLike_W2_Private0", with(deepseek, [](CaseSpec& s) {
+                 s.max_private_tokens = 0;
+                 s.routing = Routing::kSkewed;
+               })});
+  v.push_back({"DeepSeekLike_W4_Dp2_Split", with(deepseek, [](CaseSpec& s) {
+                 s.world_size = 4;
+                 s.dp_size = 2;
+                 s.max_num_tokens = 32;
+                 s.split = true;
+               })});
+  v.push_back({"W2_Bf16_K1_E8", gpu_node(2, 1, 64, 8, 1, 256, kBf16, kBf16, kBf16)});
+  v.push_back({"W2_Dp2_Fp16_K8_E8_YFp32", gpu_node(2, 2, 32, 8, 8, 512, kFp16, kFp16, kFp32)});
+  v.push_back({"W4_Fp8_K4_E32_OutFp16_Int32",
+               with(gpu_node(4, 1, 32, 32, 4, 1024, kFp8, kFp16, kBf16),
+                    [](CaseSpec& s) { s.index_dtype = DType::kInt32; })});
+  v.push_back({"W2_Accumulate_Split_Private1",
+               with(gpu_node(2, 1, 64, 16, 4, 1024, kBf16, kBf16, kBf16), [](CaseSpec& s) {
+                 s.accumulate = true;
+                 s.split = true;
+                 s.max_private_tokens = 1;
+               })});
+  v.push_back({"W4_Dp2_Strided_Padded_Fp8_FewerRows",
+               with(gpu_node(4, 2, 32, 16, 8, 512, kFp8, kFp16, kBf16), [](CaseSpec& s) {
+                 s.strided = true;
+                 s.padded = true;
+                 s.input_rows = 20;
+               })});
+  const std::pair<Routing, const char*> routings[] = {
+      {Routing::kSkewed, "Skewed"}, {Routing::kWithNone, "WithNone"}, {Routing::kRepeated, "Repeated"}};
+  for (const auto& [routing, name] : routings)
+    v.push_back({std::string("Routing") + name + "_W4_Uint32",
+                 with(gpu_node(4, 1, 32, 16, 4, 256, kBf16, kBf16, kBf16), [&](CaseSpec& s) {
+                   s.routing = routing;
+                   s.index_dtype = DType::kUInt32;
+                 })});
+  v.push_back({"W1_Bf16_K2_E8", gpu_node(1, 1, 32, 8, 2, 256, kBf16, kBf16, kBf16)});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shm, InternodeGpu, testing::ValuesIn(cases()), CaseName());
+
+// ------------------------------------------------------------ bad input
+
+std::vector<NamedCase> input_error_cases() {
+  std::vector<NamedCase> v;
+  v.push_back({"ExpertIdEqualsE_W2", with(gpu_node(2, 1, 32, 16, 4, 512, kBf16, kBf16, kBf16),
+                                          [](CaseSpec& s) { s.inject = Inject::kExpertIdE; })});
+  v.push_back({"ExpertIdMinus5_Int32_W4Dp2",
+               with(gpu_node(4, 2, 32, 16, 4, 512, kBf16, kBf16, kBf16), [](CaseSpec& s) {
+                 s.inject = Inject::kExpertIdMinus5;
+                 s.index_dtype = DType::kInt32;
+               })});
+  v.push_back({"BoundMTooLarge_W2", with(gpu_node(2, 1, 32, 16, 4, 512, kBf16, kBf16, kBf16),
+                                         [](CaseSpec& s) { s.inject = Inject::kBoundMTooLarge; })});
+  v.push_back({"BoundMNegative_W2", with(gpu_node(2, 1, 32, 16, 4, 512, kBf16, kBf16, kBf16),
+                                         [](CaseSpec& s) { s.inject = Inject::kBoundMNegative; })});
+  v.push_back({"ExpertOverflow_W2", with(gpu_node(2, 1, 32, 16, 4, 512, kFp8, kBf16, kBf16),
+                                         [](CaseSpec& s) { s.inject = Inject::kExpertOverflow; })});
+  return v;
+}
+
+class InternodeGpuInputError : public testing::TestWithParam<NamedCase> {};
+
+TEST_P(InternodeGpuInputError, CheckThrowsInputErrorAndOutputsStayInBounds) {
+  REQUIRE_GPU_AND_SHM();
+  run_gpu_node_case(GetParam().spec);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shm, InternodeGpuInputError, testing::ValuesIn(input_error_cases()),
+                         CaseName());
+
+// ------------------------------------------------------------ a rank leaves
+
+void run_exit(int W, int dp, int exiting, bool before_combine) {
+  const CaseSpec spec = with(gpu_node(W, dp, 32, 16, 4, 512, kBf16, kBf16, kBf16),
+                             [](CaseSpec& s) { s.timeout_s = 3; });
+  run_ranks(W, [&](int rank, moelink::Bootstrap& bs) {
+    GpuMemoryOps ops(device_of(rank));
+    run_rank_exit_case(spec, rank, exiting, bs, ops, before_combine);
+  }, 120);
+}
+
+TEST(InternodeGpuTimeout, RankThatExitsIsNamedInTimeoutError) {
+  REQUIRE_GPU_AND_SHM();
+  run_exit(2, 1, 1, false);
+}
+
+TEST(InternodeGpuTimeout, RankThatExitsBeforeCombineIsNamedInTimeoutErrorW4Dp2) {
+  REQUIRE_GPU_AND_SHM();
+  run_exit(4, 2, 2, true);
+}
+
+// ------------------------------------------------------------ graphs
+
+TEST(InternodeGpuGraph, CaptureIsRefusedWithAClearError) {
+  REQUIRE_GPU_AND_SHM();
+  const CaseSpec spec = gpu_node(2, 1, 16, 8, 2, 128, kBf16, kBf16, kBf16);
+  run_ranks(2, [&](int rank, moelink::Bootstrap& bs) {
+    GpuMemoryOps ops(device_of(rank));
+    CaseRunner runner(spec, rank, bs, ops);
+    runner.prepare_round(0);
+    CUDA_OK(cudaStreamBeginCapture(ops.stream(), cudaStreamCaptureModeThreadLocal));
+    expect_throw_naming<moelink::InvalidArgument>([&] { runner.dispatch(); },
+                                                  {"internode", "graph"}, "capture");
+    cudaGraph_t graph = nullptr;
+    cudaStreamEndCapture(ops.stream(), &graph);
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    // The refusal left nothing behind: an eager round still works.
+    runner.run_round(1);
+  }, 120);
+}
+
+}  // namespace
+}  // namespace moelink_test
