@@ -304,6 +304,7 @@ CaseRunner::CaseRunner(const CaseSpec& spec, int rank, moelink::Bootstrap& boots
   o.num_blocks = spec.num_blocks;
   o.fabric_provider = spec.fabric_provider;
   o.max_private_tokens = spec.max_private_tokens;
+  o.profile = spec.profile ? 1 : 0;
   o.debug = 0;
   a2a_ = moelink::AllToAll::create(config_, bootstrap, o);
   const int64_t T = spec_.rows(), S = config_.hidden_dim_scale;

@@ -89,6 +89,7 @@ struct CaseSpec {
   // per (sender, receiver) pair (< 0 = default).
   std::string fabric_provider;
   int max_private_tokens = -1;
+  bool profile = false;  // Options.profile
 
   moelink::Config config(int rank) const;
   int64_t rows() const { return input_rows > 0 ? input_rows : max_num_tokens; }

@@ -200,5 +200,30 @@ INSTANTIATE_TEST_SUITE_P(
              (i.param.before_combine ? "_BeforeCombine" : "_BeforeDispatch");
     });
 
+// ------------------------------------------------------------ phase times
+
+TEST(InternodeCpuProfile, PhaseTimesCoverEveryPhaseOnlyWhenProfiling) {
+  REQUIRE_PROVIDER("shm");
+  for (bool profile : {true, false}) {
+    const CaseSpec spec = with(node("shm", 4, 1, 32, 16, 4, 1024, kBf16, kBf16, kBf16),
+                               [&](CaseSpec& s) { s.profile = profile; });
+    run_ranks(4, [&](int rank, moelink::Bootstrap& bs) {
+      auto ops = make_host_memory_ops();
+      CaseRunner runner(spec, rank, bs, *ops);
+      runner.run_round(0);
+      const moelink::CallTimes t = runner.all_to_all().phase_times();
+      for (const auto& [name, p] : {std::pair{"dispatch", t.dispatch}, std::pair{"combine", t.combine}}) {
+        const double parts[] = {p.pack_us, p.post_us, p.wire_us, p.unpack_us};
+        for (double v : parts) {
+          if (profile)
+            RANK_CHECK(v > 0 && v < 30e6) << name << ": a phase took " << v << " us";
+          else
+            RANK_CHECK(v == 0) << name << ": phase time " << v << " without profiling";
+        }
+      }
+    }, 120);
+  }
+}
+
 }  // namespace
 }  // namespace moelink_test

@@ -2,7 +2,10 @@
 # Runs on the H200 machine (the device tool): builds everything, runs the GPU
 # test suite, the binding tests with torch, the compute-sanitizer pass and the
 # benchmark, in one call. Results and logs go to $OUT (default ./gpu-out).
-#   bash tools/gpu_check.sh [steps...]   steps: build test python sanitize bench (default: all)
+#   bash tools/gpu_check.sh [steps...]
+#   steps: build test python sanitize bench internode (default: all)
+#   internode: moelink-bench with the internode backend beside nvlink, over
+#   libfabric's shm provider (GPUs of this machine treated as nodes).
 # Needs .deps/ from tools/prepare_device_deps.sh (that machine has no package
 # registry) and carries it with the call.
 set -uo pipefail
@@ -12,13 +15,25 @@ OUT=${OUT:-$root/gpu-out}
 mkdir -p "$OUT"
 # NVLink multicast stays off: it can take the host's GPUs out of service.
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-steps=${*:-build test python sanitize bench}
+steps=${*:-build test python sanitize bench internode}
 has() { [[ " $steps " == *" $1 "* ]]; }
 status=0
 py=$(command -v python3)
 site=$($py -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 nccl_home="$site/nvidia/nccl"
-export LD_LIBRARY_PATH="$nccl_home/lib:${LD_LIBRARY_PATH:-}"
+# NVSHMEM (the nvshmem backend, found by CMake in the same wheel directory):
+# binaries carry an RPATH to it; exported too for anything started without.
+export LD_LIBRARY_PATH="$nccl_home/lib:$site/nvidia/nvshmem/lib:${LD_LIBRARY_PATH:-}"
+# libfabric (the internode backends) from Debian's packages, unpacked into
+# .deps/sysroot by tools/prepare_device_deps.sh: this machine has none.
+fabric_args=()
+if [[ -d "$root/.deps/sysroot/usr/include/rdma" ]]; then
+  sysroot="$root/.deps/sysroot"
+  export LD_LIBRARY_PATH="$sysroot/usr/lib/x86_64-linux-gnu:$sysroot/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH"
+  fabric_args=(-DMOELINK_LIBFABRIC_ROOT="$sysroot/usr")
+fi
+python_build=OFF
+has python && python_build=ON
 ngpu=$(nvidia-smi -L | wc -l)
 commit=$(git rev-parse HEAD 2>/dev/null || echo "${MOELINK_GIT_COMMIT:-unknown}")
 export MOELINK_GIT_COMMIT=$commit
@@ -28,8 +43,10 @@ if has build; then
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DMOELINK_GTEST_SOURCE_DIR="$root/.deps/googletest" \
     -DMOELINK_EXTRA_INCLUDE_DIR="$root/.deps/include" \
-    -DNCCL_ROOT="$nccl_home" -DMOELINK_BUILD_PYTHON=ON \
+    -DNCCL_ROOT="$nccl_home" -DNVSHMEM_HOME="$site/nvidia/nvshmem" \
+    -DMOELINK_BUILD_PYTHON=$python_build "${fabric_args[@]}" \
     -DPython_EXECUTABLE="$py" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+  grep -E "moelink: (backend|backends|TransferEngine)" "$OUT/configure.log"
   cmake --build build-gpu -j "$(nproc)" >"$OUT/build.log" 2>&1 || { grep -B2 -A10 error "$OUT/build.log" | head -60; exit 1; }
   echo "build ok"
 fi
@@ -38,6 +55,13 @@ if has test; then
   echo "== GPU test suite ($ngpu GPUs)"
   build-gpu/tests/moelink_tests --gtest_filter="${MOELINK_GTEST_FILTER:-*}" >"$OUT/tests.log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests? ran|FAILED" "$OUT/tests.log" | tail -25
+  internode_tests=build-gpu/src/fabric/tests/moelink_internode_tests
+  if [[ -x $internode_tests ]]; then
+    echo "== internode backend tests (GPU and CPU, libfabric shm / tcp)"
+    FI_TCP_IFACE=lo $internode_tests --gtest_filter="${MOELINK_INTERNODE_FILTER:-*}" \
+      >"$OUT/internode-tests.log" 2>&1 || status=1
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests? ran|FAILED" "$OUT/internode-tests.log" | tail -25
+  fi
 fi
 
 if has python; then
@@ -62,5 +86,14 @@ if has bench; then
        --json "$OUT/bench.json" ${MOELINK_BENCH_ARGS:-})
   echo "${cmd[*]}"
   "${cmd[@]}" 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
+fi
+if has internode; then
+  echo "== moelink-bench: internode (libfabric shm, host staging) beside nvlink"
+  np=${MOELINK_BENCH_NPROC:-$(( ngpu > 2 ? ngpu : 2 ))}
+  cmd=(build-gpu/tools/bench/moelink-bench --nproc "$np" --backend internode --compare nvlink
+       --fabric-provider shm --machine "nvidia-h200-x$ngpu" --json "$OUT/bench-internode.json"
+       ${MOELINK_INTERNODE_BENCH_ARGS:-})
+  echo "${cmd[*]}"
+  "${cmd[@]}" 2>&1 | tee "$OUT/bench-internode.log" | tail -45 || status=1
 fi
 exit $status

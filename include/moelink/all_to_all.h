@@ -62,6 +62,22 @@ struct Options {
   // information, before offsets are known (private receive space per
   // sender). < 0: min(max_num_tokens, 32).
   int max_private_tokens = -1;
+  // Time the phases of each call for phase_times() (kInternode records CUDA
+  // events around its kernels, which costs a little latency). < 0: read
+  // MOELINK_PROFILE.
+  int profile = -1;
+};
+
+// Where the time of one dispatch or combine went, in microseconds, for the
+// backends with a host proxy (kInternode, kInternodeCPU).
+struct PhaseTimes {
+  double pack_us = 0;    // send half: routes counted, tokens / rows packed
+  double post_us = 0;    // proxy: posting writes (and local copies)
+  double wire_us = 0;    // proxy: waiting for the peers' data and own completions
+  double unpack_us = 0;  // receive half after the proxy finished
+};
+struct CallTimes {
+  PhaseTimes dispatch, combine;
 };
 
 namespace detail {
@@ -125,6 +141,10 @@ class AllToAll {
   // for anything the device flagged (naming rank, phase, field or peer and
   // the value). Input errors are cleared once reported; a timeout is final.
   void check();
+
+  // The phases of the last dispatch and combine (waits for them). All zero
+  // unless Options.profile is on and the backend has a proxy.
+  CallTimes phase_times();
 
  private:
   explicit AllToAll(std::unique_ptr<detail::AllToAllImpl> impl);

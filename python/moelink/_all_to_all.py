@@ -10,7 +10,9 @@ from . import _C
 from ._C import Bootstrap, Config, EnvBootstrap
 from ._torch import TorchGroupBootstrap, is_process_group
 
-_BACKENDS = ("nvlink", "cpu")
+_BACKENDS = ("nvlink", "cpu", "nvshmem", "internode", "internode-cpu")
+# Backends whose tensors live in host memory (no CUDA stream).
+_HOST_BACKENDS = ("cpu", "internode-cpu")
 
 
 def _resolve_bootstrap(group, bootstrap, timeout_s) -> Bootstrap:
@@ -65,7 +67,14 @@ class AllToAll:
     """MoE dispatch / combine across the ranks of one node.
 
     AllToAll(config=None, *, backend="nvlink", group=None, bootstrap=None,
-             num_blocks=0, timeout_s=None, debug=None, **config_kwargs)
+             num_blocks=0, timeout_s=None, debug=None, fabric_provider=None,
+             max_private_tokens=None, profile=None, **config_kwargs)
+
+    backend: "nvlink" (GPUs of one node), "nvshmem", "internode" (GPUs of
+    several nodes through the host proxy and libfabric), "cpu" and
+    "internode-cpu" (host tensors). fabric_provider ("efa", "shm", "tcp"),
+    max_private_tokens and profile apply to the internode backends (see
+    docs/internode.md); None leaves the C++ defaults and environment.
 
     config: a moelink.Config, a dict of its fields, or None with the fields
     given as keyword arguments (rank and world_size then default to the
@@ -80,9 +89,11 @@ class AllToAll:
     def __init__(self, config: Any = None, *, backend: str = "nvlink", group=None,
                  bootstrap: Optional[Bootstrap] = None, num_blocks: int = 0,
                  timeout_s: Optional[float] = None, debug: Optional[bool] = None,
-                 **config_kwargs):
+                 fabric_provider: Optional[str] = None, max_private_tokens: Optional[int] = None,
+                 profile: Optional[bool] = None, **config_kwargs):
         if backend not in _BACKENDS:
-            raise ValueError(f"moelink: AllToAll: backend = {backend!r} must be 'nvlink' or 'cpu'")
+            raise ValueError(f"moelink: AllToAll: backend = {backend!r} must be one of "
+                             + ", ".join(repr(b) for b in _BACKENDS))
         if isinstance(config, Config):
             if config_kwargs:
                 raise TypeError("moelink: AllToAll: pass a Config or keyword fields, not both "
@@ -97,7 +108,7 @@ class AllToAll:
         if config is None and "world_size" in config_kwargs:
             Config(**config_kwargs).validate()  # fail fast, before the rendezvous
 
-        if backend == "nvlink":
+        if backend not in _HOST_BACKENDS:
             self._sync_cuda_device()
         self._bootstrap = _resolve_bootstrap(group, bootstrap, timeout_s)
         if config is None:
@@ -107,7 +118,10 @@ class AllToAll:
         self._impl = _C.AllToAll(
             config, self._bootstrap, backend, int(num_blocks),
             -1.0 if timeout_s is None else float(timeout_s),
-            -1 if debug is None else int(bool(debug)))
+            -1 if debug is None else int(bool(debug)),
+            fabric_provider or "",
+            -1 if max_private_tokens is None else int(max_private_tokens),
+            -1 if profile is None else int(bool(profile)))
         self._backend = backend
 
     @staticmethod
@@ -138,12 +152,12 @@ class AllToAll:
 
     @property
     def device(self) -> int:
-        """CUDA device of the nvlink backend (-1 for cpu)."""
+        """CUDA device of a GPU backend (-1 for the host backends)."""
         return self._impl.device
 
     # ------------------------------------------------------------ calls
     def _stream(self, stream, like) -> int:
-        if self._backend == "cpu":
+        if self._backend in _HOST_BACKENDS:
             return 0
         return stream_handle(stream, like)
 
@@ -168,6 +182,12 @@ class AllToAll:
         accumulate) for t < m. indices, weights, bound_m as in dispatch."""
         self._impl.combine(out_tokens, indices, weights, expert_y, bound_m, bool(do_send),
                            bool(do_recv), bool(accumulate), self._stream(stream, out_tokens))
+
+    def phase_times(self) -> dict:
+        """Microseconds per phase (pack, post, wire, unpack) of the last
+        dispatch and combine, for the internode backends created with
+        profile=True; zeros otherwise. Waits for the issued work."""
+        return self._impl.phase_times()
 
     def check(self) -> None:
         """Waits for the issued work; raises moelink.InputError /

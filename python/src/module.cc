@@ -248,12 +248,16 @@ int current_cuda_device() {
 class PyAllToAll {
  public:
   PyAllToAll(const Config& config, Bootstrap& bootstrap, const std::string& backend,
-             int num_blocks, double timeout_s, int debug) {
+             int num_blocks, double timeout_s, int debug, const std::string& fabric_provider,
+             int max_private_tokens, int profile) {
     Options o;
     o.backend = parse_backend(backend);
     o.num_blocks = num_blocks;
     o.timeout_s = timeout_s;
     o.debug = debug;
+    o.fabric_provider = fabric_provider;
+    o.max_private_tokens = max_private_tokens;
+    o.profile = profile;
     nb::gil_scoped_release release;
     if (!backend_uses_host_memory(o.backend)) {
 #if defined(MOELINK_WITH_CUDA)
@@ -490,9 +494,11 @@ void bind_all_to_all(nb::module_& m) {
   nb::class_<PyAllToAll>(m, "AllToAll",
                          "Low-level binding; use moelink.AllToAll, which resolves the "
                          "bootstrap and the CUDA stream.")
-      .def(nb::init<const Config&, Bootstrap&, const std::string&, int, double, int>(),
+      .def(nb::init<const Config&, Bootstrap&, const std::string&, int, double, int,
+                    const std::string&, int, int>(),
            "config"_a, "bootstrap"_a, "backend"_a = "nvlink", "num_blocks"_a = 0,
-           "timeout_s"_a = -1.0, "debug"_a = -1, nb::keep_alive<1, 3>())
+           "timeout_s"_a = -1.0, "debug"_a = -1, "fabric_provider"_a = "",
+           "max_private_tokens"_a = -1, "profile"_a = -1, nb::keep_alive<1, 3>())
       .def("dispatch", &PyAllToAll::dispatch, "out_expert_num_tokens"_a, "out_expert_x"_a,
            "out_expert_x_scale"_a.none(), "dp_x"_a, "dp_x_scale"_a.none(), "indices"_a,
            "weights"_a, "bound_m"_a, "do_send"_a = true, "do_recv"_a = true, "stream"_a = 0)
@@ -500,6 +506,26 @@ void bind_all_to_all(nb::module_& m) {
            "expert_y"_a, "bound_m"_a, "do_send"_a = true, "do_recv"_a = true,
            "accumulate"_a = false, "stream"_a = 0)
       .def("check", &PyAllToAll::check)
+      .def("phase_times",
+           [](PyAllToAll& a) {
+             CallTimes t;
+             {
+               nb::gil_scoped_release release;
+               t = a.impl().phase_times();
+             }
+             auto phases = [](const PhaseTimes& p) {
+               nb::dict d;
+               d["pack_us"] = p.pack_us;
+               d["post_us"] = p.post_us;
+               d["wire_us"] = p.wire_us;
+               d["unpack_us"] = p.unpack_us;
+               return d;
+             };
+             nb::dict d;
+             d["dispatch"] = phases(t.dispatch);
+             d["combine"] = phases(t.combine);
+             return d;
+           })
       .def("close", &PyAllToAll::close)
       .def_prop_ro("closed", &PyAllToAll::closed)
       .def_prop_ro("device", &PyAllToAll::device,
@@ -530,6 +556,11 @@ NB_MODULE(_C, m) {
   m.attr("with_cuda") = true;
 #else
   m.attr("with_cuda") = false;
+#endif
+#if defined(MOELINK_WITH_FABRIC)
+  m.attr("with_fabric") = true;
+#else
+  m.attr("with_fabric") = false;
 #endif
   m.def("cuda_get_device", []() {
 #if defined(MOELINK_WITH_CUDA)

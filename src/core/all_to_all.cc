@@ -138,6 +138,7 @@ ResolvedOptions resolve_options(const Options& o) {
                           std::to_string(o.max_private_tokens) +
                           " must be in [0, max_num_tokens] (< 0 = default)");
   r.max_private_tokens = o.max_private_tokens;
+  r.profile = o.profile >= 0 ? o.profile != 0 : env_flag("MOELINK_PROFILE");
   return r;
 }
 
@@ -382,6 +383,8 @@ void AllToAll::combine(const Tensor& out_tokens, const Tensor& indices, const Te
   }
   if (impl_->options().debug) check();
 }
+
+CallTimes AllToAll::phase_times() { return impl_->phase_times(); }
 
 void AllToAll::check() {
   const detail::ErrorRecord e = impl_->wait_and_take_error();

@@ -33,6 +33,7 @@ struct ResolvedOptions {
   bool debug;
   std::string fabric_provider;  // may still be "" (engine picks)
   int max_private_tokens;       // resolved against max_num_tokens by the backend
+  bool profile;
 };
 ResolvedOptions resolve_options(const Options& o);
 
@@ -57,6 +58,8 @@ class AllToAllImpl {
   // More about the last error taken, when the backend knows more than the
   // record holds (e.g. what the transfer engine said). May be empty.
   virtual std::string error_detail() const { return {}; }
+  // See AllToAll::phase_times.
+  virtual CallTimes phase_times() { return {}; }
 
   // Host-side call-order state (0 dispatch send, 1 dispatch recv, 2 combine
   // send, 3 combine recv), kept by the public AllToAll.

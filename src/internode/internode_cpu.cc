@@ -114,6 +114,7 @@ class InternodeCpu final : public AllToAllImpl {
 
   void dispatch_send(const DispatchArgs& a) {
     const Geometry& G = geometry_;
+    const auto start = Clock::now();
     ++epoch_;
     const int64_t m = clamped_m(a.bound_m, a.input_rows, Phase::kDispatchSend);
     dispatch_m_ = m;
@@ -138,6 +139,7 @@ class InternodeCpu final : public AllToAllImpl {
                        dest.index * layout_.slot_bytes);
       }
     }
+    times_.dispatch.pack_us = us_since(start);
     request(dispatch_step(epoch_));
   }
 
@@ -145,16 +147,20 @@ class InternodeCpu final : public AllToAllImpl {
     const Geometry& G = geometry_;
     std::fill(counters_.begin(), counters_.end(), 0);
     received_.clear();
-    if (wait_done(dispatch_step(epoch_), Phase::kDispatchRecv)) unpack(a);
+    const bool ok = wait_done(dispatch_step(epoch_), Phase::kDispatchRecv);
+    const auto start = Clock::now();
+    if (ok) unpack(a);
     for (int j = 0; j < G.num_local_experts; ++j)
       store<int32_t>(elem(a.out_expert_num_tokens, j),
                      static_cast<int32_t>(std::min<int64_t>(counters_[j], G.expert_capacity)));
+    times_.dispatch.unpack_us = us_since(start);
   }
 
   // ---------------------------------------------------------------- combine
 
   void combine_send(const CombineArgs& a) {
     const Geometry& G = geometry_;
+    const auto start = Clock::now();
     char* rows = send_.get() + layout_.send_combine_offset;
     for (size_t i = 0; i < received_.size(); ++i) {
       const Received& r = received_[i];
@@ -166,12 +172,14 @@ class InternodeCpu final : public AllToAllImpl {
       store_row(rows + static_cast<int64_t>(i) * layout_.row_bytes, config_.out_dtype, acc_.data(),
                 G.hidden_dim);
     }
+    times_.combine.pack_us = us_since(start);
     request(combine_step(epoch_));
   }
 
   void combine_recv(const CombineArgs& a) {
     const Geometry& G = geometry_;
     if (!wait_done(combine_step(epoch_), Phase::kCombineRecv)) return;
+    const auto start = Clock::now();
     bool clamped = false;
     const int64_t m = clamp_m(load<int32_t>(a.bound_m.data),
                               std::min(G.max_num_tokens, a.input_rows), &clamped);
@@ -195,9 +203,25 @@ class InternodeCpu final : public AllToAllImpl {
       }
       store_row(out, config_.out_dtype, acc_.data(), G.hidden_dim);
     }
+    times_.combine.unpack_us = us_since(start);
+  }
+
+  CallTimes phase_times() override {
+    if (!options_.profile) return {};
+    CallTimes t = times_;
+    const PhaseTimes d = proxy_.dispatch_times(), c = proxy_.combine_times();
+    t.dispatch.post_us = d.post_us;
+    t.dispatch.wire_us = d.wire_us;
+    t.combine.post_us = c.post_us;
+    t.combine.wire_us = c.wire_us;
+    return t;
   }
 
   // ---------------------------------------------------------------- helpers
+
+  static double us_since(Clock::time_point start) {
+    return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+  }
 
   int64_t plan(int64_t word) const {
     return std::atomic_ref<int64_t>(const_cast<int64_t&>(plan_[static_cast<size_t>(word)]))
@@ -344,6 +368,7 @@ class InternodeCpu final : public AllToAllImpl {
   ErrorRecord error_{};                           // first input error since check()
   ErrorRecord local_timeout_{};
   std::string detail_;
+  CallTimes times_;  // pack / unpack of the last calls
 };
 
 }  // namespace

@@ -135,6 +135,8 @@ class InternodeGpu final : public AllToAllImpl {
     plan_ = std::make_unique<PinnedBuffer>(8 * plan_view_.words());
     signals_ = std::make_unique<PinnedBuffer>(sizeof(ProxySignals));
     allocate_state();
+    if (options_.profile)
+      for (auto& e : events_) MOELINK_CUDA_CHECK(cudaEventCreate(&e));
     proxy_ = std::make_unique<Proxy>(
         geometry_, layout_, o, bootstrap,
         Proxy::Buffers{send_->host(), recv_->host(), fabric::MemoryKind::kHost, device_},
@@ -148,6 +150,8 @@ class InternodeGpu final : public AllToAllImpl {
     // the proxy runs. Errors here cannot be reported any more.
     cudaDeviceSynchronize();
     proxy_.reset();
+    for (auto e : events_)
+      if (e) cudaEventDestroy(e);
     cudaFree(private_);
   }
 
@@ -161,12 +165,16 @@ class InternodeGpu final : public AllToAllImpl {
     if (send) {
       ++epoch_;
       const GpuDispatchParams p = dispatch_params(a);
+      mark(kDispatchPack, a.stream);
       MOELINK_CUDA_CHECK(launch_dispatch_pack(p, blocks(), a.stream));
+      mark(kDispatchPack + 1, a.stream);
       write_word(a.stream, &signals_->device<ProxySignals>()->request, dispatch_step(epoch_));
     }
     if (recv) {
       wait_word(a.stream, &signals_->device<ProxySignals>()->done, dispatch_step(epoch_));
+      mark(kDispatchUnpack, a.stream);
       MOELINK_CUDA_CHECK(launch_dispatch_unpack(dispatch_params(a), blocks(), a.stream));
+      mark(kDispatchUnpack + 1, a.stream);
     }
     last_stream_ = a.stream;
   }
@@ -175,12 +183,16 @@ class InternodeGpu final : public AllToAllImpl {
     refuse_capture(a.stream);
     const GpuCombineParams p = combine_params(a);
     if (send) {
+      mark(kCombinePack, a.stream);
       MOELINK_CUDA_CHECK(launch_combine_pack(p, blocks(), a.stream));
+      mark(kCombinePack + 1, a.stream);
       write_word(a.stream, &signals_->device<ProxySignals>()->request, combine_step(epoch_));
     }
     if (recv) {
       wait_word(a.stream, &signals_->device<ProxySignals>()->done, combine_step(epoch_));
+      mark(kCombineUnpack, a.stream);
       MOELINK_CUDA_CHECK(launch_combine_unpack(p, blocks(), a.stream));
+      mark(kCombineUnpack + 1, a.stream);
     }
     last_stream_ = a.stream;
   }
@@ -199,7 +211,33 @@ class InternodeGpu final : public AllToAllImpl {
   }
   std::string error_detail() const override { return detail_; }
 
+  CallTimes phase_times() override {
+    if (!options_.profile) return {};
+    MOELINK_CUDA_CHECK(cudaStreamSynchronize(last_stream_));
+    CallTimes t;
+    t.dispatch = proxy_->dispatch_times();
+    t.combine = proxy_->combine_times();
+    t.dispatch.pack_us = elapsed_us(kDispatchPack);
+    t.dispatch.unpack_us = elapsed_us(kDispatchUnpack);
+    t.combine.pack_us = elapsed_us(kCombinePack);
+    t.combine.unpack_us = elapsed_us(kCombineUnpack);
+    return t;
+  }
+
  private:
+  // Event pairs (begin, end) around the kernels of each half.
+  enum { kDispatchPack = 0, kDispatchUnpack = 2, kCombinePack = 4, kCombineUnpack = 6 };
+
+  void mark(int i, cudaStream_t s) {
+    if (options_.profile) MOELINK_CUDA_CHECK(cudaEventRecord(events_[i], s));
+  }
+  // 0 for a pair not recorded yet.
+  double elapsed_us(int i) const {
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, events_[i], events_[i + 1]) != cudaSuccess) return 0;
+    return 1000.0 * ms;
+  }
+
   void allocate_state() {
     const Geometry& g = geometry_;
     const int64_t T = g.max_num_tokens, W = g.world_size, k = g.experts_per_token;
@@ -324,6 +362,7 @@ class InternodeGpu final : public AllToAllImpl {
   uint32_t epoch_ = 0;
   cudaStream_t last_stream_ = nullptr;
   std::string detail_;
+  cudaEvent_t events_[8] = {};
 };
 
 }  // namespace

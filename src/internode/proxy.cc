@@ -138,15 +138,44 @@ void Proxy::run() {
 void Proxy::run_step(uint64_t step) {
   if (failed()) return;  // out of step with the peers for good
   const auto epoch = static_cast<uint32_t>((step + 1) / 2);
-  deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                 std::chrono::duration<double>(o_.timeout_s));
+  const auto start = Clock::now();
+  deadline_ = start + std::chrono::duration_cast<Clock::duration>(
+                          std::chrono::duration<double>(o_.timeout_s));
+  waited_ = {};
   if (step % 2 == 1)
     dispatch(epoch);
   else
     combine(epoch);
+  const auto us = [](Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); };
+  PhaseTimes t;
+  t.wire_us = us(waited_);
+  t.post_us = us(Clock::now() - start - waited_);
+  std::lock_guard<std::mutex> lock(times_mu_);
+  (step % 2 == 1 ? dispatch_times_ : combine_times_) = t;
 }
 
+PhaseTimes Proxy::dispatch_times() const {
+  std::lock_guard<std::mutex> lock(times_mu_);
+  return dispatch_times_;
+}
+PhaseTimes Proxy::combine_times() const {
+  std::lock_guard<std::mutex> lock(times_mu_);
+  return combine_times_;
+}
+
+// Adds the time from construction to destruction to the step's wait time.
+class Proxy::WaitTimer {
+ public:
+  explicit WaitTimer(Clock::duration& total) : total_(total), start_(Clock::now()) {}
+  ~WaitTimer() { total_ += Clock::now() - start_; }
+
+ private:
+  Clock::duration& total_;
+  Clock::time_point start_;
+};
+
 bool Proxy::wait_peer(ImmKind kind, int peer, Phase phase) {
+  const WaitTimer timer(waited_);
   // In short slices, so that a peer's report that some rank is gone ends
   // the wait early and names that rank rather than the reporter.
   for (;;) {
@@ -187,6 +216,7 @@ int Proxy::reported_gone() const {
 }
 
 bool Proxy::wait_transfers(Phase phase) {
+  const WaitTimer timer(waited_);
   bool ok = true;
   for (auto& t : pending_) {
     try {

@@ -68,6 +68,12 @@ class Proxy {
   std::string error_detail() const;
   bool failed() const { return failed_.load(std::memory_order_acquire); }
 
+  // Time the last dispatch / combine step spent posting and waiting (post_us
+  // and wire_us of PhaseTimes; the rest is the packer's). Read once `done`
+  // says the step finished.
+  PhaseTimes dispatch_times() const;
+  PhaseTimes combine_times() const;
+
  private:
   void run();
   void run_step(uint64_t step);
@@ -106,6 +112,11 @@ class Proxy {
   std::vector<fabric::TransferPtr> pending_;  // this step's transfers
   std::vector<int64_t> block_offset_;         // [W] own dispatch blocks in send
   std::chrono::steady_clock::time_point deadline_;
+  // This step's time in waits (wait_peer, wait_transfers) and in total.
+  class WaitTimer;
+  std::chrono::steady_clock::duration waited_{};
+  mutable std::mutex times_mu_;
+  PhaseTimes dispatch_times_, combine_times_;
 
   mutable std::mutex error_mu_;
   ErrorRecord error_{};

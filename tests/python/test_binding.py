@@ -206,14 +206,16 @@ def _index_view(idx: np.ndarray, which: int, k: int):
     return np.asfortranarray(idx)  # int64, column-major
 
 
-def scenario_roundtrip(rank, world_size, bs, cfg_kw, kind, rounds=4, seed=1234):
+def scenario_roundtrip(rank, world_size, bs, cfg_kw, kind, rounds=4, seed=1234, backend="cpu",
+                       backend_kw=None):
     cfg = dict(cfg_kw, rank=rank, world_size=world_size)
     in_name = {"fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3"}[kind]
     out_name = cfg["out_dtype"]
     config = moelink.Config(**dict(cfg, in_dtype=in_name))
     cfg["hidden_dim_scale"] = config.hidden_dim_scale
-    a2a = moelink.AllToAll(config, backend="cpu", bootstrap=bs, timeout_s=20.0)
-    assert a2a.config == config and a2a.backend == "cpu" and a2a.buffer_bytes > 0
+    a2a = moelink.AllToAll(config, backend=backend, bootstrap=bs, timeout_s=20.0,
+                           **(backend_kw or {}))
+    assert a2a.config == config and a2a.backend == backend and a2a.buffer_bytes > 0
     T, H, k = config.max_num_tokens, config.hidden_dim, config.experts_per_token
     S, L, C = config.hidden_dim_scale, config.num_local_experts, config.expert_capacity
     D = config.dp_size
@@ -290,6 +292,12 @@ def scenario_roundtrip(rank, world_size, bs, cfg_kw, kind, rounds=4, seed=1234):
             f"round {rnd}: combine differs at {np.argwhere(bad)[:5].tolist()}: "
             f"got {got[bad][:5]}, want {ref[bad][:5]}")
         assert (out[m:].astype(np.float32) == sentinel).all(), "rows >= m were written"
+        if (backend_kw or {}).get("profile"):
+            times = a2a.phase_times()
+            assert set(times) == {"dispatch", "combine"}, times
+            for phase in times.values():
+                assert set(phase) == {"pack_us", "post_us", "wire_us", "unpack_us"}, phase
+                assert all(v > 0 for v in phase.values()), times
     a2a.close()
     assert a2a.closed
 
@@ -362,6 +370,17 @@ def test_roundtrip_cpu_bf16():
 
 def test_timeout_cpu():
     run_ranks(2, "timeout")
+
+
+@pytest.mark.skipif(not moelink._C.with_fabric, reason="moelink was built without libfabric")
+@pytest.mark.parametrize("world_size,dp_size,kind", [(4, 1, "fp16"), (4, 2, "fp8")])
+def test_roundtrip_internode_cpu(world_size, dp_size, kind):
+    """The inter-node protocol with CPU loops over libfabric's shm provider."""
+    cfg = dict(BASE, dp_size=dp_size)
+    if kind == "fp8":
+        cfg["hidden_dim_scale"] = 2
+    run_ranks(world_size, "roundtrip", cfg_kw=cfg, kind=kind, backend="internode-cpu",
+              backend_kw=dict(fabric_provider="shm", max_private_tokens=2, profile=True))
 
 
 # --------------------------------------------------------------------------

@@ -13,6 +13,7 @@
 #include "nccl_comm.h"
 #include "nccl_full.h"
 #include "nccl_payload.h"
+#include "nvshmem_dense.h"
 #include "platform.h"
 #include "report.h"
 #include "workload.h"
@@ -62,6 +63,7 @@ int run_rank(const BenchOptions& o, moelink::Bootstrap& boot, int local_rank) {
     info.empty_kernel_us = pl->empty_kernel_us(1000);
     int v = 0;
     if (ncclGetVersion(&v) == ncclSuccess) info.nccl_version = std::to_string(v);
+    info.dense = nvshmem_dense_unavailable(o, !gpu.distinct());
     if (o.no_nccl) {
       info.nccl = "off (--no-nccl)";
     } else if (!gpu.distinct()) {
@@ -74,7 +76,9 @@ int run_rank(const BenchOptions& o, moelink::Bootstrap& boot, int local_rank) {
     // The CPU backend: host memory and a host clock, no CUDA call at all.
     pl = make_host_platform();
     info.nccl = "off (cpu backend)";
+    info.dense = "off (cpu backend)";
   }
+  if (info.dense.empty()) info.dense = "on";
 
   std::vector<TokenResult> results;
   for (int64_t tokens : o.tokens) {
@@ -82,8 +86,13 @@ int run_rank(const BenchOptions& o, moelink::Bootstrap& boot, int local_rank) {
     const Workload w = make_workload(o, c);
     Buffers b = make_buffers(*pl, w);
     const std::vector<float> expected = expected_combine(w, 0);
-    MoelinkRun mr = run_moelink(boot, *pl, o, w, b, expected);
+    MoelinkRun mr = run_moelink(boot, *pl, o, w, b, expected, backend_of(o.backend));
     Samples all = std::move(mr.samples);
+    if (!o.compare_backend.empty())
+      merge(all, run_moelink(boot, *pl, o, w, b, expected, backend_of(o.compare_backend),
+                             o.compare_backend + "_")
+                     .samples);
+    if (info.dense == "on") merge(all, time_nvshmem_dense(boot, *pl, o, w));
     if (nccl) {
       merge(all, time_nccl_payload(*nccl, boot, *pl, o, w));
       merge(all, time_nccl_full(*nccl, boot, *pl, o, w, b, expected));

@@ -1,5 +1,6 @@
 #include "moelink_runner.h"
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -28,12 +29,66 @@ struct Caller {
 
 }  // namespace
 
-MoelinkRun run_moelink(moelink::Bootstrap& boot, Platform& pl, const BenchOptions& o,
-                       const Workload& w, Buffers& b, const std::vector<float>& expected) {
+moelink::Backend backend_of(const std::string& name) {
+  if (name == "nvshmem") return moelink::Backend::kNVSHMEM;
+  if (name == "cpu") return moelink::Backend::kCPU;
+  if (name == "internode") return moelink::Backend::kInternode;
+  if (name == "internode-cpu") return moelink::Backend::kInternodeCPU;
+  return moelink::Backend::kNVLink;
+}
+
+namespace {
+
+bool has_proxy(moelink::Backend b) {
+  return b == moelink::Backend::kInternode || b == moelink::Backend::kInternodeCPU;
+}
+
+moelink::Options options_for(const BenchOptions& o, moelink::Backend backend) {
   moelink::Options opt;
-  opt.backend = o.gpu() ? moelink::Backend::kNVLink : moelink::Backend::kCPU;
+  opt.backend = backend;
   opt.num_blocks = o.num_blocks;
+  opt.fabric_provider = o.fabric_provider;
+  opt.max_private_tokens = o.max_private_tokens;
+  opt.profile = 0;  // the timed loops run without events; phases are timed apart
+  return opt;
+}
+
+// The proxy backends' phases (pack, post, wire, unpack of dispatch and
+// combine), from a second AllToAll created with Options.profile, which
+// records CUDA events around the kernels (a little latency the timed loops
+// above do not pay).
+void time_phases(moelink::Bootstrap& boot, Platform& pl, const BenchOptions& o,
+                 const Workload& w, Buffers& b, moelink::Backend backend,
+                 const std::string& prefix, Samples& samples) {
+  moelink::Options opt = options_for(o, backend);
+  opt.profile = 1;
   auto a2a = moelink::AllToAll::create(w.config, boot, opt);
+  Caller c{*a2a, b, pl.stream()};
+  const int pool = static_cast<int>(b.pool.size());
+  const int iters = std::min(o.iters, 200);
+  for (int i = 0; i < o.warmup + iters; ++i) {
+    c.dispatch(i % pool, true, true);
+    c.combine(i % pool, true, true);
+    const moelink::CallTimes t = a2a->phase_times();  // waits for the round
+    if (i < o.warmup) continue;
+    for (const auto& [name, p] : {std::pair{"dispatch", t.dispatch}, std::pair{"combine", t.combine}}) {
+      samples[prefix + name + "_pack"].push_back(p.pack_us);
+      samples[prefix + name + "_post"].push_back(p.post_us);
+      samples[prefix + name + "_wire"].push_back(p.wire_us);
+      samples[prefix + name + "_unpack"].push_back(p.unpack_us);
+    }
+  }
+  a2a->check();
+  pl.sync();
+  boot.barrier();
+}
+
+}  // namespace
+
+MoelinkRun run_moelink(moelink::Bootstrap& boot, Platform& pl, const BenchOptions& o,
+                       const Workload& w, Buffers& b, const std::vector<float>& expected,
+                       moelink::Backend backend, const std::string& prefix) {
+  auto a2a = moelink::AllToAll::create(w.config, boot, options_for(o, backend));
   Caller c{*a2a, b, pl.stream()};
   const int rank = boot.rank(), pool = static_cast<int>(b.pool.size());
   MoelinkRun run;
@@ -44,13 +99,14 @@ MoelinkRun run_moelink(moelink::Bootstrap& boot, Platform& pl, const BenchOption
   a2a->check();
   std::vector<int32_t> counts(w.L);
   pl.download(counts.data(), b.out_expert_num_tokens.data, counts.size() * 4);
-  verify_counts("moelink dispatch", rank, counts, w.traffic[0].my_expert_counts);
+  const std::string what = std::string("moelink ") + moelink::backend_name(backend);
+  verify_counts((what + " dispatch").c_str(), rank, counts, w.traffic[0].my_expert_counts);
   pl.identity_experts(identity_of(b, w, static_cast<const int32_t*>(b.out_expert_num_tokens.data)));
   c.combine(0, true, true);
   a2a->check();
   std::vector<uint16_t> out(static_cast<size_t>(w.T * w.H));
   pl.download(out.data(), b.out_tokens.data, out.size() * 2);
-  verify_combine("moelink combine", rank, w, out, expected);
+  verify_combine((what + " combine").c_str(), rank, w, out, expected);
 
   for (int i = 0; i < o.warmup; ++i) {
     c.dispatch(i % pool, true, true);
@@ -70,9 +126,9 @@ MoelinkRun run_moelink(moelink::Bootstrap& boot, Platform& pl, const BenchOption
     }
     timer->finish();
     a2a->check();
-    auto& d = run.samples["dispatch"];
-    auto& cb = run.samples["combine"];
-    auto& rt = run.samples["roundtrip"];
+    auto& d = run.samples[prefix + "dispatch"];
+    auto& cb = run.samples[prefix + "combine"];
+    auto& rt = run.samples[prefix + "roundtrip"];
     for (int i = 0; i < o.iters; ++i) {
       d.push_back(timer->elapsed_us(i, 0, 1));
       cb.push_back(timer->elapsed_us(i, 1, 2));
@@ -80,7 +136,8 @@ MoelinkRun run_moelink(moelink::Bootstrap& boot, Platform& pl, const BenchOption
     }
   }
 
-  if (o.graph && pl.gpu()) {
+  // The proxy backends refuse graph capture (docs/internode.md).
+  if (o.graph && pl.gpu() && !has_proxy(backend)) {
     // One graph per routing set for each of dispatch and combine, captured in
     // call order; replays advance the library's device-side epoch.
     std::vector<std::function<void()>> gd, gc;
@@ -105,9 +162,9 @@ MoelinkRun run_moelink(moelink::Bootstrap& boot, Platform& pl, const BenchOption
     timer->finish();
     a2a->check();
     for (int i = 0; i < o.iters; ++i) {
-      run.samples["dispatch_graph"].push_back(timer->elapsed_us(i, 0, 1));
-      run.samples["combine_graph"].push_back(timer->elapsed_us(i, 1, 2));
-      run.samples["roundtrip_graph"].push_back(timer->elapsed_us(i, 0, 2));
+      run.samples[prefix + "dispatch_graph"].push_back(timer->elapsed_us(i, 0, 1));
+      run.samples[prefix + "combine_graph"].push_back(timer->elapsed_us(i, 1, 2));
+      run.samples[prefix + "roundtrip_graph"].push_back(timer->elapsed_us(i, 0, 2));
     }
   }
 
@@ -138,7 +195,7 @@ MoelinkRun run_moelink(moelink::Bootstrap& boot, Platform& pl, const BenchOption
     a2a->check();
     const char* names[] = {"dispatch_send", "dispatch_recv", "combine_send", "combine_recv"};
     for (int q = 0; q < 4; ++q) {
-      auto& v = run.samples[names[q]];
+      auto& v = run.samples[prefix + names[q]];
       for (int i = 0; i < o.iters; ++i) v.push_back(timer->elapsed_us(i, q, q + 1));
     }
   }
@@ -146,6 +203,10 @@ MoelinkRun run_moelink(moelink::Bootstrap& boot, Platform& pl, const BenchOption
   // mapped until everyone is done with it.
   pl.sync();
   boot.barrier();
+  if (has_proxy(backend)) {
+    a2a.reset();
+    time_phases(boot, pl, o, w, b, backend, prefix, run.samples);
+  }
   return run;
 }
 

@@ -1,9 +1,11 @@
 // Times moelink's dispatch and combine on one token count.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "buffers.h"
+#include "moelink/all_to_all.h"
 #include "moelink/bootstrap.h"
 #include "options.h"
 #include "platform.h"
@@ -17,11 +19,21 @@ struct MoelinkRun {
   size_t buffer_bytes = 0;
 };
 
-// Creates the AllToAll, checks one dispatch/combine against the host
-// (identity experts), runs --warmup iterations, check(), the timed loop,
-// check(); with --split the same again calling each half on its own.
-// Iteration i uses routing set i % pool. Collective.
+// "nvlink", "nvshmem", "internode", "cpu" or "internode-cpu" as a
+// moelink::Backend.
+moelink::Backend backend_of(const std::string& name);
+
+// Creates the AllToAll of `backend`, checks one dispatch/combine against the
+// host (identity experts), runs --warmup iterations, check(), the timed
+// loop, check(); with --split the same again calling each half on its own;
+// with --graph (not for the proxy backends) from CUDA graphs. For the proxy
+// backends, the phases (<name>_pack, _post, _wire, _unpack) from a second,
+// profiled AllToAll.
+// Iteration i uses routing set i % pool. Quantity names get `prefix` (empty
+// for the backend under test, "nvlink_" for a --compare backend).
+// Collective.
 MoelinkRun run_moelink(moelink::Bootstrap& boot, Platform& pl, const BenchOptions& o,
-                       const Workload& w, Buffers& b, const std::vector<float>& expected);
+                       const Workload& w, Buffers& b, const std::vector<float>& expected,
+                       moelink::Backend backend, const std::string& prefix = "");
 
 }  // namespace moelink_bench

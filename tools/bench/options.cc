@@ -42,9 +42,22 @@ bool parse_options(int argc, char** argv, BenchOptions& o, int& exit_code) {
                  "fork this many ranks on this machine (rank i uses GPU i % device_count); "
                  "without it, read RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK (torchrun)")
       ->check(CLI::Range(1, 1024));
-  app.add_option("--backend", o.backend, "nvlink (GPUs) or cpu (host processes, no CUDA)")
-      ->check(CLI::IsMember({"nvlink", "cpu"}))
+  app.add_option("--backend", o.backend,
+                 "nvlink, nvshmem or internode (GPUs), or cpu / internode-cpu (host processes, "
+                 "no CUDA)")
+      ->check(CLI::IsMember({"nvlink", "nvshmem", "internode", "cpu", "internode-cpu"}))
       ->capture_default_str();
+  app.add_option("--fabric-provider", o.fabric_provider,
+                 "internode backends: libfabric provider (efa, shm, tcp; default: "
+                 "MOELINK_FABRIC_PROVIDER, else the first available)");
+  app.add_option("--max-private-tokens", o.max_private_tokens,
+                 "internode backends: Options.max_private_tokens (-1: library default)")
+      ->check(CLI::Range(-1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--compare", o.compare_backend,
+                 "also time this GPU backend in the same run (quantities prefixed with its name, "
+                 "e.g. nvlink_dispatch)")
+      ->check(CLI::IsMember({"nvlink", "nvshmem", "internode"}));
   app.add_option("--tokens", o.tokens, "comma-separated tokens per rank (per DP group)")
       ->delimiter(',')
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
@@ -72,6 +85,8 @@ bool parse_options(int argc, char** argv, BenchOptions& o, int& exit_code) {
       ->capture_default_str();
   app.add_option("--json", o.json_path, "write all results to this JSON file (rank 0)");
   app.add_flag("--no-nccl", o.no_nccl, "skip the NCCL baselines");
+  app.add_flag("--no-dense", o.no_dense,
+               "skip NVSHMEM's dense all-to-all baseline (run when nvshmem is timed)");
   app.add_option("--num-blocks", o.num_blocks, "moelink Options.num_blocks (0: library default)")
       ->check(CLI::Range(0, 1024))
       ->capture_default_str();
@@ -99,6 +114,8 @@ bool parse_options(int argc, char** argv, BenchOptions& o, int& exit_code) {
   if (o.in_dtype == "fp8" && (o.scales < 1 || o.scales > o.hidden))
     return usage("--scales must be in [1, --hidden] for fp8 tokens");
   if (o.tokens.empty()) return usage("--tokens is empty");
+  if (!o.compare_backend.empty() && (o.compare_backend == o.backend || !o.gpu()))
+    return usage("--compare must name a GPU backend other than --backend");
   for (int i = 0; i < argc; ++i) o.command_line += (i ? " " : "") + shell_quote(argv[i]);
   return true;
 }

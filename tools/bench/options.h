@@ -25,6 +25,12 @@ struct BenchOptions {
   int pool = 16;
   std::string json_path;
   bool no_nccl = false;
+  // Another moelink backend timed in the same run (same inputs, same
+  // stream), its quantities prefixed "<name>_": e.g. nvlink beside nvshmem.
+  std::string compare_backend;
+  bool no_dense = false;  // skip NVSHMEM's dense all-to-all baseline
+  std::string fabric_provider;  // internode backends ("" = default)
+  int max_private_tokens = -1;
   int num_blocks = 0;
   std::string machine;
   bool split = false;
@@ -32,7 +38,7 @@ struct BenchOptions {
   uint64_t seed = 1;
   std::string command_line;  // argv joined, shell-quoted, for the JSON record
 
-  bool gpu() const { return backend == "nvlink"; }
+  bool gpu() const { return backend != "cpu" && backend != "internode-cpu"; }
   moelink::DType in_type() const;
   moelink::DType out_type() const;
   // Scales only exist for fp8 tokens: the library requires 0 otherwise.

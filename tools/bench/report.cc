@@ -55,6 +55,38 @@ nlohmann::json phase_json(const PhaseBytes& p) {
           {"floor_us", p.floor_us()}};
 }
 
+// p50 of `name`, or 0 when the run has no such quantity.
+double p50(const TokenResult& r, const std::string& name) {
+  const Stat* s = find(r, name);
+  return s ? s->p50 : 0.0;
+}
+
+// Round trips of every implementation timed in the run, side by side:
+// the backend under test, the --compare backend, NCCL's full path and
+// payload, and NVSHMEM's dense all-to-all.
+void print_side_by_side(std::FILE* f, const RunInfo& info,
+                        const std::vector<TokenResult>& results) {
+  const BenchOptions& o = *info.options;
+  const std::string cmp = o.compare_backend;
+  std::fprintf(f, "\nside by side, p50 dispatch + combine (us); nvshmem dense: %s\n",
+               info.dense.c_str());
+  std::fprintf(f, "%7s  %12s %12s %12s %12s %14s %14s %15s\n", "tokens", o.backend.c_str(),
+               cmp.empty() ? "-" : cmp.c_str(), "nccl full", "nccl payload", "nvshmem dense",
+               "ours/nccl_full", cmp.empty() ? "-" : ("ours/" + cmp).c_str());
+  for (const TokenResult& r : results) {
+    const double ours = p50(r, "dispatch") + p50(r, "combine");
+    const double other = cmp.empty() ? 0 : p50(r, cmp + "_dispatch") + p50(r, cmp + "_combine");
+    const double full = p50(r, "nccl_full_dispatch") + p50(r, "nccl_full_combine");
+    const double pay = p50(r, "nccl_payload_dispatch") + p50(r, "nccl_payload_combine");
+    const double dense = p50(r, "nvshmem_dense_dispatch") + p50(r, "nvshmem_dense_combine");
+    std::fprintf(f, "%7lld  %12s %12s %12s %12s %14s %14s %15s\n",
+                 static_cast<long long>(r.tokens), num(ours).c_str(), num(other).c_str(),
+                 num(full).c_str(), num(pay).c_str(), num(dense).c_str(),
+                 full > 0 && ours > 0 ? num(ours / full, "%.2fx").c_str() : "-",
+                 other > 0 && ours > 0 ? num(ours / other, "%.2fx").c_str() : "-");
+  }
+}
+
 }  // namespace
 
 void print_table(std::FILE* f, const RunInfo& info, const std::vector<TokenResult>& results) {
@@ -98,6 +130,15 @@ void print_table(std::FILE* f, const RunInfo& info, const std::vector<TokenResul
         {"dispatch_recv", nullptr, nullptr, 0},
         {"combine_send", nullptr, nullptr, 0},
         {"combine_recv", nullptr, nullptr, 0},
+        // The proxy backends' phases (profiled apart from the timed loops).
+        {"dispatch_pack", nullptr, nullptr, 0},
+        {"dispatch_post", nullptr, nullptr, 0},
+        {"dispatch_wire", nullptr, nullptr, 0},
+        {"dispatch_unpack", nullptr, nullptr, 0},
+        {"combine_pack", nullptr, nullptr, 0},
+        {"combine_post", nullptr, nullptr, 0},
+        {"combine_wire", nullptr, nullptr, 0},
+        {"combine_unpack", nullptr, nullptr, 0},
     };
     for (const Row& row : rows) {
       const Stat* ours = find(r, row.phase);
@@ -112,6 +153,7 @@ void print_table(std::FILE* f, const RunInfo& info, const std::vector<TokenResul
                    ratio(ours, full ? full->p50 : 0).c_str());
     }
   }
+  print_side_by_side(f, info, results);
   std::fflush(f);
 }
 
@@ -145,6 +187,11 @@ nlohmann::json to_json(const RunInfo& info, const std::vector<TokenResult>& resu
                                                         : "thread blocks per moelink kernel"}};
   j["iterations"] = o.iters;
   j["nccl"] = {{"status", info.nccl}, {"version", info.nccl_version}};
+  j["compare_backend"] = o.compare_backend;
+  j["nvshmem_dense"] = {{"status", info.dense},
+                        {"bytes_per_peer",
+                         "dispatch: max_num_tokens x (H x in_bytes + S x 4); combine: "
+                         "max_num_tokens x H x out_bytes (worst case, routing-independent)"}};
   j["bandwidth"] = {{"copy_bytes", info.bandwidth.bytes},
                     {"reps", info.bandwidth.reps},
                     {"statistic", "median"},
@@ -170,6 +217,19 @@ nlohmann::json to_json(const RunInfo& info, const std::vector<TokenResult>& resu
       if (ours && full && full->p50 > 0)
         ratios[std::string(ph) + "_over_nccl_full"] = ours->p50 / full->p50;
     }
+    // Round trips (dispatch p50 + combine p50) against every other
+    // implementation the run timed.
+    const double ours_rt = p50(r, "dispatch") + p50(r, "combine");
+    auto rt_ratio = [&](const std::string& key, const std::string& a, const std::string& b) {
+      const double other = p50(r, a) + p50(r, b);
+      if (ours_rt > 0 && p50(r, a) > 0 && p50(r, b) > 0) ratios[key] = ours_rt / other;
+    };
+    rt_ratio("roundtrip_p50_sum_over_nccl_full", "nccl_full_dispatch", "nccl_full_combine");
+    rt_ratio("roundtrip_p50_sum_over_nvshmem_dense", "nvshmem_dense_dispatch",
+             "nvshmem_dense_combine");
+    if (!o.compare_backend.empty())
+      rt_ratio("roundtrip_p50_sum_over_" + o.compare_backend, o.compare_backend + "_dispatch",
+               o.compare_backend + "_combine");
     rs.push_back({{"tokens", r.tokens},
                   {"expert_capacity", r.expert_capacity},
                   {"moelink_buffer_bytes", r.moelink_buffer_bytes},

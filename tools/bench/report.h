@@ -35,6 +35,7 @@ struct RunInfo {
   double empty_kernel_us = 0;  // event-to-event time of an empty kernel (GPU)
   std::string nccl;      // "on", or why the baselines were skipped
   std::string nccl_version;
+  std::string dense;     // NVSHMEM dense baseline: "on", or why it was skipped
 };
 
 void print_table(std::FILE* f, const RunInfo& info, const std::vector<TokenResult>& results);

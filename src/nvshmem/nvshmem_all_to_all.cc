@@ -1,0 +1,174 @@
+// Host side of the NVSHMEM backend: takes a symmetric buffer from the
+// process-wide runtime, owns the private device state, turns call arguments
+// into kernel parameters and launches the kernels. No host synchronization
+// on the data path; nothing collective on destruction.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+
+#include "core/all_to_all_impl.h"
+#include "nvlink/cuda_check.h"
+#include "nvshmem/kernels.h"
+#include "nvshmem/runtime.h"
+
+namespace moelink::detail {
+namespace {
+
+using shmem::CombineItem;
+using shmem::ShmemState;
+
+shmem::Matrix matrix(const Tensor& t) {
+  return shmem::Matrix{t.data, t.dtype, t.stride[0], t.stride[1]};
+}
+
+int64_t stride_bytes(const Tensor& t, int dim) {
+  return t.stride[dim] * static_cast<int64_t>(dtype_size(t.dtype));
+}
+
+// Default SMs per kernel, as for NVLink: a few for decode-sized buffers (the
+// rest of the GPU computes beside the transfer), all for prefill-sized ones.
+constexpr int kDecodeBlocks = 64;
+constexpr int64_t kPrefillRows = 2048;
+
+class NvshmemAllToAll final : public AllToAllImpl {
+ public:
+  NvshmemAllToAll(const Config& c, const ResolvedOptions& o, Bootstrap& bootstrap)
+      : AllToAllImpl(c, o) {
+    int device = 0;
+    MOELINK_CUDA_CHECK(cudaGetDevice(&device));
+    MOELINK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
+    shmem::ensure_initialized(bootstrap);
+    layout_ = shmem::make_shmem_layout(geometry_);
+    allocate_private_state();
+    // Collective; every rank has zeroed its buffer when it returns.
+    sym_ = shmem::symmetric_acquire(static_cast<size_t>(layout_.total_bytes), bootstrap);
+    common_.sym = sym_;
+  }
+
+  ~NvshmemAllToAll() override {
+    // The kernels that use the buffer must be done before another AllToAll
+    // of this process may take it from the pool.
+    cudaDeviceSynchronize();
+    cudaFree(private_);
+    if (sym_ != nullptr) shmem::symmetric_release(sym_);
+  }
+
+  Backend backend() const override { return Backend::kNVSHMEM; }
+  size_t buffer_bytes() const override { return static_cast<size_t>(layout_.total_bytes); }
+
+  void dispatch(const DispatchArgs& a, bool send, bool recv) override {
+    shmem::launch_dispatch(dispatch_params(a), send, recv, blocks(), a.stream);
+    after_launch("dispatch", a.stream);
+  }
+  void combine(const CombineArgs& a, bool send, bool recv) override {
+    shmem::launch_combine(combine_params(a), send, recv, blocks(), a.stream);
+    after_launch("combine", a.stream);
+  }
+
+  ErrorRecord wait_and_take_error() override {
+    ErrorRecord e{};
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    MOELINK_CUDA_CHECK(cudaStreamIsCapturing(last_stream_, &capturing));
+    if (capturing != cudaStreamCaptureStatusNone) return e;  // cannot wait inside a capture
+    MOELINK_CUDA_CHECK(cudaStreamSynchronize(last_stream_));
+    MOELINK_CUDA_CHECK(cudaMemcpy(&e, common_.error, sizeof(e), cudaMemcpyDeviceToHost));
+    if (e.code != 0 && static_cast<ErrorCode>(e.code) != ErrorCode::kTimeout)
+      MOELINK_CUDA_CHECK(cudaMemset(common_.error, 0, sizeof(ErrorRecord)));
+    return e;
+  }
+
+ private:
+  void allocate_private_state() {
+    const Geometry& g = geometry_;
+    // One allocation, carved into 256-byte aligned pieces.
+    const int64_t state_off = 0;
+    const int64_t error_off = align_up(state_off + sizeof(ShmemState), 256);
+    const int64_t pos_off = align_up(error_off + sizeof(ErrorRecord), 256);
+    const int64_t items_off = align_up(pos_off + 4 * static_cast<int64_t>(g.num_experts), 256);
+    const int64_t total = align_up(items_off + layout_.stage_rows * sizeof(CombineItem), 256);
+    void* mem = nullptr;
+    MOELINK_CUDA_CHECK(cudaMalloc(&mem, total));
+    private_ = static_cast<char*>(mem);
+    MOELINK_CUDA_CHECK(cudaMemset(private_, 0, total));
+    common_.geo = g;
+    common_.lay = layout_;
+    common_.state = reinterpret_cast<ShmemState*>(private_ + state_off);
+    common_.error = reinterpret_cast<ErrorRecord*>(private_ + error_off);
+    common_.positions = reinterpret_cast<int32_t*>(private_ + pos_off);
+    common_.items = reinterpret_cast<CombineItem*>(private_ + items_off);
+    common_.timeout_ns = static_cast<uint64_t>(options_.timeout_s * 1e9);
+  }
+
+  // Unlike NVLink, no receiver counts the senders' blocks, so ranks may
+  // differ here.
+  int blocks() const {
+    if (options_.num_blocks > 0) return std::min(options_.num_blocks, num_sms_);
+    if (config_.expert_capacity() >= kPrefillRows) return num_sms_;
+    return std::min(num_sms_, kDecodeBlocks);
+  }
+
+  shmem::DispatchParams dispatch_params(const DispatchArgs& a) const {
+    shmem::DispatchParams p{};
+    p.c = common_;
+    p.x = static_cast<const char*>(a.dp_x.data);
+    p.x_row_bytes = stride_bytes(a.dp_x, 0);
+    p.x_scale = static_cast<const float*>(a.dp_x_scale.data);
+    p.x_scale_s0 = a.dp_x_scale.stride[0];
+    p.x_scale_s1 = a.dp_x_scale.stride[1];
+    p.indices = matrix(a.indices);
+    p.weights = matrix(a.weights);
+    p.bound_m = static_cast<const int32_t*>(a.bound_m.data);
+    p.input_rows = a.input_rows;
+    p.out_num_tokens = static_cast<int32_t*>(a.out_expert_num_tokens.data);
+    p.out_x = static_cast<char*>(a.out_expert_x.data);
+    p.out_x_s0_bytes = stride_bytes(a.out_expert_x, 0);
+    p.out_x_s1_bytes = stride_bytes(a.out_expert_x, 1);
+    p.out_scale = static_cast<float*>(a.out_expert_x_scale.data);
+    p.out_scale_s0 = a.out_expert_x_scale.stride[0];
+    p.out_scale_s1 = a.out_expert_x_scale.stride[1];
+    p.out_scale_s2 = a.out_expert_x_scale.stride[2];
+    return p;
+  }
+
+  shmem::CombineParams combine_params(const CombineArgs& a) const {
+    shmem::CombineParams p{};
+    p.c = common_;
+    p.y = static_cast<const char*>(a.expert_y.data);
+    p.y_dtype = a.expert_y.dtype;
+    p.y_s0_bytes = stride_bytes(a.expert_y, 0);
+    p.y_s1_bytes = stride_bytes(a.expert_y, 1);
+    p.out = static_cast<char*>(a.out_tokens.data);
+    p.out_dtype = a.out_tokens.dtype;
+    p.out_row_bytes = stride_bytes(a.out_tokens, 0);
+    p.indices = matrix(a.indices);
+    p.weights = matrix(a.weights);
+    p.bound_m = static_cast<const int32_t*>(a.bound_m.data);
+    p.input_rows = a.input_rows;
+    p.accumulate = a.accumulate;
+    return p;
+  }
+
+  void after_launch(const char* what, cudaStream_t stream) {
+    last_stream_ = stream;
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) throw_cuda_error(err, what, __FILE__, __LINE__);
+  }
+
+  int num_sms_ = 0;
+  shmem::ShmemLayout layout_{};
+  char* sym_ = nullptr;
+  char* private_ = nullptr;
+  shmem::Common common_{};
+  cudaStream_t last_stream_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<AllToAllImpl> make_nvshmem_impl(const Config& c, const ResolvedOptions& o,
+                                                Bootstrap& bootstrap) {
+  return std::make_unique<NvshmemAllToAll>(c, o, bootstrap);
+}
+
+}  // namespace moelink::detail
