@@ -35,7 +35,8 @@ fi
 python_build=OFF
 has python && python_build=ON
 ngpu=$(nvidia-smi -L | wc -l)
-commit=$(git rev-parse HEAD 2>/dev/null || echo "${MOELINK_GIT_COMMIT:-unknown}")
+# The device copy's .git may be older than its tree: a commit passed in wins.
+commit=${MOELINK_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export MOELINK_GIT_COMMIT=$commit
 
 if has build; then

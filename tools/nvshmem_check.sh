@@ -30,7 +30,8 @@ nvshmem_home=${NVSHMEM_HOME:-$site/nvidia/nvshmem}
 # for anything started without it (and NVSHMEM's own plugins sit beside it).
 export LD_LIBRARY_PATH="$nvshmem_home/lib:$nccl_home/lib:${LD_LIBRARY_PATH:-}"
 ngpu=$(nvidia-smi -L | wc -l)
-commit=$(git rev-parse HEAD 2>/dev/null || echo "${MOELINK_GIT_COMMIT:-unknown}")
+# The device copy's .git may be older than its tree: a commit passed in wins.
+commit=${MOELINK_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export MOELINK_GIT_COMMIT=$commit
 echo "NVSHMEM from $nvshmem_home; $ngpu GPU(s)"
 
