@@ -28,17 +28,20 @@ CaseSpec node(const char* provider, int W, int dp, int64_t T, int E, int k, int6
   return s;
 }
 
-#define REQUIRE_PROVIDER(p)                                                             \
-  do {                                                                                  \
-    if (!fabric_provider_available(p))                                                  \
-      GTEST_SKIP() << "libfabric provider '" << (p) << "' is not available here";     \
+#define REQUIRE_PROVIDER(p)                                                       \
+  do {                                                                            \
+    if (!fabric_provider_available(p))                                            \
+      GTEST_SKIP() << "libfabric provider '" << (p) << "' is not available here"; \
   } while (0)
 
 void run_node_case(const CaseSpec& spec) {
-  run_ranks(spec.world_size, [&](int rank, moelink::Bootstrap& bs) {
-    auto ops = make_host_memory_ops();
-    run_case_on_rank(spec, rank, bs, *ops);
-  }, kCaseTimeoutS);
+  run_ranks(
+      spec.world_size,
+      [&](int rank, moelink::Bootstrap& bs) {
+        auto ops = make_host_memory_ops();
+        run_case_on_rank(spec, rank, bs, *ops);
+      },
+      kCaseTimeoutS);
 }
 
 class InternodeCpu : public testing::TestWithParam<NamedCase> {};
@@ -52,16 +55,15 @@ std::vector<NamedCase> shm_cases() {
   const char* p = "shm";
   std::vector<NamedCase> v;
   v.push_back({"W4_Bf16_K4_E16", node(p, 4, 1, 32, 16, 4, 256, kBf16, kBf16, kBf16)});
-  v.push_back({"W4_Dp2_Fp8_K8_E32_Uint32",
-               with(node(p, 4, 2, 32, 32, 8, 512, kFp8, kFp16, kBf16),
-                    [](CaseSpec& s) { s.index_dtype = DType::kUInt32; })});
+  v.push_back(
+      {"W4_Dp2_Fp8_K8_E32_Uint32", with(node(p, 4, 2, 32, 32, 8, 512, kFp8, kFp16, kBf16),
+                                        [](CaseSpec& s) { s.index_dtype = DType::kUInt32; })});
   v.push_back({"W4_Dp4_Fp16_K3_E12", node(p, 4, 4, 20, 12, 3, 128, kFp16, kBf16, kBf16)});
-  v.push_back({"W5_Fp16_K2_E10_Int32",
-               with(node(p, 5, 1, 24, 10, 2, 128, kFp16, kFp16, kFp32),
-                    [](CaseSpec& s) { s.index_dtype = DType::kInt32; })});
+  v.push_back({"W5_Fp16_K2_E10_Int32", with(node(p, 5, 1, 24, 10, 2, 128, kFp16, kFp16, kFp32),
+                                            [](CaseSpec& s) { s.index_dtype = DType::kInt32; })});
   v.push_back({"W8_Bf16_K8_E64", node(p, 8, 1, 16, 64, 8, 128, kBf16, kBf16, kBf16)});
-  v.push_back({"W4_DeepSeekLike_Fp8_H7168_E256_K8",
-               node(p, 4, 1, 16, 256, 8, 7168, kFp8, kBf16, kBf16)});
+  v.push_back(
+      {"W4_DeepSeekLike_Fp8_H7168_E256_K8", node(p, 4, 1, 16, 256, 8, 7168, kFp8, kBf16, kBf16)});
   v.push_back({"W1_Bf16_K2_E8", node(p, 1, 1, 16, 8, 2, 128, kBf16, kBf16, kBf16)});
   v.push_back({"W2_Dp2_Bf16_K8_E8_YFp16", node(p, 2, 2, 16, 8, 8, 256, kBf16, kBf16, kFp16)});
   // Routings: one hot expert (the other ranks receive nothing), -1 routes,
@@ -70,11 +72,11 @@ std::vector<NamedCase> shm_cases() {
                                                [](CaseSpec& s) { s.routing = Routing::kSkewed; })});
   v.push_back({"W4_Dp2_Skewed_K4", with(node(p, 4, 2, 32, 16, 4, 128, kFp8, kBf16, kBf16),
                                         [](CaseSpec& s) { s.routing = Routing::kSkewed; })});
-  v.push_back({"W4_WithNone_Int32", with(node(p, 4, 1, 32, 16, 4, 128, kBf16, kFp16, kBf16),
-                                         [](CaseSpec& s) {
-                                           s.routing = Routing::kWithNone;
-                                           s.index_dtype = DType::kInt32;
-                                         })});
+  v.push_back({"W4_WithNone_Int32",
+               with(node(p, 4, 1, 32, 16, 4, 128, kBf16, kFp16, kBf16), [](CaseSpec& s) {
+                 s.routing = Routing::kWithNone;
+                 s.index_dtype = DType::kInt32;
+               })});
   v.push_back({"W4_Repeated_K8_E8", with(node(p, 4, 1, 16, 8, 8, 128, kBf16, kBf16, kBf16),
                                          [](CaseSpec& s) { s.routing = Routing::kRepeated; })});
   // Private tokens: none (all through the shared area), one, all.
@@ -93,18 +95,17 @@ std::vector<NamedCase> shm_cases() {
                  s.padded = true;
                  s.input_rows = 12;
                })});
-  v.push_back({"W4_ManyRounds_Private2", with(node(p, 4, 1, 16, 8, 2, 128, kBf16, kBf16, kBf16),
-                                              [](CaseSpec& s) {
-                                                s.rounds = 12;
-                                                s.max_private_tokens = 2;
-                                              })});
+  v.push_back({"W4_ManyRounds_Private2",
+               with(node(p, 4, 1, 16, 8, 2, 128, kBf16, kBf16, kBf16), [](CaseSpec& s) {
+                 s.rounds = 12;
+                 s.max_private_tokens = 2;
+               })});
   for (uint64_t seed : {21, 22, 23})
     v.push_back({"W4_Dp2_Seed" + std::to_string(seed),
-                 with(node(p, 4, 2, 32, 16, 4, 128, kBf16, kBf16, kBf16),
-                      [&](CaseSpec& s) {
-                        s.seed = seed;
-                        s.max_private_tokens = 3;
-                      })});
+                 with(node(p, 4, 2, 32, 16, 4, 128, kBf16, kBf16, kBf16), [&](CaseSpec& s) {
+                   s.seed = seed;
+                   s.max_private_tokens = 3;
+                 })});
   return v;
 }
 
@@ -115,16 +116,16 @@ std::vector<NamedCase> tcp_cases() {
   const char* p = "tcp";
   std::vector<NamedCase> v;
   v.push_back({"W4_Dp2_Fp8_K8_E32", node(p, 4, 2, 32, 32, 8, 512, kFp8, kBf16, kBf16)});
-  v.push_back({"W4_WithNone_Private1", with(node(p, 4, 1, 32, 16, 4, 128, kBf16, kBf16, kBf16),
-                                            [](CaseSpec& s) {
-                                              s.routing = Routing::kWithNone;
-                                              s.max_private_tokens = 1;
-                                            })});
-  v.push_back({"W4_Skewed_Split", with(node(p, 4, 1, 32, 8, 2, 128, kBf16, kBf16, kBf16),
-                                       [](CaseSpec& s) {
-                                         s.routing = Routing::kSkewed;
-                                         s.split = true;
-                                       })});
+  v.push_back({"W4_WithNone_Private1",
+               with(node(p, 4, 1, 32, 16, 4, 128, kBf16, kBf16, kBf16), [](CaseSpec& s) {
+                 s.routing = Routing::kWithNone;
+                 s.max_private_tokens = 1;
+               })});
+  v.push_back(
+      {"W4_Skewed_Split", with(node(p, 4, 1, 32, 8, 2, 128, kBf16, kBf16, kBf16), [](CaseSpec& s) {
+         s.routing = Routing::kSkewed;
+         s.split = true;
+       })});
   return v;
 }
 
@@ -142,15 +143,16 @@ std::vector<NamedCase> input_error_cases() {
                  s.inject = Inject::kExpertIdMinus5;
                  s.index_dtype = DType::kUInt32;
                })});
-  v.push_back({"BoundMTooLarge_W4Dp2", with(node(p, 4, 2, 16, 8, 2, 128, kFp8, kBf16, kBf16),
-                                            [](CaseSpec& s) { s.inject = Inject::kBoundMTooLarge; })});
+  v.push_back(
+      {"BoundMTooLarge_W4Dp2", with(node(p, 4, 2, 16, 8, 2, 128, kFp8, kBf16, kBf16),
+                                    [](CaseSpec& s) { s.inject = Inject::kBoundMTooLarge; })});
   v.push_back({"BoundMNegative_W4", with(node(p, 4, 1, 16, 8, 2, 128, kBf16, kBf16, kBf16),
                                          [](CaseSpec& s) { s.inject = Inject::kBoundMNegative; })});
-  v.push_back({"ExpertOverflow_W4Dp2_K4", with(node(p, 4, 2, 16, 8, 4, 256, kFp8, kBf16, kBf16),
-                                               [](CaseSpec& s) {
-                                                 s.inject = Inject::kExpertOverflow;
-                                                 s.max_private_tokens = 4;
-                                               })});
+  v.push_back({"ExpertOverflow_W4Dp2_K4",
+               with(node(p, 4, 2, 16, 8, 4, 256, kFp8, kBf16, kBf16), [](CaseSpec& s) {
+                 s.inject = Inject::kExpertOverflow;
+                 s.max_private_tokens = 4;
+               })});
   return v;
 }
 
@@ -167,10 +169,13 @@ INSTANTIATE_TEST_SUITE_P(BadInput, InternodeCpuInputError, testing::ValuesIn(inp
 // ------------------------------------------------------------ a rank leaves
 
 void run_rank_exit(const CaseSpec& spec, int exiting_rank, bool before_combine) {
-  run_ranks(spec.world_size, [&](int rank, moelink::Bootstrap& bs) {
-    auto ops = make_host_memory_ops();
-    run_rank_exit_case(spec, rank, exiting_rank, bs, *ops, before_combine);
-  }, 120);
+  run_ranks(
+      spec.world_size,
+      [&](int rank, moelink::Bootstrap& bs) {
+        auto ops = make_host_memory_ops();
+        run_rank_exit_case(spec, rank, exiting_rank, bs, *ops, before_combine);
+      },
+      120);
 }
 
 struct ExitCase {
@@ -207,21 +212,25 @@ TEST(InternodeCpuProfile, PhaseTimesCoverEveryPhaseOnlyWhenProfiling) {
   for (bool profile : {true, false}) {
     const CaseSpec spec = with(node("shm", 4, 1, 32, 16, 4, 1024, kBf16, kBf16, kBf16),
                                [&](CaseSpec& s) { s.profile = profile; });
-    run_ranks(4, [&](int rank, moelink::Bootstrap& bs) {
-      auto ops = make_host_memory_ops();
-      CaseRunner runner(spec, rank, bs, *ops);
-      runner.run_round(0);
-      const moelink::CallTimes t = runner.all_to_all().phase_times();
-      for (const auto& [name, p] : {std::pair{"dispatch", t.dispatch}, std::pair{"combine", t.combine}}) {
-        const double parts[] = {p.pack_us, p.post_us, p.wire_us, p.unpack_us};
-        for (double v : parts) {
-          if (profile)
-            RANK_CHECK(v > 0 && v < 30e6) << name << ": a phase took " << v << " us";
-          else
-            RANK_CHECK(v == 0) << name << ": phase time " << v << " without profiling";
-        }
-      }
-    }, 120);
+    run_ranks(
+        4,
+        [&](int rank, moelink::Bootstrap& bs) {
+          auto ops = make_host_memory_ops();
+          CaseRunner runner(spec, rank, bs, *ops);
+          runner.run_round(0);
+          const moelink::CallTimes t = runner.all_to_all().phase_times();
+          for (const auto& [name, p] :
+               {std::pair{"dispatch", t.dispatch}, std::pair{"combine", t.combine}}) {
+            const double parts[] = {p.pack_us, p.post_us, p.wire_us, p.unpack_us};
+            for (double v : parts) {
+              if (profile)
+                RANK_CHECK(v > 0 && v < 30e6) << name << ": a phase took " << v << " us";
+              else
+                RANK_CHECK(v == 0) << name << ": phase time " << v << " without profiling";
+            }
+          }
+        },
+        120);
   }
 }
 

@@ -3,14 +3,16 @@
 // well), every peer reached through libfabric (shm here: GPUs of one
 // machine treated as nodes, host staging), checked by the shared driver
 // against tests/reference.h. Skips without a GPU or without the provider.
+// The runners and some specs are shared with the other GPU backends
+// (gpu_cases.h); the case lists are this backend's own (private tokens,
+// other shapes, a subset of the input errors).
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
-#include "all_to_all_cases.h"
-#include "case_builders.h"
 #include "fabric_test_util.h"
+#include "gpu_cases.h"
 #include "gpu_memory_ops.h"
 #include "rank_harness.h"
 
@@ -28,31 +30,27 @@ using moelink::DType;
       GTEST_SKIP() << "libfabric provider 'shm' is not available here";                    \
   } while (0)
 
-CaseSpec gpu_node(int W, int dp, int64_t T, int E, int k, int64_t H, DType in, DType out, DType y) {
-  CaseSpec s = make_spec(moelink::Backend::kInternode, W, dp, T, E, k, H, in, out, y);
+constexpr moelink::Backend kInternode = moelink::Backend::kInternode;
+
+CaseSpec on_shm(CaseSpec s) {
   s.fabric_provider = "shm";
   return s;
 }
 
-int device_of(int rank) { return rank % probe_gpu_count(); }
-
-void run_gpu_node_case(const CaseSpec& spec) {
-  run_ranks(spec.world_size, [&](int rank, moelink::Bootstrap& bs) {
-    GpuMemoryOps ops(device_of(rank));
-    run_case_on_rank(spec, rank, bs, ops);
-  }, 480);
+CaseSpec gpu_node(int W, int dp, int64_t T, int E, int k, int64_t H, DType in, DType out, DType y) {
+  return on_shm(make_spec(kInternode, W, dp, T, E, k, H, in, out, y));
 }
 
 class InternodeGpu : public testing::TestWithParam<NamedCase> {};
 
 TEST_P(InternodeGpu, DispatchAndCombineMatchReference) {
   REQUIRE_GPU_AND_SHM();
-  run_gpu_node_case(GetParam().spec);
+  run_gpu_case(GetParam().spec);
 }
 
 std::vector<NamedCase> cases() {
   std::vector<NamedCase> v;
-  const CaseSpec deepseek = with(gpu_node(2, 1, 128, 256, 8, 7168, kFp8, kBf16, kBf16),
+  const CaseSpec deepseek = with(on_shm(deepseek_spec(kInternode)),
                                  [](CaseSpec& s) { s.rounds = 3; });
   v.push_back({"DeepSeekLike_W2", deepseek});
   v.push_back({"DeepSeekLike_W2_Private0", with(deepseek, [](CaseSpec& s) {
@@ -82,8 +80,9 @@ std::vector<NamedCase> cases() {
                  s.padded = true;
                  s.input_rows = 20;
                })});
-  const std::pair<Routing, const char*> routings[] = {
-      {Routing::kSkewed, "Skewed"}, {Routing::kWithNone, "WithNone"}, {Routing::kRepeated, "Repeated"}};
+  const std::pair<Routing, const char*> routings[] = {{Routing::kSkewed, "Skewed"},
+                                                      {Routing::kWithNone, "WithNone"},
+                                                      {Routing::kRepeated, "Repeated"}};
   for (const auto& [routing, name] : routings)
     v.push_back({std::string("Routing") + name + "_W4_Uint32",
                  with(gpu_node(4, 1, 32, 16, 4, 256, kBf16, kBf16, kBf16), [&](CaseSpec& s) {
@@ -98,21 +97,20 @@ INSTANTIATE_TEST_SUITE_P(Shm, InternodeGpu, testing::ValuesIn(cases()), CaseName
 
 // ------------------------------------------------------------ bad input
 
+// A subset of the NVLink / NVSHMEM list (gpu_input_error_cases), with bf16
+// tokens for the int32 case.
 std::vector<NamedCase> input_error_cases() {
+  const auto bad = [](int W, int dp, DType in, Inject what) {
+    return on_shm(input_error_spec(kInternode, W, dp, in, what));
+  };
   std::vector<NamedCase> v;
-  v.push_back({"ExpertIdEqualsE_W2", with(gpu_node(2, 1, 32, 16, 4, 512, kBf16, kBf16, kBf16),
-                                          [](CaseSpec& s) { s.inject = Inject::kExpertIdE; })});
+  v.push_back({"ExpertIdEqualsE_W2", bad(2, 1, kBf16, Inject::kExpertIdE)});
   v.push_back({"ExpertIdMinus5_Int32_W4Dp2",
-               with(gpu_node(4, 2, 32, 16, 4, 512, kBf16, kBf16, kBf16), [](CaseSpec& s) {
-                 s.inject = Inject::kExpertIdMinus5;
-                 s.index_dtype = DType::kInt32;
-               })});
-  v.push_back({"BoundMTooLarge_W2", with(gpu_node(2, 1, 32, 16, 4, 512, kBf16, kBf16, kBf16),
-                                         [](CaseSpec& s) { s.inject = Inject::kBoundMTooLarge; })});
-  v.push_back({"BoundMNegative_W2", with(gpu_node(2, 1, 32, 16, 4, 512, kBf16, kBf16, kBf16),
-                                         [](CaseSpec& s) { s.inject = Inject::kBoundMNegative; })});
-  v.push_back({"ExpertOverflow_W2", with(gpu_node(2, 1, 32, 16, 4, 512, kFp8, kBf16, kBf16),
-                                         [](CaseSpec& s) { s.inject = Inject::kExpertOverflow; })});
+               with(bad(4, 2, kBf16, Inject::kExpertIdMinus5),
+                    [](CaseSpec& s) { s.index_dtype = DType::kInt32; })});
+  v.push_back({"BoundMTooLarge_W2", bad(2, 1, kBf16, Inject::kBoundMTooLarge)});
+  v.push_back({"BoundMNegative_W2", bad(2, 1, kBf16, Inject::kBoundMNegative)});
+  v.push_back({"ExpertOverflow_W2", bad(2, 1, kFp8, Inject::kExpertOverflow)});
   return v;
 }
 
@@ -120,7 +118,7 @@ class InternodeGpuInputError : public testing::TestWithParam<NamedCase> {};
 
 TEST_P(InternodeGpuInputError, CheckThrowsInputErrorAndOutputsStayInBounds) {
   REQUIRE_GPU_AND_SHM();
-  run_gpu_node_case(GetParam().spec);
+  run_gpu_case(GetParam().spec);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shm, InternodeGpuInputError, testing::ValuesIn(input_error_cases()),
@@ -129,12 +127,7 @@ INSTANTIATE_TEST_SUITE_P(Shm, InternodeGpuInputError, testing::ValuesIn(input_er
 // ------------------------------------------------------------ a rank leaves
 
 void run_exit(int W, int dp, int exiting, bool before_combine) {
-  const CaseSpec spec = with(gpu_node(W, dp, 32, 16, 4, 512, kBf16, kBf16, kBf16),
-                             [](CaseSpec& s) { s.timeout_s = 3; });
-  run_ranks(W, [&](int rank, moelink::Bootstrap& bs) {
-    GpuMemoryOps ops(device_of(rank));
-    run_rank_exit_case(spec, rank, exiting, bs, ops, before_combine);
-  }, 120);
+  run_gpu_rank_exit(on_shm(rank_exit_spec(kInternode, W, dp)), exiting, before_combine);
 }
 
 TEST(InternodeGpuTimeout, RankThatExitsIsNamedInTimeoutError) {

@@ -21,6 +21,7 @@
 #include "core/all_to_all_impl.h"
 #include "core/float_convert.h"
 #include "core/host_ops.h"
+#include "core/host_slots.h"
 #include "core/layout.h"
 #include "cpu/shared_memory.h"
 #include "moelink/errors.h"
@@ -265,7 +266,7 @@ class CpuAllToAll final : public AllToAllImpl {
     for (int e = 0; e < n; ++e) {
       const auto r = load<RouteEntry>(slot + G.slot_routes_offset + sizeof(RouteEntry) * e);
       rows[e] = take_row(r.local_expert);
-      if (rows[e] >= 0) copy_to_expert(a, slot, r.local_expert, rows[e]);
+      if (rows[e] >= 0) copy_slot_to_expert(geometry_, a, slot, r.local_expert, rows[e]);
     }
     valid_slots_.push_back({g, t});
   }
@@ -279,13 +280,6 @@ class CpuAllToAll final : public AllToAllImpl {
     return -1;
   }
 
-  void copy_to_expert(const DispatchArgs& a, const char* slot, int32_t j, int32_t row) {
-    const Geometry& G = geometry_;
-    std::memcpy(elem(a.out_expert_x, j, row), slot + G.slot_token_offset, G.token_bytes);
-    for (int s = 0; s < G.hidden_dim_scale; ++s)
-      store<float>(elem(a.out_expert_x_scale, j, row, s),
-                   load<float>(slot + G.slot_scale_offset + 4 * s));
-  }
 
   // ---------------------------------------------------------------- combine helpers
 

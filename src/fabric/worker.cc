@@ -13,6 +13,7 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 
+#include <algorithm>
 #include <cstring>
 #include <future>
 
@@ -184,15 +185,7 @@ bool Worker::progress() {
       incoming_.pop_front();
     }
   }
-  while (!pending_.empty()) {
-    if (pending_.front().op->done()) {
-      pending_.pop_front();
-      continue;
-    }
-    if (try_post(pending_.front()) != PostResult::kPosted) break;
-    pending_.pop_front();
-    ++work;
-  }
+  work += post_pending(false);
   for (Domain* d : domains_) work += poll(*d, false, &wake);
   if (!pending_.empty() || !deferred_.empty()) wake = true;
   ep.unlock();
@@ -290,14 +283,41 @@ Worker::PostResult Worker::try_post(WorkRequest& wr) {
   return PostResult::kFailed;
 }
 
-bool Worker::post(WorkRequest& wr) {
-  const PostResult r = try_post(wr);
-  if (r == PostResult::kAgain) return false;
-  if (r == PostResult::kFailed)
-    fail_op(wr.op, std::make_exception_ptr(FabricError(
-                       "TransferEngine " + wr.op->what() + ": posting failed on domain " +
-                       std::to_string(wr.domain->index()) + ": " + fi_strerror(last_post_error_))));
-  return true;
+// Queued work requests go out in order, except that one the provider
+// refuses for now (-FI_EAGAIN) holds back only the later ones to the same
+// destination: a peer that stopped answering (tcp reconnecting to a process
+// that is gone) must not delay the writes to every other peer, which would
+// then time out waiting for this rank and blame it. On the worker a hard
+// posting error fails the op; a user thread leaves that to the worker.
+int Worker::post_pending(bool on_worker) {
+  int posted = 0;
+  std::vector<std::pair<const Domain*, fi_addr_t>> held;
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (it->op->done()) {  // failed meanwhile
+      it = pending_.erase(it);
+      continue;
+    }
+    const std::pair<const Domain*, fi_addr_t> dest{it->domain, it->dest};
+    if (std::find(held.begin(), held.end(), dest) != held.end()) {
+      ++it;
+      continue;
+    }
+    const PostResult r = try_post(*it);
+    if (r == PostResult::kPosted) {
+      it = pending_.erase(it);
+      ++posted;
+    } else if (r == PostResult::kFailed && on_worker) {
+      fail_op(it->op, std::make_exception_ptr(FabricError(
+                          "TransferEngine " + it->op->what() + ": posting failed on domain " +
+                          std::to_string(it->domain->index()) + ": " +
+                          fi_strerror(last_post_error_))));
+      it = pending_.erase(it);
+    } else {
+      held.push_back(dest);
+      ++it;
+    }
+  }
+  return posted;
 }
 
 void Worker::fail_op(const std::shared_ptr<OpState>& op, std::exception_ptr e) { op->fail(e); }
@@ -415,15 +435,7 @@ void Worker::loop() {
       ++work;
     }
     deferred_.clear();
-    while (!pending_.empty()) {
-      if (pending_.front().op->done()) {  // failed meanwhile: drop the rest
-        pending_.pop_front();
-        continue;
-      }
-      if (!post(pending_.front())) break;
-      pending_.pop_front();
-      ++work;
-    }
+    work += post_pending(true);
     bool unused = false;
     for (Domain* d : domains_) work += poll(*d, true, &unused);
     check_deadlines();

@@ -94,7 +94,8 @@ class Worker {
   void run_tasks();
   enum class PostResult { kPosted, kAgain, kFailed };
   PostResult try_post(WorkRequest& wr);
-  bool post(WorkRequest& wr);  // worker: false: -FI_EAGAIN, retry later
+  // Posts what it can of pending_ (see worker.cc); returns how many.
+  int post_pending(bool on_worker);
   // on_worker=false (user thread): completions of ops with a callback and
   // error entries are left to the worker (*wake set).
   int poll(Domain& d, bool on_worker, bool* wake);

@@ -23,19 +23,17 @@ __device__ __forceinline__ uint4 host_16(const void* p) {
   return __ldcv(reinterpret_cast<const uint4*>(p));
 }
 
-__device__ __forceinline__ int64_t expert_at(const Matrix2D& m, int64_t t, int i) {
+__device__ __forceinline__ int64_t expert_at(const StridedMatrix& m, int64_t t, int i) {
   return load_expert_id(m.data, m.dtype, t * m.stride0 + i * m.stride1);
 }
-__device__ __forceinline__ float weight_at(const Matrix2D& m, int64_t t, int i) {
+__device__ __forceinline__ float weight_at(const StridedMatrix& m, int64_t t, int i) {
   return static_cast<const float*>(m.data)[t * m.stride0 + i * m.stride1];
 }
 
 __device__ __forceinline__ int64_t global_warp() {
   return static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
 }
-__device__ __forceinline__ int64_t warp_count() {
-  return static_cast<int64_t>(gridDim.x) * kWarps;
-}
+__device__ __forceinline__ int64_t warp_count() { return static_cast<int64_t>(gridDim.x) * kWarps; }
 
 // ---------------------------------------------------------------- dispatch send
 
@@ -53,10 +51,12 @@ __global__ void __launch_bounds__(kThreads) route_scan_kernel(GpuDispatchParams 
   if (blockIdx.x == 0) {
     if (threadIdx.x == 0) {
       *p.c.state.dispatch_m = static_cast<int32_t>(m);
-      if (bad) record_error(p.c.state.error, ErrorCode::kBoundMTooLarge, Phase::kDispatchSend, -1,
-                            raw_m, limit);
+      if (bad)
+        record_error(p.c.state.error, ErrorCode::kBoundMTooLarge, Phase::kDispatchSend, -1, raw_m,
+                     limit);
     }
-    for (int j = threadIdx.x; j < g.num_local_experts; j += kThreads) p.c.state.expert_counter[j] = 0;
+    for (int j = threadIdx.x; j < g.num_local_experts; j += kThreads)
+      p.c.state.expert_counter[j] = 0;
   }
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan;
@@ -69,7 +69,8 @@ __global__ void __launch_bounds__(kThreads) route_scan_kernel(GpuDispatchParams 
     if (u < n_q)
       for (int i = 0; i < g.experts_per_token; ++i) {
         const int64_t e = expert_at(p.indices, t, i);
-        if (classify_route(e, g.num_experts) == RouteKind::kValid && g.rank_of_expert(e) == r) hit = 1;
+        if (classify_route(e, g.num_experts) == RouteKind::kValid && g.rank_of_expert(e) == r)
+          hit = 1;
       }
     int prefix = 0, total = 0;
     Scan(scan).ExclusiveSum(hit, prefix, total);
@@ -131,7 +132,8 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(GpuDispatchParams p) {
           uint32_t n = 0;
           for (int i = 0; i < k; ++i) {
             const int64_t e = expert_at(p.indices, t, i);
-            if (classify_route(e, g.num_experts) != RouteKind::kValid || g.rank_of_expert(e) != dest)
+            if (classify_route(e, g.num_experts) != RouteKind::kValid ||
+                g.rank_of_expert(e) != dest)
               continue;
             routes[n++] = RouteEntry{static_cast<int32_t>(e % g.num_local_experts),
                                      weight_at(p.weights, t, i)};
@@ -179,7 +181,8 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel(GpuDispatchParams p) {
     const uint4 hw = host_16(slot);
     const SlotHeader h = *reinterpret_cast<const SlotHeader*>(&hw);
     const uint32_t nk = static_cast<uint32_t>(k);
-    const int n = h.epoch == p.c.epoch ? static_cast<int>(h.num_routes < nk ? h.num_routes : nk) : 0;
+    const int n =
+        h.epoch == p.c.epoch ? static_cast<int>(h.num_routes < nk ? h.num_routes : nk) : 0;
     int32_t local = -1, row = -1;
     if (lane < n) {
       const uint2 raw = __ldcv(reinterpret_cast<const uint2*>(slot + g.slot_routes_offset) + lane);
@@ -200,8 +203,10 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel(GpuDispatchParams p) {
       const uint4 val = v < vecs ? host_16(slot + g.slot_token_offset + 16 * v) : uint4{};
       for (uint32_t m = kept; m; m &= m - 1) {
         const int b = __ffs(m) - 1;
-        const int32_t lb = __shfl_sync(0xffffffffu, local, b), rb = __shfl_sync(0xffffffffu, row, b);
-        if (v < vecs) store_16(p.out_x + lb * p.out_x_s0_bytes + rb * p.out_x_s1_bytes + 16 * v, val);
+        const int32_t lb = __shfl_sync(0xffffffffu, local, b),
+                      rb = __shfl_sync(0xffffffffu, row, b);
+        if (v < vecs)
+          store_16(p.out_x + lb * p.out_x_s0_bytes + rb * p.out_x_s1_bytes + 16 * v, val);
       }
     }
     for (int s0 = 0; s0 < g.hidden_dim_scale; s0 += 32) {
@@ -211,7 +216,8 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel(GpuDispatchParams p) {
                           : 0.f;
       for (uint32_t m = kept; m; m &= m - 1) {
         const int b = __ffs(m) - 1;
-        const int32_t lb = __shfl_sync(0xffffffffu, local, b), rb = __shfl_sync(0xffffffffu, row, b);
+        const int32_t lb = __shfl_sync(0xffffffffu, local, b),
+                      rb = __shfl_sync(0xffffffffu, row, b);
         if (s < g.hidden_dim_scale)
           p.out_scale[lb * p.out_scale_s0 + rb * p.out_scale_s1 + s * p.out_scale_s2] = f;
       }
@@ -227,7 +233,8 @@ __global__ void __launch_bounds__(kThreads) count_kernel(GpuDispatchParams p) {
     if (ok && c > g.expert_capacity)
       record_error(p.c.state.error, ErrorCode::kExpertOverflow, Phase::kDispatchRecv, -1, j,
                    g.expert_capacity);
-    p.out_num_tokens[j] = ok ? (c < g.expert_capacity ? c : static_cast<int32_t>(g.expert_capacity)) : 0;
+    p.out_num_tokens[j] =
+        ok ? (c < g.expert_capacity ? c : static_cast<int32_t>(g.expert_capacity)) : 0;
   }
 }
 
@@ -344,9 +351,15 @@ __global__ void __launch_bounds__(kThreads) combine_unpack_kernel(GpuCombinePara
 template <typename OutT>
 cudaError_t launch_combine_pack_out(const GpuCombineParams& p, int blocks, cudaStream_t s) {
   switch (p.y_dtype) {
-    case DType::kBFloat16: combine_pack_kernel<__nv_bfloat16, OutT><<<blocks, kThreads, 0, s>>>(p); break;
-    case DType::kFloat16: combine_pack_kernel<__half, OutT><<<blocks, kThreads, 0, s>>>(p); break;
-    default: combine_pack_kernel<float, OutT><<<blocks, kThreads, 0, s>>>(p); break;
+    case DType::kBFloat16:
+      combine_pack_kernel<__nv_bfloat16, OutT><<<blocks, kThreads, 0, s>>>(p);
+      break;
+    case DType::kFloat16:
+      combine_pack_kernel<__half, OutT><<<blocks, kThreads, 0, s>>>(p);
+      break;
+    default:
+      combine_pack_kernel<float, OutT><<<blocks, kThreads, 0, s>>>(p);
+      break;
   }
   return cudaGetLastError();
 }

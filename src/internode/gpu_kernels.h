@@ -13,15 +13,10 @@
 #include <cstdint>
 
 #include "core/layout.h"
+#include "core/tensor_params.h"
 #include "internode/protocol.h"
 
 namespace moelink::detail::internode {
-
-struct Matrix2D {  // a 2-D view, strides in elements
-  const void* data;
-  DType dtype;
-  int64_t stride0, stride1;
-};
 
 // Device memory that persists across calls.
 struct GpuState {
@@ -40,39 +35,19 @@ struct GpuCommon {
   Layout layout;
   PlanView plan_view;
   uint32_t epoch;
-  char* send;            // device view of the pinned send buffer
-  char* recv;            // device view of the pinned recv buffer
-  const int64_t* plan;   // device view of the proxy's plan
+  char* send;           // device view of the pinned send buffer
+  char* recv;           // device view of the pinned recv buffer
+  const int64_t* plan;  // device view of the proxy's plan
   GpuState state;
 };
 
-struct GpuDispatchParams {
+// The call's tensors (core/tensor_params.h) and what every kernel needs.
+struct GpuDispatchParams : DispatchTensors {
   GpuCommon c;
-  const char* x;
-  int64_t x_row_bytes;
-  const float* x_scale;
-  int64_t x_scale_s0, x_scale_s1;
-  Matrix2D indices, weights;
-  const int32_t* bound_m;
-  int64_t input_rows;
-  int32_t* out_num_tokens;
-  char* out_x;
-  int64_t out_x_s0_bytes, out_x_s1_bytes;
-  float* out_scale;
-  int64_t out_scale_s0, out_scale_s1, out_scale_s2;
 };
 
-struct GpuCombineParams {
+struct GpuCombineParams : CombineTensors {
   GpuCommon c;
-  const char* y;
-  DType y_dtype;
-  int64_t y_s0_bytes, y_s1_bytes;
-  char* out;
-  DType out_dtype;
-  int64_t out_row_bytes;
-  const int32_t* bound_m;
-  int64_t input_rows;
-  bool accumulate;
 };
 
 // dispatch send: route positions and counts, then the packed blocks and the

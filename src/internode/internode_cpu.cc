@@ -12,6 +12,7 @@
 
 #include "core/all_to_all_impl.h"
 #include "core/host_ops.h"
+#include "core/host_slots.h"
 #include "internode/internode_impl.h"
 #include "internode/protocol.h"
 #include "internode/proxy.h"
@@ -69,7 +70,8 @@ class InternodeCpu final : public AllToAllImpl {
         num_dests_(static_cast<size_t>(geometry_.max_num_tokens), 0),
         counters_(static_cast<size_t>(geometry_.num_local_experts), 0),
         acc_(static_cast<size_t>(geometry_.hidden_dim)) {
-    for (auto& t : tokens_) t.resize(static_cast<size_t>(std::min(c.experts_per_token, c.world_size)));
+    for (auto& t : tokens_)
+      t.resize(static_cast<size_t>(std::min(c.experts_per_token, c.world_size)));
   }
 
   Backend backend() const override { return Backend::kInternodeCPU; }
@@ -181,8 +183,8 @@ class InternodeCpu final : public AllToAllImpl {
     if (!wait_done(combine_step(epoch_), Phase::kCombineRecv)) return;
     const auto start = Clock::now();
     bool clamped = false;
-    const int64_t m = clamp_m(load<int32_t>(a.bound_m.data),
-                              std::min(G.max_num_tokens, a.input_rows), &clamped);
+    const int64_t m =
+        clamp_m(load<int32_t>(a.bound_m.data), std::min(G.max_num_tokens, a.input_rows), &clamped);
     if (plan(kPlanCombineEpoch) != epoch_) return;
     const char* area = recv_.get() + layout_.combine_offset;
     for (int64_t t = 0; t < m; ++t) {
@@ -237,14 +239,18 @@ class InternodeCpu final : public AllToAllImpl {
   bool wait_done(uint64_t step, Phase phase) {
     if (local_timeout_.code != static_cast<int32_t>(ErrorCode::kOk)) return false;
     // The proxy bounds each step by timeout_s; the slack covers scheduling.
-    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                             std::chrono::duration<double>(
-                                                 2 * options_.timeout_s + 5));
+    const auto deadline =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                           std::chrono::duration<double>(2 * options_.timeout_s + 5));
     Backoff backoff;
     while (std::atomic_ref<uint64_t>(signals_.done).load(std::memory_order_acquire) < step) {
       if (Clock::now() >= deadline) {
-        local_timeout_ = {static_cast<int32_t>(ErrorCode::kTimeout), static_cast<int32_t>(phase),
-                          -1, 0, static_cast<int64_t>(2 * options_.timeout_s + 5), 0};
+        local_timeout_ = {static_cast<int32_t>(ErrorCode::kTimeout),
+                          static_cast<int32_t>(phase),
+                          -1,
+                          0,
+                          static_cast<int64_t>(2 * options_.timeout_s + 5),
+                          0};
         return false;
       }
       backoff.pause();
@@ -272,7 +278,8 @@ class InternodeCpu final : public AllToAllImpl {
   void classify(const DispatchArgs& a, int64_t t, std::vector<uint32_t>& counts) {
     const Geometry& G = geometry_;
     const int k = G.experts_per_token;
-    uint32_t* sender_counts = counts.data() + static_cast<size_t>(G.sender_replica(t)) * G.world_size;
+    uint32_t* sender_counts =
+        counts.data() + static_cast<size_t>(G.sender_replica(t)) * G.world_size;
     std::vector<Destination>& dests = tokens_[t];
     int n = 0;
     for (int i = 0; i < k; ++i) {
@@ -328,7 +335,8 @@ class InternodeCpu final : public AllToAllImpl {
         for (int e = 0; e < r.num_routes; ++e) {
           r.routes[e] = load<RouteEntry>(slot + G.slot_routes_offset + sizeof(RouteEntry) * e);
           r.rows[e] = take_row(r.routes[e].local_expert);
-          if (r.rows[e] >= 0) copy_to_expert(a, slot, r.routes[e].local_expert, r.rows[e]);
+          if (r.rows[e] >= 0)
+            copy_slot_to_expert(geometry_, a, slot, r.routes[e].local_expert, r.rows[e]);
         }
         received_.push_back(r);
       }
@@ -342,14 +350,6 @@ class InternodeCpu final : public AllToAllImpl {
     if (row < G.expert_capacity) return row;
     record(ErrorCode::kExpertOverflow, Phase::kDispatchRecv, j, G.expert_capacity);
     return -1;
-  }
-
-  void copy_to_expert(const DispatchArgs& a, const char* slot, int32_t j, int32_t row) {
-    const Geometry& G = geometry_;
-    std::memcpy(elem(a.out_expert_x, j, row), slot + G.slot_token_offset, G.token_bytes);
-    for (int s = 0; s < G.hidden_dim_scale; ++s)
-      store<float>(elem(a.out_expert_x_scale, j, row, s),
-                   load<float>(slot + G.slot_scale_offset + 4 * s));
   }
 
   Layout layout_;

@@ -103,11 +103,6 @@ int64_t resolve_private_tokens(const ResolvedOptions& o, const Config& c) {
   return o.max_private_tokens >= 0 ? o.max_private_tokens : std::min<int64_t>(c.max_num_tokens, 32);
 }
 
-Matrix2D matrix(const Tensor& t) { return Matrix2D{t.data, t.dtype, t.stride[0], t.stride[1]}; }
-int64_t stride_bytes(const Tensor& t, int dim) {
-  return t.stride[dim] * static_cast<int64_t>(dtype_size(t.dtype));
-}
-
 class InternodeGpu final : public AllToAllImpl {
  public:
   InternodeGpu(const Config& c, const ResolvedOptions& o, Bootstrap& bootstrap)
@@ -288,14 +283,14 @@ class InternodeGpu final : public AllToAllImpl {
 
   static void write_word(cudaStream_t s, uint64_t* device_word, uint64_t v) {
     check_driver(driver().write_value64(reinterpret_cast<CUstream>(s),
-                                      reinterpret_cast<CUdeviceptr>(device_word), v,
-                                      CU_STREAM_WRITE_VALUE_DEFAULT),
+                                        reinterpret_cast<CUdeviceptr>(device_word), v,
+                                        CU_STREAM_WRITE_VALUE_DEFAULT),
                  "cuStreamWriteValue64");
   }
   static void wait_word(cudaStream_t s, uint64_t* device_word, uint64_t v) {
     check_driver(driver().wait_value64(reinterpret_cast<CUstream>(s),
-                                     reinterpret_cast<CUdeviceptr>(device_word), v,
-                                     CU_STREAM_WAIT_VALUE_GEQ),
+                                       reinterpret_cast<CUdeviceptr>(device_word), v,
+                                       CU_STREAM_WAIT_VALUE_GEQ),
                  "cuStreamWaitValue64");
   }
 
@@ -314,40 +309,15 @@ class InternodeGpu final : public AllToAllImpl {
 
   GpuDispatchParams dispatch_params(const DispatchArgs& a) const {
     GpuDispatchParams p{};
+    static_cast<DispatchTensors&>(p) = dispatch_tensors(a);
     p.c = common();
-    p.x = static_cast<const char*>(a.dp_x.data);
-    p.x_row_bytes = stride_bytes(a.dp_x, 0);
-    p.x_scale = static_cast<const float*>(a.dp_x_scale.data);
-    p.x_scale_s0 = a.dp_x_scale.stride[0];
-    p.x_scale_s1 = a.dp_x_scale.stride[1];
-    p.indices = matrix(a.indices);
-    p.weights = matrix(a.weights);
-    p.bound_m = static_cast<const int32_t*>(a.bound_m.data);
-    p.input_rows = a.input_rows;
-    p.out_num_tokens = static_cast<int32_t*>(a.out_expert_num_tokens.data);
-    p.out_x = static_cast<char*>(a.out_expert_x.data);
-    p.out_x_s0_bytes = stride_bytes(a.out_expert_x, 0);
-    p.out_x_s1_bytes = stride_bytes(a.out_expert_x, 1);
-    p.out_scale = static_cast<float*>(a.out_expert_x_scale.data);
-    p.out_scale_s0 = a.out_expert_x_scale.stride[0];
-    p.out_scale_s1 = a.out_expert_x_scale.stride[1];
-    p.out_scale_s2 = a.out_expert_x_scale.stride[2];
     return p;
   }
 
   GpuCombineParams combine_params(const CombineArgs& a) const {
     GpuCombineParams p{};
+    static_cast<CombineTensors&>(p) = combine_tensors(a);
     p.c = common();
-    p.y = static_cast<const char*>(a.expert_y.data);
-    p.y_dtype = a.expert_y.dtype;
-    p.y_s0_bytes = stride_bytes(a.expert_y, 0);
-    p.y_s1_bytes = stride_bytes(a.expert_y, 1);
-    p.out = static_cast<char*>(a.out_tokens.data);
-    p.out_dtype = a.out_tokens.dtype;
-    p.out_row_bytes = stride_bytes(a.out_tokens, 0);
-    p.bound_m = static_cast<const int32_t*>(a.bound_m.data);
-    p.input_rows = a.input_rows;
-    p.accumulate = a.accumulate;
     return p;
   }
 

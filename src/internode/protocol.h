@@ -58,17 +58,17 @@ MOELINK_HD uint32_t make_imm(ImmKind kind, int rank) {
 //        [combine rows: G*T rows]
 struct Layout {
   int world_size;
-  int64_t private_tokens;    // P
-  int64_t header_bytes;      // RouteHeader + W counts, 16-byte aligned
-  int64_t slot_bytes;        // Geometry::slot_bytes
-  int64_t row_bytes;         // Geometry::combine_row_bytes
-  int64_t private_stride;    // header + P slots
-  int64_t shared_offset;     // recv
-  int64_t shared_slots;      // G * T
-  int64_t combine_offset;    // recv
-  int64_t combine_rows;      // T * min(k, W)
+  int64_t private_tokens;  // P
+  int64_t header_bytes;    // RouteHeader + W counts, 16-byte aligned
+  int64_t slot_bytes;      // Geometry::slot_bytes
+  int64_t row_bytes;       // Geometry::combine_row_bytes
+  int64_t private_stride;  // header + P slots
+  int64_t shared_offset;   // recv
+  int64_t shared_slots;    // G * T
+  int64_t combine_offset;  // recv
+  int64_t combine_rows;    // T * min(k, W)
   int64_t recv_bytes;
-  int64_t send_slots;        // T * min(k, W)
+  int64_t send_slots;           // T * min(k, W)
   int64_t send_combine_offset;  // send
   int64_t send_combine_rows;    // G * T
   int64_t send_bytes;
@@ -77,9 +77,8 @@ struct Layout {
   // Where slot j of `sender` lies in this rank's recv buffer, given the
   // sender's shared-area offset (in slots).
   MOELINK_HD int64_t recv_slot_offset(int sender, int64_t j, int64_t shared_base) const {
-    return j < private_tokens
-               ? private_offset(sender) + header_bytes + j * slot_bytes
-               : shared_offset + (shared_base + j - private_tokens) * slot_bytes;
+    return j < private_tokens ? private_offset(sender) + header_bytes + j * slot_bytes
+                              : shared_offset + (shared_base + j - private_tokens) * slot_bytes;
   }
 };
 
@@ -97,15 +96,15 @@ struct Layout {
 // (protocol step 6), valid when j < row_count[q][r].
 struct PlanView {
   int world_size, dp_size;
-  MOELINK_HD int64_t words() const { return 3 + (world_size + 1) + world_size + 2 * dp_size * world_size; }
+  MOELINK_HD int64_t words() const {
+    return 3 + (world_size + 1) + world_size + 2 * dp_size * world_size;
+  }
   MOELINK_HD int64_t recv_base(int s) const { return 3 + s; }
   MOELINK_HD int64_t shared_base(int s) const { return 3 + (world_size + 1) + s; }
   MOELINK_HD int64_t row_base(int q, int r) const {
     return 3 + (world_size + 1) + world_size + q * world_size + r;
   }
-  MOELINK_HD int64_t row_count(int q, int r) const {
-    return row_base(q, r) + dp_size * world_size;
-  }
+  MOELINK_HD int64_t row_count(int q, int r) const { return row_base(q, r) + dp_size * world_size; }
 };
 constexpr int kPlanDispatchEpoch = 0, kPlanCombineEpoch = 1, kPlanReceived = 2;
 

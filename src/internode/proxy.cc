@@ -50,10 +50,10 @@ Proxy::Proxy(const Geometry& g, const Layout& l, const ResolvedOptions& o, Boots
                           " must be <= " + std::to_string(kMaxWorldSize));
   engine_ = fabric::TransferEngine::create(engine_options(g, o));
   provider_ = engine_->provider();
-  send_mr_ = engine_->register_memory(buffers.send, static_cast<size_t>(l.send_bytes),
-                                      buffers.kind, buffers.device);
-  recv_mr_ = engine_->register_memory(buffers.recv, static_cast<size_t>(l.recv_bytes),
-                                      buffers.kind, buffers.device);
+  send_mr_ = engine_->register_memory(buffers.send, static_cast<size_t>(l.send_bytes), buffers.kind,
+                                      buffers.device);
+  recv_mr_ = engine_->register_memory(buffers.recv, static_cast<size_t>(l.recv_bytes), buffers.kind,
+                                      buffers.device);
   const auto blobs = bootstrap.all_gather_blobs(engine_->descriptor(recv_mr_).serialize());
   std::vector<fabric::MemoryDescriptor> members;
   for (int r = 0; r < g.world_size; ++r)
@@ -146,7 +146,9 @@ void Proxy::run_step(uint64_t step) {
     dispatch(epoch);
   else
     combine(epoch);
-  const auto us = [](Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); };
+  const auto us = [](Clock::duration d) {
+    return std::chrono::duration<double, std::micro>(d).count();
+  };
   PhaseTimes t;
   t.wire_us = us(waited_);
   t.post_us = us(Clock::now() - start - waited_);
@@ -247,11 +249,14 @@ void Proxy::dispatch(uint32_t epoch) {
     if (r > 0) std::memcpy(send() + block_offset_[r], send(), static_cast<size_t>(l_.header_bytes));
   }
 
-  // 2. Routing info + private tokens: one scatter to every peer.
+  // 2. Routing info + private tokens: one scatter to every peer, starting
+  //    with the next rank, so that the ranks do not all write to rank 0
+  //    first.
   std::vector<fabric::ScatterSlice> slices;
-  for (int r = 0; r < W; ++r) {
-    const auto len = static_cast<size_t>(l_.header_bytes +
-                                         std::min<int64_t>(counts[r], P) * l_.slot_bytes);
+  for (int i = 1; i <= W; ++i) {
+    const int r = (me + i) % W;
+    const auto len =
+        static_cast<size_t>(l_.header_bytes + std::min<int64_t>(counts[r], P) * l_.slot_bytes);
     if (r == me)
       std::memcpy(recv() + l_.private_offset(me), send() + block_offset_[r], len);
     else
@@ -292,7 +297,8 @@ void Proxy::dispatch(uint32_t epoch) {
   // 4. The tokens past the private ones: one write per peer, at offsets
   //    only the matrix gives.
   slices.clear();
-  for (int r = 0; r < W; ++r) {
+  for (int i = 1; i <= W; ++i) {
+    const int r = (me + i) % W;
     const int64_t rest = static_cast<int64_t>(counts[r]) - P;
     if (rest <= 0) continue;
     const int64_t dst_slot = matrix_.shared_base(me, r);
@@ -363,7 +369,8 @@ void Proxy::combine(uint32_t epoch) {
            "the announced counts do not fit group " + std::to_string(g) + "'s combine area");
       return;
     }
-    const int64_t src = l_.send_combine_offset + matrix_.recv_base(g * g_.dp_size, me) * l_.row_bytes;
+    const int64_t src =
+        l_.send_combine_offset + matrix_.recv_base(g * g_.dp_size, me) * l_.row_bytes;
     const int64_t dst = l_.combine_offset + dst_row * l_.row_bytes;
     const auto len = static_cast<size_t>(rows * l_.row_bytes);
     for (int q = g * g_.dp_size; q < (g + 1) * g_.dp_size; ++q) {

@@ -25,15 +25,15 @@ std::string RouteMatrix::check_receiver(int r) const {
   for (int s = 0; s < w_; ++s) {
     const int64_t c = count(s, r);
     if (c > g_.max_num_tokens)
-      return "rank " + std::to_string(s) + " announced " + std::to_string(c) +
-             " tokens for rank " + std::to_string(r) + ", more than max_num_tokens = " +
-             std::to_string(g_.max_num_tokens);
+      return "rank " + std::to_string(s) + " announced " + std::to_string(c) + " tokens for rank " +
+             std::to_string(r) +
+             ", more than max_num_tokens = " + std::to_string(g_.max_num_tokens);
     total += c;
   }
   if (total > l_.shared_slots)
     return "the ranks announced " + std::to_string(total) + " tokens for rank " +
-           std::to_string(r) + ", more than num_dp_groups * max_num_tokens = " +
-           std::to_string(l_.shared_slots);
+           std::to_string(r) +
+           ", more than num_dp_groups * max_num_tokens = " + std::to_string(l_.shared_slots);
   return {};
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "core/layout.h"
+#include "core/tensor_params.h"
 
 namespace moelink::detail {
 
@@ -34,45 +35,16 @@ struct CommonParams {
   uint64_t timeout_ns;
 };
 
-struct StridedMatrix {  // a 2-D view, strides in elements
-  const void* data;
-  DType dtype;
-  int64_t stride0, stride1;
-};
-
-struct DispatchParams {
+// The call's tensors (core/tensor_params.h) and what every kernel needs.
+struct DispatchParams : DispatchTensors {
   CommonParams c;
-  // inputs
-  const char* x;  // [rows, H] in_dtype, row stride in bytes below
-  int64_t x_row_bytes;
-  const float* x_scale;  // [rows, S]
-  int64_t x_scale_s0, x_scale_s1;
-  StridedMatrix indices, weights;
-  const int32_t* bound_m;
-  int64_t input_rows;
   // Fused launches only: blocks that receive while the others send (0: all
   // blocks send, then all receive).
   int recv_blocks;
-  // outputs
-  int32_t* out_num_tokens;  // [L]
-  char* out_x;              // [L, C, H]
-  int64_t out_x_s0_bytes, out_x_s1_bytes;
-  float* out_scale;  // [L, C, S]
-  int64_t out_scale_s0, out_scale_s1, out_scale_s2;
 };
 
-struct CombineParams {
+struct CombineParams : CombineTensors {
   CommonParams c;
-  const char* y;  // [L, C, H] of y_dtype
-  DType y_dtype;
-  int64_t y_s0_bytes, y_s1_bytes;
-  char* out;  // [rows, H] out_dtype
-  DType out_dtype;
-  int64_t out_row_bytes;
-  StridedMatrix indices;
-  const int32_t* bound_m;
-  int64_t input_rows;
-  bool accumulate;
 };
 
 // Launch the send half, the receive half, or both fused into one kernel

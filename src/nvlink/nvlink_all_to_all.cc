@@ -16,14 +16,6 @@
 namespace moelink::detail {
 namespace {
 
-StridedMatrix matrix(const Tensor& t) {
-  return StridedMatrix{t.data, t.dtype, t.stride[0], t.stride[1]};
-}
-
-int64_t stride_bytes(const Tensor& t, int dim) {
-  return t.stride[dim] * static_cast<int64_t>(dtype_size(t.dtype));
-}
-
 // Default SMs per kernel. Decode-sized buffers: enough warps to hide load
 // latency, few enough to leave the GPU to compute beside the transfer.
 // Prefill-sized buffers (>= kPrefillRows rows per expert): every SM, since
@@ -117,44 +109,18 @@ class NvlinkAllToAll final : public AllToAllImpl {
 
   DispatchParams dispatch_params(const DispatchArgs& a) const {
     DispatchParams p{};
+    static_cast<DispatchTensors&>(p) = dispatch_tensors(a);
     p.c = common_;
-    p.x = static_cast<const char*>(a.dp_x.data);
-    p.x_row_bytes = stride_bytes(a.dp_x, 0);
-    p.x_scale = static_cast<const float*>(a.dp_x_scale.data);
-    p.x_scale_s0 = a.dp_x_scale.stride[0];
-    p.x_scale_s1 = a.dp_x_scale.stride[1];
-    p.indices = matrix(a.indices);
-    p.weights = matrix(a.weights);
-    p.bound_m = static_cast<const int32_t*>(a.bound_m.data);
-    p.input_rows = a.input_rows;
     // Prefill-sized fused dispatches overlap sending and receiving: half the
     // blocks receive (HBM-bound fan-out) while half send (NVLink-bound).
     p.recv_blocks = config_.expert_capacity() >= kPrefillRows ? blocks() / 2 : 0;
-    p.out_num_tokens = static_cast<int32_t*>(a.out_expert_num_tokens.data);
-    p.out_x = static_cast<char*>(a.out_expert_x.data);
-    p.out_x_s0_bytes = stride_bytes(a.out_expert_x, 0);
-    p.out_x_s1_bytes = stride_bytes(a.out_expert_x, 1);
-    p.out_scale = static_cast<float*>(a.out_expert_x_scale.data);
-    p.out_scale_s0 = a.out_expert_x_scale.stride[0];
-    p.out_scale_s1 = a.out_expert_x_scale.stride[1];
-    p.out_scale_s2 = a.out_expert_x_scale.stride[2];
     return p;
   }
 
   CombineParams combine_params(const CombineArgs& a) const {
     CombineParams p{};
+    static_cast<CombineTensors&>(p) = combine_tensors(a);
     p.c = common_;
-    p.y = static_cast<const char*>(a.expert_y.data);
-    p.y_dtype = a.expert_y.dtype;
-    p.y_s0_bytes = stride_bytes(a.expert_y, 0);
-    p.y_s1_bytes = stride_bytes(a.expert_y, 1);
-    p.out = static_cast<char*>(a.out_tokens.data);
-    p.out_dtype = a.out_tokens.dtype;
-    p.out_row_bytes = stride_bytes(a.out_tokens, 0);
-    p.indices = matrix(a.indices);
-    p.bound_m = static_cast<const int32_t*>(a.bound_m.data);
-    p.input_rows = a.input_rows;
-    p.accumulate = a.accumulate;
     return p;
   }
 

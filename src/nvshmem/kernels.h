@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "core/tensor_params.h"
 #include "nvshmem/layout.h"
 
 namespace moelink::detail::shmem {
@@ -30,40 +31,13 @@ struct Common {
   uint64_t timeout_ns;
 };
 
-struct Matrix {  // a 2-D view, strides in elements
-  const void* data;
-  DType dtype;
-  int64_t stride0, stride1;
+// The call's tensors (core/tensor_params.h) and what every kernel needs.
+struct DispatchParams : DispatchTensors {
+  Common c;
 };
 
-struct DispatchParams {
+struct CombineParams : CombineTensors {
   Common c;
-  const char* x;  // [rows, H] in_dtype
-  int64_t x_row_bytes;
-  const float* x_scale;  // [rows, S]
-  int64_t x_scale_s0, x_scale_s1;
-  Matrix indices, weights;
-  const int32_t* bound_m;
-  int64_t input_rows;
-  int32_t* out_num_tokens;  // [L]
-  char* out_x;              // [L, C, H]
-  int64_t out_x_s0_bytes, out_x_s1_bytes;
-  float* out_scale;  // [L, C, S]
-  int64_t out_scale_s0, out_scale_s1, out_scale_s2;
-};
-
-struct CombineParams {
-  Common c;
-  const char* y;  // [L, C, H] of y_dtype
-  DType y_dtype;
-  int64_t y_s0_bytes, y_s1_bytes;
-  char* out;  // [rows, H] out_dtype
-  DType out_dtype;
-  int64_t out_row_bytes;
-  Matrix indices, weights;
-  const int32_t* bound_m;
-  int64_t input_rows;
-  bool accumulate;
 };
 
 // The send half, the receive half, or both in one cooperative kernel (all
