@@ -199,10 +199,7 @@ class InternodeGpu final : public AllToAllImpl {
       return proxy_->error();
     }
     detail_.clear();
-    ErrorRecord e{};
-    MOELINK_CUDA_CHECK(cudaMemcpy(&e, state_.error, sizeof(e), cudaMemcpyDeviceToHost));
-    if (e.code != 0) MOELINK_CUDA_CHECK(cudaMemset(state_.error, 0, sizeof(ErrorRecord)));
-    return e;
+    return take_device_error(last_stream_, state_.error);
   }
   std::string error_detail() const override { return detail_; }
 

@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "core/layout.h"
 #include "moelink/errors.h"
 
 namespace moelink::detail {
@@ -25,3 +26,22 @@ namespace moelink::detail {
     if (moelink_err_ != cudaSuccess)                                                 \
       ::moelink::detail::throw_cuda_error(moelink_err_, #call, __FILE__, __LINE__);  \
   } while (0)
+
+namespace moelink::detail {
+
+// The error record a backend's kernels write in device memory, read after
+// the work on `stream` finished; cleared unless it is a timeout (final).
+// Inside a capture nothing can be waited for: reports nothing.
+inline ErrorRecord take_device_error(cudaStream_t stream, ErrorRecord* device_record) {
+  ErrorRecord e{};
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+  if (capturing != cudaStreamCaptureStatusNone) return e;
+  MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream));
+  MOELINK_CUDA_CHECK(cudaMemcpy(&e, device_record, sizeof(e), cudaMemcpyDeviceToHost));
+  if (e.code != 0 && static_cast<ErrorCode>(e.code) != ErrorCode::kTimeout)
+    MOELINK_CUDA_CHECK(cudaMemset(device_record, 0, sizeof(ErrorRecord)));
+  return e;
+}
+
+}  // namespace moelink::detail

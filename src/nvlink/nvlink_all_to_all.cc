@@ -64,15 +64,7 @@ class NvlinkAllToAll final : public AllToAllImpl {
   }
 
   ErrorRecord wait_and_take_error() override {
-    ErrorRecord e{};
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    MOELINK_CUDA_CHECK(cudaStreamIsCapturing(last_stream_, &capturing));
-    if (capturing != cudaStreamCaptureStatusNone) return e;  // cannot wait inside a capture
-    MOELINK_CUDA_CHECK(cudaStreamSynchronize(last_stream_));
-    MOELINK_CUDA_CHECK(cudaMemcpy(&e, common_.error, sizeof(e), cudaMemcpyDeviceToHost));
-    if (e.code != 0 && static_cast<ErrorCode>(e.code) != ErrorCode::kTimeout)
-      MOELINK_CUDA_CHECK(cudaMemset(common_.error, 0, sizeof(ErrorRecord)));
-    return e;
+    return take_device_error(last_stream_, common_.error);
   }
 
  private:
