@@ -92,6 +92,7 @@ std::string CaseSpec::describe() const {
      << " " << moelink::backend_name(backend);
   if (!fabric_provider.empty()) os << " provider=" << fabric_provider;
   if (max_private_tokens >= 0) os << " private=" << max_private_tokens;
+  if (fabric_nics > 0) os << " nics=" << fabric_nics;
   os << "]";
   return os.str();
 }
@@ -304,6 +305,7 @@ CaseRunner::CaseRunner(const CaseSpec& spec, int rank, moelink::Bootstrap& boots
   o.num_blocks = spec.num_blocks;
   o.fabric_provider = spec.fabric_provider;
   o.max_private_tokens = spec.max_private_tokens;
+  o.fabric_nics = spec.fabric_nics;
   o.profile = spec.profile ? 1 : 0;
   o.debug = 0;
   a2a_ = moelink::AllToAll::create(config_, bootstrap, o);

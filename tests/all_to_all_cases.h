@@ -89,6 +89,7 @@ struct CaseSpec {
   // per (sender, receiver) pair (< 0 = default).
   std::string fabric_provider;
   int max_private_tokens = -1;
+  int fabric_nics = 0;   // Options.fabric_nics
   bool profile = false;  // Options.profile
 
   moelink::Config config(int rank) const;

@@ -194,6 +194,34 @@ TEST(Create, RejectsNumBlocksOutOfRange) {
   }, 60);
 }
 
+TEST(Create, RejectsInternodeOptionsOutOfRange) {
+  run_ranks(1, [](int, moelink::Bootstrap& bs) {
+    for (int nics : {-1, 65}) {
+      moelink::Options o = cpu_options();
+      o.fabric_nics = nics;
+      expect_throw_naming<InvalidArgument>(
+          [&] { moelink::AllToAll::create(valid_config(), bs, o); },
+          {"fabric_nics", std::to_string(nics)}, "create");
+    }
+    // max_private_tokens may not exceed max_num_tokens.
+    moelink::Options o = cpu_options();
+    o.max_private_tokens = static_cast<int>(valid_config().max_num_tokens) + 1;
+    expect_throw_naming<InvalidArgument>(
+        [&] { moelink::AllToAll::create(valid_config(), bs, o); },
+        {"max_private_tokens", std::to_string(o.max_private_tokens)}, "create");
+  }, 60);
+}
+
+TEST(Create, RejectsBadFabricNicsEnvironment) {
+  run_ranks(1, [](int, moelink::Bootstrap& bs) {
+    setenv("MOELINK_FABRIC_NICS", "zero", 1);
+    expect_throw_naming<InvalidArgument>(
+        [&] { moelink::AllToAll::create(valid_config(), bs, cpu_options()); },
+        {"MOELINK_FABRIC_NICS", "zero"}, "create");
+    unsetenv("MOELINK_FABRIC_NICS");
+  }, 60);
+}
+
 #if !defined(MOELINK_WITH_CUDA)
 TEST(Create, NvlinkBackendUnavailableWithoutCuda) {
   run_ranks(1, [](int, moelink::Bootstrap& bs) {

@@ -86,6 +86,14 @@ std::vector<NamedCase> shm_cases() {
                    s.max_private_tokens = priv;
                    s.routing = Routing::kSkewed;
                  })});
+  // Two NICs per rank (two domains of the provider): peers sharded over them.
+  v.push_back({"W4_Dp2_TwoNics", with(node(p, 4, 2, 32, 16, 4, 128, kFp8, kBf16, kBf16),
+                                      [](CaseSpec& s) {
+                                        s.fabric_nics = 2;
+                                        s.max_private_tokens = 2;
+                                      })});
+  v.push_back({"W5_ThreeNics", with(node(p, 5, 1, 16, 10, 3, 128, kBf16, kBf16, kBf16),
+                                    [](CaseSpec& s) { s.fabric_nics = 3; })});
   // Call modes.
   v.push_back({"W4_Dp2_Split_Accumulate_Strided_Padded",
                with(node(p, 4, 2, 16, 8, 2, 128, kBf16, kFp16, kBf16), [](CaseSpec& s) {

@@ -58,6 +58,9 @@ struct Options {
   // libfabric provider: "efa", "shm", "tcp", or "" to read
   // MOELINK_FABRIC_PROVIDER, else the first of efa, shm, tcp offered.
   std::string fabric_provider;
+  // NICs (libfabric domains) per rank; peers are sharded across them, each
+  // NIC pair driven by one worker thread. 0: MOELINK_FABRIC_NICS, else 1.
+  int fabric_nics = 0;
   // Tokens per (sender, receiver) pair that go out with the routing
   // information, before offsets are known (private receive space per
   // sender). < 0: min(max_num_tokens, 32).

@@ -68,12 +68,13 @@ class AllToAll:
 
     AllToAll(config=None, *, backend="nvlink", group=None, bootstrap=None,
              num_blocks=0, timeout_s=None, debug=None, fabric_provider=None,
-             max_private_tokens=None, profile=None, **config_kwargs)
+             fabric_nics=None, max_private_tokens=None, profile=None, **config_kwargs)
 
     backend: "nvlink" (GPUs of one node), "nvshmem", "internode" (GPUs of
     several nodes through the host proxy and libfabric), "cpu" and
     "internode-cpu" (host tensors). fabric_provider ("efa", "shm", "tcp"),
-    max_private_tokens and profile apply to the internode backends (see
+    fabric_nics, max_private_tokens and profile apply to the internode
+    backends (see
     docs/internode.md); None leaves the C++ defaults and environment.
 
     config: a moelink.Config, a dict of its fields, or None with the fields
@@ -89,8 +90,9 @@ class AllToAll:
     def __init__(self, config: Any = None, *, backend: str = "nvlink", group=None,
                  bootstrap: Optional[Bootstrap] = None, num_blocks: int = 0,
                  timeout_s: Optional[float] = None, debug: Optional[bool] = None,
-                 fabric_provider: Optional[str] = None, max_private_tokens: Optional[int] = None,
-                 profile: Optional[bool] = None, **config_kwargs):
+                 fabric_provider: Optional[str] = None, fabric_nics: Optional[int] = None,
+                 max_private_tokens: Optional[int] = None, profile: Optional[bool] = None,
+                 **config_kwargs):
         if backend not in _BACKENDS:
             raise ValueError(f"moelink: AllToAll: backend = {backend!r} must be one of "
                              + ", ".join(repr(b) for b in _BACKENDS))
@@ -121,7 +123,8 @@ class AllToAll:
             -1 if debug is None else int(bool(debug)),
             fabric_provider or "",
             -1 if max_private_tokens is None else int(max_private_tokens),
-            -1 if profile is None else int(bool(profile)))
+            -1 if profile is None else int(bool(profile)),
+            0 if fabric_nics is None else int(fabric_nics))
         self._backend = backend
 
     @staticmethod

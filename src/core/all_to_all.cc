@@ -26,6 +26,18 @@ double env_double(const char* name, double fallback) {
   return d;
 }
 
+int env_int(const char* name, int fallback, int lo, int hi) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (end == v || *end != '\0' || n < lo || n > hi)
+    throw InvalidArgument(std::string("moelink: environment variable ") + name + " = '" + v +
+                          "' must be an integer in [" + std::to_string(lo) + ", " +
+                          std::to_string(hi) + "]");
+  return static_cast<int>(n);
+}
+
 bool env_flag(const char* name) {
   const char* v = std::getenv(name);
   return v != nullptr && *v != '\0' && std::string(v) != "0";
@@ -138,6 +150,10 @@ ResolvedOptions resolve_options(const Options& o) {
                           std::to_string(o.max_private_tokens) +
                           " must be in [0, max_num_tokens] (< 0 = default)");
   r.max_private_tokens = o.max_private_tokens;
+  if (o.fabric_nics < 0 || o.fabric_nics > 64)
+    throw InvalidArgument("moelink: Options.fabric_nics = " + std::to_string(o.fabric_nics) +
+                          " must be in [0, 64] (0 = MOELINK_FABRIC_NICS, else 1)");
+  r.fabric_nics = o.fabric_nics > 0 ? o.fabric_nics : env_int("MOELINK_FABRIC_NICS", 1, 1, 64);
   r.profile = o.profile >= 0 ? o.profile != 0 : env_flag("MOELINK_PROFILE");
   return r;
 }

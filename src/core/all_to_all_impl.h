@@ -33,6 +33,7 @@ struct ResolvedOptions {
   bool debug;
   std::string fabric_provider;  // may still be "" (engine picks)
   int max_private_tokens;       // resolved against max_num_tokens by the backend
+  int fabric_nics;              // >= 1
   bool profile;
 };
 ResolvedOptions resolve_options(const Options& o);

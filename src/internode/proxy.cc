@@ -24,6 +24,7 @@ fabric::EngineOptions engine_options(const Geometry& g, const ResolvedOptions& o
   fabric::EngineOptions e;
   e.provider = o.fabric_provider;
   e.timeout_s = o.timeout_s;
+  e.num_domains = o.fabric_nics;
   e.name = "rank " + std::to_string(g.rank);
   e.yield_when_idle = true;
   // The all-to-all uses one-sided writes only.

@@ -380,7 +380,8 @@ def test_roundtrip_internode_cpu(world_size, dp_size, kind):
     if kind == "fp8":
         cfg["hidden_dim_scale"] = 2
     run_ranks(world_size, "roundtrip", cfg_kw=cfg, kind=kind, backend="internode-cpu",
-              backend_kw=dict(fabric_provider="shm", max_private_tokens=2, profile=True))
+              backend_kw=dict(fabric_provider="shm", max_private_tokens=2, profile=True,
+                              fabric_nics=dp_size))
 
 
 # --------------------------------------------------------------------------
