@@ -142,23 +142,26 @@ TEST(InternodeGpuTimeout, RankThatExitsBeforeCombineIsNamedInTimeoutErrorW4Dp2) 
 
 // ------------------------------------------------------------ graphs
 
-TEST(InternodeGpuGraph, CaptureIsRefusedWithAClearError) {
+// The handshake with the proxy uses constants only and the epoch lives on
+// the device, so captured graphs replay with fresh routing and m.
+TEST(InternodeGpuGraph, OneGraphReplaysWithFreshRoutingW2) {
   REQUIRE_GPU_AND_SHM();
-  const CaseSpec spec = gpu_node(2, 1, 16, 8, 2, 128, kBf16, kBf16, kBf16);
-  run_ranks(2, [&](int rank, moelink::Bootstrap& bs) {
-    GpuMemoryOps ops(device_of(rank));
-    CaseRunner runner(spec, rank, bs, ops);
-    runner.prepare_round(0);
-    CUDA_OK(cudaStreamBeginCapture(ops.stream(), cudaStreamCaptureModeThreadLocal));
-    expect_throw_naming<moelink::InvalidArgument>([&] { runner.dispatch(); },
-                                                  {"internode", "graph"}, "capture");
-    cudaGraph_t graph = nullptr;
-    cudaStreamEndCapture(ops.stream(), &graph);
-    if (graph) cudaGraphDestroy(graph);
-    cudaGetLastError();
-    // The refusal left nothing behind: an eager round still works.
-    runner.run_round(1);
-  }, 120);
+  run_one_graph_case(on_shm(one_graph_fresh_routing_spec(kInternode, 2)));
+}
+
+TEST(InternodeGpuGraph, OneGraphSplitWithOtherWorkReplaysW4Dp2) {
+  REQUIRE_GPU_AND_SHM();
+  run_one_graph_case(on_shm(one_graph_split_other_work_w4_dp2_spec(kInternode)));
+}
+
+TEST(InternodeGpuGraph, TwoGraphsDeepSeekFp8ReplaysW2) {
+  REQUIRE_GPU_AND_SHM();
+  run_two_graph_case(on_shm(deepseek_spec(kInternode)));
+}
+
+TEST(InternodeGpuGraph, TwoGraphsSplitRepeatedW4Dp2) {
+  REQUIRE_GPU_AND_SHM();
+  run_two_graph_case(on_shm(two_graph_split_repeated_w4_dp2_spec(kInternode)));
 }
 
 }  // namespace

@@ -35,6 +35,19 @@ __device__ __forceinline__ int64_t global_warp() {
 }
 __device__ __forceinline__ int64_t warp_count() { return static_cast<int64_t>(gridDim.x) * kWarps; }
 
+// ---------------------------------------------------------------- handshake
+
+// The epoch lives on the device so that graph replays advance it.
+__global__ void next_epoch_kernel(GpuState s) { *s.epoch += 1; }
+
+// Raises the proxy's request word to `step_of_epoch`: 2e - 1 (dispatch) or
+// 2e (combine). The release store is ordered after the packing kernels'
+// writes, which ended with a system-scope fence.
+__global__ void request_kernel(GpuCommon c, int combine) {
+  const uint64_t e = *c.state.epoch;
+  store_release_sys(c.request, combine ? 2 * e : 2 * e - 1);
+}
+
 // ---------------------------------------------------------------- dispatch send
 
 // Block (q, r): position of every token of replica q among q's tokens for
@@ -84,6 +97,7 @@ __global__ void __launch_bounds__(kThreads) route_scan_kernel(GpuDispatchParams 
 // One warp per own token: a slot per destination rank, at the token's
 // position in that rank's block; block 0 also writes the header.
 __global__ void __launch_bounds__(kThreads) pack_kernel(GpuDispatchParams p) {
+  const uint32_t epoch = *p.c.state.epoch;
   const Geometry& g = p.c.geo;
   const Layout& l = p.c.layout;
   const int W = g.world_size, k = g.experts_per_token, lane = lane_id();
@@ -99,7 +113,7 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(GpuDispatchParams p) {
   const int64_t m = *p.c.state.dispatch_m;
   if (blockIdx.x == 0) {
     if (threadIdx.x == 0) {
-      const RouteHeader h{p.c.epoch, static_cast<uint32_t>(m)};
+      const RouteHeader h{epoch, static_cast<uint32_t>(m)};
       *reinterpret_cast<RouteHeader*>(p.c.send) = h;
     }
     uint32_t* counts = reinterpret_cast<uint32_t*>(p.c.send + sizeof(RouteHeader));
@@ -139,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(GpuDispatchParams p) {
                                      weight_at(p.weights, t, i)};
           }
           *reinterpret_cast<SlotHeader*>(slot) =
-              SlotHeader{p.c.epoch, n, static_cast<uint32_t>(t), 0};
+              SlotHeader{epoch, n, static_cast<uint32_t>(t), 0};
         }
         for (int64_t v = lane; v < g.token_bytes / 16; v += 32)
           store_16(slot + g.slot_token_offset + 16 * v, load_input_16(x + 16 * v));
@@ -158,11 +172,12 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(GpuDispatchParams p) {
 // One warp per received slot, in receive order: its routes get rows in the
 // batched-experts layout; the token is read once and stored per route.
 __global__ void __launch_bounds__(kThreads) unpack_kernel(GpuDispatchParams p) {
+  const uint32_t epoch = *p.c.state.epoch;
   const Geometry& g = p.c.geo;
   const Layout& l = p.c.layout;
   const PlanView& pv = p.c.plan_view;
   const int W = g.world_size, k = g.experts_per_token, lane = lane_id();
-  if (host_word(p.c.plan + kPlanDispatchEpoch) != p.c.epoch) return;
+  if (host_word(p.c.plan + kPlanDispatchEpoch) != epoch) return;
   int64_t received = host_word(p.c.plan + kPlanReceived);
   received = received < l.shared_slots ? received : l.shared_slots;
   for (int64_t i = global_warp(); i < received; i += warp_count()) {
@@ -182,7 +197,7 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel(GpuDispatchParams p) {
     const SlotHeader h = *reinterpret_cast<const SlotHeader*>(&hw);
     const uint32_t nk = static_cast<uint32_t>(k);
     const int n =
-        h.epoch == p.c.epoch ? static_cast<int>(h.num_routes < nk ? h.num_routes : nk) : 0;
+        h.epoch == epoch ? static_cast<int>(h.num_routes < nk ? h.num_routes : nk) : 0;
     int32_t local = -1, row = -1;
     if (lane < n) {
       const uint2 raw = __ldcv(reinterpret_cast<const uint2*>(slot + g.slot_routes_offset) + lane);
@@ -226,8 +241,9 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel(GpuDispatchParams p) {
 }
 
 __global__ void __launch_bounds__(kThreads) count_kernel(GpuDispatchParams p) {
+  const uint32_t epoch = *p.c.state.epoch;
   const Geometry& g = p.c.geo;
-  const bool ok = host_word(p.c.plan + kPlanDispatchEpoch) == p.c.epoch;
+  const bool ok = host_word(p.c.plan + kPlanDispatchEpoch) == epoch;
   for (int j = threadIdx.x; j < g.num_local_experts; j += kThreads) {
     const int32_t c = p.c.state.expert_counter[j];
     if (ok && c > g.expert_capacity)
@@ -245,10 +261,11 @@ __global__ void __launch_bounds__(kThreads) count_kernel(GpuDispatchParams p) {
 // buffer.
 template <typename YT, typename OutT>
 __global__ void __launch_bounds__(kThreads) combine_pack_kernel(GpuCombineParams p) {
+  const uint32_t epoch = *p.c.state.epoch;
   const Geometry& g = p.c.geo;
   const Layout& l = p.c.layout;
   const int k = g.experts_per_token, lane = lane_id();
-  if (host_word(p.c.plan + kPlanDispatchEpoch) != p.c.epoch) return;
+  if (host_word(p.c.plan + kPlanDispatchEpoch) != epoch) return;
   int64_t received = host_word(p.c.plan + kPlanReceived);
   received = received < l.shared_slots ? received : l.shared_slots;
   const int64_t nvec = g.hidden_dim / 8;
@@ -292,11 +309,12 @@ __global__ void __launch_bounds__(kThreads) combine_pack_kernel(GpuCombineParams
 // its routes, summed in fp32 (plus out_tokens when accumulating).
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads) combine_unpack_kernel(GpuCombineParams p) {
+  const uint32_t epoch = *p.c.state.epoch;
   const Geometry& g = p.c.geo;
   const Layout& l = p.c.layout;
   const PlanView& pv = p.c.plan_view;
   const int W = g.world_size, lane = lane_id();
-  if (host_word(p.c.plan + kPlanCombineEpoch) != p.c.epoch) return;
+  if (host_word(p.c.plan + kPlanCombineEpoch) != epoch) return;
   const int64_t limit = g.max_num_tokens < p.input_rows ? g.max_num_tokens : p.input_rows;
   bool bad = false;  // reported by the dispatch that read the same bound_m
   const int64_t m = clamp_m(*p.bound_m, limit, &bad);
@@ -368,10 +386,10 @@ cudaError_t launch_combine_pack_out(const GpuCombineParams& p, int blocks, cudaS
 
 cudaError_t launch_dispatch_pack(const GpuDispatchParams& p, int blocks, cudaStream_t stream) {
   const int W = p.c.geo.world_size;
+  next_epoch_kernel<<<1, 1, 0, stream>>>(p.c.state);
   route_scan_kernel<<<W * p.c.geo.dp_size, kThreads, 0, stream>>>(p);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
   pack_kernel<<<blocks, kThreads, sizeof(int64_t) * W, stream>>>(p);
+  request_kernel<<<1, 1, 0, stream>>>(p.c, 0);
   return cudaGetLastError();
 }
 
@@ -384,8 +402,12 @@ cudaError_t launch_dispatch_unpack(const GpuDispatchParams& p, int blocks, cudaS
 }
 
 cudaError_t launch_combine_pack(const GpuCombineParams& p, int blocks, cudaStream_t stream) {
-  return p.out_dtype == DType::kFloat16 ? launch_combine_pack_out<__half>(p, blocks, stream)
-                                        : launch_combine_pack_out<__nv_bfloat16>(p, blocks, stream);
+  const cudaError_t e = p.out_dtype == DType::kFloat16
+                            ? launch_combine_pack_out<__half>(p, blocks, stream)
+                            : launch_combine_pack_out<__nv_bfloat16>(p, blocks, stream);
+  if (e != cudaSuccess) return e;
+  request_kernel<<<1, 1, 0, stream>>>(p.c, 1);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_combine_unpack(const GpuCombineParams& p, int blocks, cudaStream_t stream) {

@@ -27,6 +27,7 @@ struct GpuState {
   RouteEntry* recv_routes;  // [G*T][k]
   int32_t* recv_rows;       // [G*T][k] row in out_expert_x, -1 dropped
   int32_t* dispatch_m;      // [1] m of the last dispatch send
+  uint32_t* epoch;          // [1] dispatch sends so far: graph replays advance it too
   ErrorRecord* error;       // first input error
 };
 
@@ -34,11 +35,11 @@ struct GpuCommon {
   Geometry geo;
   Layout layout;
   PlanView plan_view;
-  uint32_t epoch;
   char* send;           // device view of the pinned send buffer
   char* recv;           // device view of the pinned recv buffer
   const int64_t* plan;  // device view of the proxy's plan
   GpuState state;
+  uint64_t* request;  // device view of ProxySignals::request
 };
 
 // The call's tensors (core/tensor_params.h) and what every kernel needs.
@@ -50,11 +51,12 @@ struct GpuCombineParams : CombineTensors {
   GpuCommon c;
 };
 
-// dispatch send: route positions and counts, then the packed blocks and the
-// header in the send buffer. dispatch recv: the received slots to the
-// batched-experts layout, then the counts. combine send: one weighted row
-// per received slot into the send buffer. combine recv: the rows summed into
-// out_tokens. Each returns the launch error.
+// dispatch send: the next epoch, route positions and counts, the packed
+// blocks and the header in the send buffer, then the proxy's request.
+// dispatch recv: the received slots to the batched-experts layout, then the
+// counts. combine send: one weighted row per received slot into the send
+// buffer, then the request. combine recv: the rows summed into out_tokens.
+// Each returns the launch error.
 cudaError_t launch_dispatch_pack(const GpuDispatchParams& p, int blocks, cudaStream_t stream);
 cudaError_t launch_dispatch_unpack(const GpuDispatchParams& p, int blocks, cudaStream_t stream);
 cudaError_t launch_combine_pack(const GpuCombineParams& p, int blocks, cudaStream_t stream);

@@ -5,11 +5,13 @@
 // node do not use NVLink here yet.
 //
 // Buffers are staged in pinned host memory mapped into the GPU, which any
-// libfabric provider can register; the handshake with the proxy goes through
-// two pinned words: after the pack kernels the stream writes `request`
-// (cuStreamWriteValue64, ordered after the kernels' writes), before the
-// unpack kernels it waits for `done` (cuStreamWaitValue64): the GPU holds no
-// SM while the network works.
+// libfabric provider can register. The handshake with the proxy goes through
+// pinned words: after the pack kernels a one-thread kernel raises `request`
+// to the step (from the device-side epoch); before the unpack kernels the
+// stream waits for `dispatch_ready` / `combine_ready` == 1 and resets it
+// (cuStreamWaitValue64 / cuStreamWriteValue64 with constants). The GPU holds
+// no SM while the network works, and the whole sequence can be captured in
+// a CUDA graph and replayed.
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
@@ -156,17 +158,15 @@ class InternodeGpu final : public AllToAllImpl {
   }
 
   void dispatch(const DispatchArgs& a, bool send, bool recv) override {
-    refuse_capture(a.stream);
+    ProxySignals* signals = signals_->device<ProxySignals>();
     if (send) {
-      ++epoch_;
       const GpuDispatchParams p = dispatch_params(a);
       mark(kDispatchPack, a.stream);
-      MOELINK_CUDA_CHECK(launch_dispatch_pack(p, blocks(), a.stream));
+      MOELINK_CUDA_CHECK(launch_dispatch_pack(p, blocks(), a.stream));  // raises `request`
       mark(kDispatchPack + 1, a.stream);
-      write_word(a.stream, &signals_->device<ProxySignals>()->request, dispatch_step(epoch_));
     }
     if (recv) {
-      wait_word(a.stream, &signals_->device<ProxySignals>()->done, dispatch_step(epoch_));
+      await_proxy(a.stream, &signals->dispatch_ready);
       mark(kDispatchUnpack, a.stream);
       MOELINK_CUDA_CHECK(launch_dispatch_unpack(dispatch_params(a), blocks(), a.stream));
       mark(kDispatchUnpack + 1, a.stream);
@@ -175,16 +175,15 @@ class InternodeGpu final : public AllToAllImpl {
   }
 
   void combine(const CombineArgs& a, bool send, bool recv) override {
-    refuse_capture(a.stream);
+    ProxySignals* signals = signals_->device<ProxySignals>();
     const GpuCombineParams p = combine_params(a);
     if (send) {
       mark(kCombinePack, a.stream);
-      MOELINK_CUDA_CHECK(launch_combine_pack(p, blocks(), a.stream));
+      MOELINK_CUDA_CHECK(launch_combine_pack(p, blocks(), a.stream));  // raises `request`
       mark(kCombinePack + 1, a.stream);
-      write_word(a.stream, &signals_->device<ProxySignals>()->request, combine_step(epoch_));
     }
     if (recv) {
-      wait_word(a.stream, &signals_->device<ProxySignals>()->done, combine_step(epoch_));
+      await_proxy(a.stream, &signals->combine_ready);
       mark(kCombineUnpack, a.stream);
       MOELINK_CUDA_CHECK(launch_combine_unpack(p, blocks(), a.stream));
       mark(kCombineUnpack + 1, a.stream);
@@ -220,8 +219,13 @@ class InternodeGpu final : public AllToAllImpl {
   // Event pairs (begin, end) around the kernels of each half.
   enum { kDispatchPack = 0, kDispatchUnpack = 2, kCombinePack = 4, kCombineUnpack = 6 };
 
+  // Profiling events stay out of graphs (their times would belong to no
+  // particular replay).
   void mark(int i, cudaStream_t s) {
-    if (options_.profile) MOELINK_CUDA_CHECK(cudaEventRecord(events_[i], s));
+    if (!options_.profile) return;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    MOELINK_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
+    if (status == cudaStreamCaptureStatusNone) MOELINK_CUDA_CHECK(cudaEventRecord(events_[i], s));
   }
   // 0 for a pair not recorded yet.
   double elapsed_us(int i) const {
@@ -247,6 +251,7 @@ class InternodeGpu final : public AllToAllImpl {
     const int64_t routes_off = take(static_cast<int64_t>(sizeof(RouteEntry)) * slots * k);
     const int64_t rows_off = take(4 * slots * k);
     const int64_t m_off = take(4);
+    const int64_t epoch_off = take(4);
     const int64_t error_off = take(sizeof(ErrorRecord));
     void* mem = nullptr;
     MOELINK_CUDA_CHECK(cudaMalloc(&mem, off));
@@ -259,6 +264,7 @@ class InternodeGpu final : public AllToAllImpl {
     state_.recv_routes = reinterpret_cast<RouteEntry*>(private_ + routes_off);
     state_.recv_rows = reinterpret_cast<int32_t*>(private_ + rows_off);
     state_.dispatch_m = reinterpret_cast<int32_t*>(private_ + m_off);
+    state_.epoch = reinterpret_cast<uint32_t*>(private_ + epoch_off);
     state_.error = reinterpret_cast<ErrorRecord*>(private_ + error_off);
   }
 
@@ -267,28 +273,17 @@ class InternodeGpu final : public AllToAllImpl {
                                    : std::min(num_sms_, kDefaultBlocks);
   }
 
-  // The stream waits carry the epoch as a constant: a replayed graph would
-  // wait for an old step. Refuse rather than hang.
-  static void refuse_capture(cudaStream_t stream) {
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-    if (status != cudaStreamCaptureStatusNone)
-      throw InvalidArgument(
-          "moelink: backend \"internode\" cannot be captured into a CUDA graph (its waits for "
-          "the proxy name the step); call dispatch/combine outside the capture");
-  }
-
-  static void write_word(cudaStream_t s, uint64_t* device_word, uint64_t v) {
-    check_driver(driver().write_value64(reinterpret_cast<CUstream>(s),
-                                        reinterpret_cast<CUdeviceptr>(device_word), v,
-                                        CU_STREAM_WRITE_VALUE_DEFAULT),
-                 "cuStreamWriteValue64");
-  }
-  static void wait_word(cudaStream_t s, uint64_t* device_word, uint64_t v) {
-    check_driver(driver().wait_value64(reinterpret_cast<CUstream>(s),
-                                       reinterpret_cast<CUdeviceptr>(device_word), v,
-                                       CU_STREAM_WAIT_VALUE_GEQ),
+  // The stream waits until the proxy set `ready` to 1 and sets it back to
+  // 0: constants only, so a captured graph replays the same handshake
+  // (the step number lives in device memory, see request_kernel). No SM is
+  // held while it waits.
+  static void await_proxy(cudaStream_t s, uint64_t* ready) {
+    const auto stream = reinterpret_cast<CUstream>(s);
+    const auto word = reinterpret_cast<CUdeviceptr>(ready);
+    check_driver(driver().wait_value64(stream, word, 1, CU_STREAM_WAIT_VALUE_EQ),
                  "cuStreamWaitValue64");
+    check_driver(driver().write_value64(stream, word, 0, CU_STREAM_WRITE_VALUE_DEFAULT),
+                 "cuStreamWriteValue64");
   }
 
   GpuCommon common() const {
@@ -296,11 +291,11 @@ class InternodeGpu final : public AllToAllImpl {
     c.geo = geometry_;
     c.layout = layout_;
     c.plan_view = plan_view_;
-    c.epoch = epoch_;
     c.send = send_->device();
     c.recv = recv_->device();
     c.plan = plan_->device<int64_t>();
     c.state = state_;
+    c.request = &signals_->device<ProxySignals>()->request;
     return c;
   }
 
@@ -326,7 +321,6 @@ class InternodeGpu final : public AllToAllImpl {
   char* private_ = nullptr;
   GpuState state_{};
   std::unique_ptr<Proxy> proxy_;
-  uint32_t epoch_ = 0;
   cudaStream_t last_stream_ = nullptr;
   std::string detail_;
   cudaEvent_t events_[8] = {};

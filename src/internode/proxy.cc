@@ -122,6 +122,7 @@ void Proxy::run() {
     if (load_word(&signals_->request) > done) {
       run_step(done + 1);
       store_word(&signals_->done, done + 1);
+      store_word((done + 1) % 2 == 1 ? &signals_->dispatch_ready : &signals_->combine_ready, 1);
       idle = 0;
       continue;
     }

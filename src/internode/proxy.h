@@ -6,7 +6,8 @@
 // in pinned, GPU-mapped host memory: the packer raises `request` to a step
 // number when the step's inputs are ready (a release store on the CPU, a
 // stream memory operation on the GPU); the proxy runs the steps in order and
-// raises `done`. Steps of epoch e (e >= 1):
+// raises `done` (and `dispatch_ready` / `combine_ready`). Steps of epoch
+// e (e >= 1):
 //   2e-1  dispatch: post routing info + private tokens, gather every peer's,
 //         post the rest, wait for the rest to arrive
 //   2e    combine: post the output rows (zero bytes to peers without rows),
@@ -33,8 +34,13 @@
 namespace moelink::detail::internode {
 
 struct ProxySignals {
-  uint64_t request;  // written by the packer
-  uint64_t done;     // written by the proxy
+  uint64_t request;  // written by the packer: the step whose inputs are ready
+  uint64_t done;     // written by the proxy: the last step finished
+  // Set to 1 by the proxy when a dispatch / combine step finished, reset to
+  // 0 by the consumer. The GPU waits for == 1 and writes 0: constants, so
+  // the stream operations replay unchanged from a CUDA graph.
+  uint64_t dispatch_ready;
+  uint64_t combine_ready;
 };
 
 inline uint64_t dispatch_step(uint32_t epoch) { return 2ull * epoch - 1; }

@@ -136,8 +136,7 @@ MoelinkRun run_moelink(moelink::Bootstrap& boot, Platform& pl, const BenchOption
     }
   }
 
-  // The proxy backends refuse graph capture (docs/internode.md).
-  if (o.graph && pl.gpu() && !has_proxy(backend)) {
+  if (o.graph && pl.gpu()) {
     // One graph per routing set for each of dispatch and combine, captured in
     // call order; replays advance the library's device-side epoch.
     std::vector<std::function<void()>> gd, gc;

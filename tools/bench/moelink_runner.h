@@ -26,7 +26,7 @@ moelink::Backend backend_of(const std::string& name);
 // Creates the AllToAll of `backend`, checks one dispatch/combine against the
 // host (identity experts), runs --warmup iterations, check(), the timed
 // loop, check(); with --split the same again calling each half on its own;
-// with --graph (not for the proxy backends) from CUDA graphs. For the proxy
+// with --graph from CUDA graphs. For the proxy
 // backends, the phases (<name>_pack, _post, _wire, _unpack) from a second,
 // profiled AllToAll.
 // Iteration i uses routing set i % pool. Quantity names get `prefix` (empty
