@@ -11,40 +11,17 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-OUT=${OUT:-$root/gpu-out}
-mkdir -p "$OUT"
-# NVLink multicast stays off: it can take the host's GPUs out of service.
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 steps=${*:-build test python sanitize bench internode}
-has() { [[ " $steps " == *" $1 "* ]]; }
-status=0
-py=$(command -v python3)
-site=$($py -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-nccl_home="$site/nvidia/nccl"
-# NVSHMEM (the nvshmem backend, found by CMake in the same wheel directory):
-# binaries carry an RPATH to it; exported too for anything started without.
-export LD_LIBRARY_PATH="$nccl_home/lib:$site/nvidia/nvshmem/lib:${LD_LIBRARY_PATH:-}"
-# libfabric (the internode backends) from Debian's packages, unpacked into
-# .deps/sysroot by tools/prepare_device_deps.sh: this machine has none.
-fabric_args=()
-if [[ -d "$root/.deps/sysroot/usr/include/rdma" ]]; then
-  sysroot="$root/.deps/sysroot"
-  export LD_LIBRARY_PATH="$sysroot/usr/lib/x86_64-linux-gnu:$sysroot/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH"
-  fabric_args=(-DMOELINK_LIBFABRIC_ROOT="$sysroot/usr")
-fi
+source "$root/tools/device_env.sh"
 python_build=OFF
 has python && python_build=ON
-ngpu=$(nvidia-smi -L | wc -l)
-# The device copy's .git may be older than its tree: a commit passed in wins.
-commit=${MOELINK_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-export MOELINK_GIT_COMMIT=$commit
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DMOELINK_GTEST_SOURCE_DIR="$root/.deps/googletest" \
     -DMOELINK_EXTRA_INCLUDE_DIR="$root/.deps/include" \
-    -DNCCL_ROOT="$nccl_home" -DNVSHMEM_HOME="$site/nvidia/nvshmem" \
+    -DNCCL_ROOT="$nccl_home" -DNVSHMEM_HOME="$nvshmem_home" \
     -DMOELINK_BUILD_PYTHON=$python_build "${fabric_args[@]}" \
     -DPython_EXECUTABLE="$py" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
   grep -E "moelink: (backend|backends|TransferEngine)" "$OUT/configure.log"

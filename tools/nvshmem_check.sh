@@ -15,24 +15,8 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-OUT=${OUT:-$root/gpu-out}
-mkdir -p "$OUT"
-# NVLink multicast stays off: it can take the host's GPUs out of service.
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 steps=${*:-build test bench}
-has() { [[ " $steps " == *" $1 "* ]]; }
-status=0
-py=$(command -v python3)
-site=$($py -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-nccl_home="$site/nvidia/nccl"
-nvshmem_home=${NVSHMEM_HOME:-$site/nvidia/nvshmem}
-# The binaries carry an RPATH to NVSHMEM's lib/; the path is also exported
-# for anything started without it (and NVSHMEM's own plugins sit beside it).
-export LD_LIBRARY_PATH="$nvshmem_home/lib:$nccl_home/lib:${LD_LIBRARY_PATH:-}"
-ngpu=$(nvidia-smi -L | wc -l)
-# The device copy's .git may be older than its tree: a commit passed in wins.
-commit=${MOELINK_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-export MOELINK_GIT_COMMIT=$commit
+source "$root/tools/device_env.sh"
 echo "NVSHMEM from $nvshmem_home; $ngpu GPU(s)"
 
 if has build; then
@@ -40,7 +24,7 @@ if has build; then
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DMOELINK_GTEST_SOURCE_DIR="$root/.deps/googletest" \
     -DMOELINK_EXTRA_INCLUDE_DIR="$root/.deps/include" \
-    -DNCCL_ROOT="$nccl_home" -DNVSHMEM_HOME="$nvshmem_home" \
+    -DNCCL_ROOT="$nccl_home" -DNVSHMEM_HOME="$nvshmem_home" "${fabric_args[@]}" \
     -DPython_EXECUTABLE="$py" >"$OUT/nvshmem-configure.log" 2>&1 ||
     { tail -30 "$OUT/nvshmem-configure.log"; exit 1; }
   grep "NVSHMEM" "$OUT/nvshmem-configure.log"

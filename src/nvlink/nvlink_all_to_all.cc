@@ -9,20 +9,13 @@
 #include <vector>
 
 #include "core/all_to_all_impl.h"
+#include "core/kernel_blocks.h"
 #include "nvlink/cuda_check.h"
 #include "nvlink/kernels.h"
 #include "nvlink/peer_memory.h"
 
 namespace moelink::detail {
 namespace {
-
-// Default SMs per kernel. Decode-sized buffers: enough warps to hide load
-// latency, few enough to leave the GPU to compute beside the transfer.
-// Prefill-sized buffers (>= kPrefillRows rows per expert): every SM, since
-// the copies are then bandwidth-bound (bench/results: 4096 tokens ran 1.4x
-// faster on 132 SMs than on 64).
-constexpr int kDecodeBlocks = 64;
-constexpr int64_t kPrefillRows = 2048;
 
 class NvlinkAllToAll final : public AllToAllImpl {
  public:
@@ -93,11 +86,7 @@ class NvlinkAllToAll final : public AllToAllImpl {
 
   // Blocks per kernel: a small, fixed number of SMs so the kernels can run
   // beside compute; Options.num_blocks overrides.
-  int blocks() const {
-    if (options_.num_blocks > 0) return std::min(options_.num_blocks, num_sms_);
-    if (config_.expert_capacity() >= kPrefillRows) return num_sms_;
-    return std::min(num_sms_, kDecodeBlocks);
-  }
+  int blocks() const { return kernel_blocks(options_, config_, num_sms_); }
 
   DispatchParams dispatch_params(const DispatchArgs& a) const {
     DispatchParams p{};
@@ -105,7 +94,7 @@ class NvlinkAllToAll final : public AllToAllImpl {
     p.c = common_;
     // Prefill-sized fused dispatches overlap sending and receiving: half the
     // blocks receive (HBM-bound fan-out) while half send (NVLink-bound).
-    p.recv_blocks = config_.expert_capacity() >= kPrefillRows ? blocks() / 2 : 0;
+    p.recv_blocks = prefill_sized(config_) ? blocks() / 2 : 0;
     return p;
   }
 

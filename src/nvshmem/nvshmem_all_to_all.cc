@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/all_to_all_impl.h"
+#include "core/kernel_blocks.h"
 #include "nvlink/cuda_check.h"
 #include "nvshmem/kernels.h"
 #include "nvshmem/runtime.h"
@@ -19,10 +20,6 @@ namespace {
 using shmem::CombineItem;
 using shmem::ShmemState;
 
-// Default SMs per kernel, as for NVLink: a few for decode-sized buffers (the
-// rest of the GPU computes beside the transfer), all for prefill-sized ones.
-constexpr int kDecodeBlocks = 64;
-constexpr int64_t kPrefillRows = 2048;
 
 class NvshmemAllToAll final : public AllToAllImpl {
  public:
@@ -87,11 +84,7 @@ class NvshmemAllToAll final : public AllToAllImpl {
 
   // Unlike NVLink, no receiver counts the senders' blocks, so ranks may
   // differ here.
-  int blocks() const {
-    if (options_.num_blocks > 0) return std::min(options_.num_blocks, num_sms_);
-    if (config_.expert_capacity() >= kPrefillRows) return num_sms_;
-    return std::min(num_sms_, kDecodeBlocks);
-  }
+  int blocks() const { return kernel_blocks(options_, config_, num_sms_); }
 
   shmem::DispatchParams dispatch_params(const DispatchArgs& a) const {
     shmem::DispatchParams p{};

@@ -1,0 +1,29 @@
+# Sourced by the H200 machine's scripts (gpu_check.sh, nvshmem_check.sh), after
+# they set `root` (the checkout) and `steps`: the environment of every device
+# run. Defines OUT, py, site, nccl_home, nvshmem_home, fabric_args, ngpu,
+# MOELINK_GIT_COMMIT, status and has().
+OUT=${OUT:-$root/gpu-out}
+mkdir -p "$OUT"
+# NVLink multicast stays off: it can take the host's GPUs out of service.
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+has() { [[ " $steps " == *" $1 "* ]]; }
+status=0
+py=$(command -v python3)
+site=$($py -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+nccl_home="$site/nvidia/nccl"
+# NVSHMEM (the nvshmem backend) from the nvidia-nvshmem-cu13 wheel or
+# NVSHMEM_HOME: binaries carry an RPATH to its lib/; exported too for anything
+# started without it (and NVSHMEM's own plugins sit beside it).
+nvshmem_home=${NVSHMEM_HOME:-$site/nvidia/nvshmem}
+export LD_LIBRARY_PATH="$nvshmem_home/lib:$nccl_home/lib:${LD_LIBRARY_PATH:-}"
+# libfabric (the internode backends) from Debian's packages, unpacked into
+# .deps/sysroot by tools/prepare_device_deps.sh: that machine has none.
+fabric_args=()
+if [[ -d "$root/.deps/sysroot/usr/include/rdma" ]]; then
+  sysroot="$root/.deps/sysroot"
+  export LD_LIBRARY_PATH="$sysroot/usr/lib/x86_64-linux-gnu:$sysroot/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH"
+  fabric_args=(-DMOELINK_LIBFABRIC_ROOT="$sysroot/usr")
+fi
+ngpu=$(nvidia-smi -L | wc -l)
+# The device copy's .git may be older than its tree: a commit passed in wins.
+export MOELINK_GIT_COMMIT=${MOELINK_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
