@@ -269,6 +269,9 @@ std::unique_ptr<AllToAll> AllToAll::create(const Config& config, Bootstrap& boot
                           std::to_string(resolved.max_private_tokens) + " must be in [0, " +
                           std::to_string(config.max_num_tokens) +
                           "] (max_num_tokens; < 0 = default)");
+  // The default needs the config: min(max_num_tokens, 32).
+  if (resolved.max_private_tokens < 0)
+    resolved.max_private_tokens = static_cast<int>(std::min<int64_t>(config.max_num_tokens, 32));
   std::unique_ptr<detail::AllToAllImpl> impl;
   switch (resolved.backend) {
     case Backend::kCPU: impl = detail::make_cpu_impl(config, resolved, bootstrap); break;

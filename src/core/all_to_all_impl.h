@@ -32,7 +32,7 @@ struct ResolvedOptions {
   double timeout_s;
   bool debug;
   std::string fabric_provider;  // may still be "" (engine picks)
-  int max_private_tokens;       // resolved against max_num_tokens by the backend
+  int max_private_tokens;       // default applied by AllToAll::create (needs the config)
   int fabric_nics;              // >= 1
   bool profile;
 };

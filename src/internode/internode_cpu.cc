@@ -58,7 +58,7 @@ class InternodeCpu final : public AllToAllImpl {
  public:
   InternodeCpu(const Config& c, const ResolvedOptions& o, Bootstrap& bootstrap)
       : AllToAllImpl(c, o),
-        layout_(make_layout(geometry_, resolve_private_tokens(o, c))),
+        layout_(make_layout(geometry_, o.max_private_tokens)),
         send_(alloc_host(layout_.send_bytes)),
         recv_(alloc_host(layout_.recv_bytes)),
         signals_{0, 0},
@@ -107,11 +107,6 @@ class InternodeCpu final : public AllToAllImpl {
   std::string error_detail() const override { return detail_; }
 
  private:
-  static int64_t resolve_private_tokens(const ResolvedOptions& o, const Config& c) {
-    return o.max_private_tokens >= 0 ? o.max_private_tokens
-                                     : std::min<int64_t>(c.max_num_tokens, 32);
-  }
-
   // ---------------------------------------------------------------- dispatch
 
   void dispatch_send(const DispatchArgs& a) {

@@ -21,6 +21,7 @@
 #include <string>
 
 #include "core/all_to_all_impl.h"
+#include "core/kernel_blocks.h"
 #include "internode/gpu_kernels.h"
 #include "internode/internode_impl.h"
 #include "internode/protocol.h"
@@ -31,7 +32,6 @@
 namespace moelink::detail::internode {
 namespace {
 
-constexpr int kDefaultBlocks = 64;
 // pack_kernel keeps one int64 block offset per rank in shared memory.
 constexpr int kMaxGpuWorldSize = 4096;
 
@@ -101,15 +101,11 @@ class PinnedBuffer {
   int64_t bytes_;
 };
 
-int64_t resolve_private_tokens(const ResolvedOptions& o, const Config& c) {
-  return o.max_private_tokens >= 0 ? o.max_private_tokens : std::min<int64_t>(c.max_num_tokens, 32);
-}
-
 class InternodeGpu final : public AllToAllImpl {
  public:
   InternodeGpu(const Config& c, const ResolvedOptions& o, Bootstrap& bootstrap)
       : AllToAllImpl(c, o),
-        layout_(make_layout(geometry_, resolve_private_tokens(o, c))),
+        layout_(make_layout(geometry_, o.max_private_tokens)),
         plan_view_{c.world_size, c.dp_size} {
     if (c.world_size > kMaxGpuWorldSize)
       throw InvalidArgument("moelink: internode: world_size = " + std::to_string(c.world_size) +
@@ -268,9 +264,12 @@ class InternodeGpu final : public AllToAllImpl {
     state_.error = reinterpret_cast<ErrorRecord*>(private_ + error_off);
   }
 
+  // A decode-sized grid whatever the buffers: these kernels only pack and
+  // unpack through pinned host memory (a larger grid for prefill has not
+  // been measured here).
   int blocks() const {
     return options_.num_blocks > 0 ? std::min(options_.num_blocks, num_sms_)
-                                   : std::min(num_sms_, kDefaultBlocks);
+                                   : std::min(num_sms_, kDecodeBlocks);
   }
 
   // The stream waits until the proxy set `ready` to 1 and sets it back to
