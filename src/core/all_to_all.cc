@@ -145,10 +145,7 @@ ResolvedOptions resolve_options(const Options& o) {
     const char* p = std::getenv("MOELINK_FABRIC_PROVIDER");
     if (p != nullptr) r.fabric_provider = p;
   }
-  if (o.max_private_tokens > 1048576)
-    throw InvalidArgument("moelink: Options.max_private_tokens = " +
-                          std::to_string(o.max_private_tokens) +
-                          " must be in [0, max_num_tokens] (< 0 = default)");
+  // Checked against max_num_tokens, and defaulted, by AllToAll::create.
   r.max_private_tokens = o.max_private_tokens;
   if (o.fabric_nics < 0 || o.fabric_nics > 64)
     throw InvalidArgument("moelink: Options.fabric_nics = " + std::to_string(o.fabric_nics) +

@@ -61,7 +61,7 @@ class InternodeCpu final : public AllToAllImpl {
         layout_(make_layout(geometry_, o.max_private_tokens)),
         send_(alloc_host(layout_.send_bytes)),
         recv_(alloc_host(layout_.recv_bytes)),
-        signals_{0, 0},
+        signals_{},
         plan_view_{c.world_size, c.dp_size},
         plan_(static_cast<size_t>(plan_view_.words()), 0),
         proxy_(geometry_, layout_, o, bootstrap, {send_.get(), recv_.get()}, &signals_,
@@ -69,6 +69,8 @@ class InternodeCpu final : public AllToAllImpl {
         tokens_(static_cast<size_t>(geometry_.max_num_tokens)),
         num_dests_(static_cast<size_t>(geometry_.max_num_tokens), 0),
         counters_(static_cast<size_t>(geometry_.num_local_experts), 0),
+        counts_(static_cast<size_t>(c.dp_size) * c.world_size, 0),
+        blocks_(static_cast<size_t>(c.world_size), 0),
         acc_(static_cast<size_t>(geometry_.hidden_dim)) {
     for (auto& t : tokens_)
       t.resize(static_cast<size_t>(std::min(c.experts_per_token, c.world_size)));
@@ -117,7 +119,8 @@ class InternodeCpu final : public AllToAllImpl {
     dispatch_m_ = m;
     // Every token of the group, not only this replica's: combine needs the
     // other replicas' positions too (protocol.h, step 6).
-    std::vector<uint32_t> counts(static_cast<size_t>(G.dp_size) * G.world_size, 0);
+    std::vector<uint32_t>& counts = counts_;
+    std::fill(counts.begin(), counts.end(), 0);
     for (int64_t t = 0; t < m; ++t) classify(a, t, counts);
     const int mine = G.rank % G.dp_size;
     const uint32_t* own = counts.data() + static_cast<size_t>(mine) * G.world_size;
@@ -125,14 +128,13 @@ class InternodeCpu final : public AllToAllImpl {
     const RouteHeader h{epoch_, static_cast<uint32_t>(m)};
     std::memcpy(send_.get(), &h, sizeof(h));
     std::memcpy(send_.get() + sizeof(h), own, sizeof(uint32_t) * G.world_size);
-    std::vector<int64_t> blocks(static_cast<size_t>(G.world_size));
-    for (int r = 0; r < G.world_size; ++r) blocks[r] = block_offset(layout_, own, r);
+    block_offsets(layout_, own, blocks_.data());
     for (int64_t t = 0; t < m; ++t) {
       if (!G.sends_token(t)) continue;
       for (int d = 0; d < num_dests_[t]; ++d) {
         const Destination& dest = tokens_[t][d];
         write_slot(a, t, dest,
-                   send_.get() + blocks[dest.rank] + layout_.header_bytes +
+                   send_.get() + blocks_[dest.rank] + layout_.header_bytes +
                        dest.index * layout_.slot_bytes);
       }
     }
@@ -359,6 +361,8 @@ class InternodeCpu final : public AllToAllImpl {
   std::vector<int> num_dests_;                    // [T]
   std::vector<Received> received_;                // this epoch's slots, receive order
   std::vector<int32_t> counters_;                 // [L] rows taken per local expert
+  std::vector<uint32_t> counts_;                  // [dp][W] tokens replica q sends rank r
+  std::vector<int64_t> blocks_;                   // [W] own dispatch blocks in send
   std::vector<float> acc_;                        // [H] fp32 scratch row
   ErrorRecord error_{};                           // first input error since check()
   ErrorRecord local_timeout_{};

@@ -108,12 +108,14 @@ struct PlanView {
 };
 constexpr int kPlanDispatchEpoch = 0, kPlanCombineEpoch = 1, kPlanReceived = 2;
 
-// Offset of the dispatch block for `dest` in the send buffer, given the
-// sender's counts: blocks follow each other in rank order.
-MOELINK_HD int64_t block_offset(const Layout& l, const uint32_t* counts, int dest) {
+// Offsets of the dispatch blocks in the send buffer, given the sender's
+// counts: blocks follow each other in rank order. out[r] for r < W.
+MOELINK_HD void block_offsets(const Layout& l, const uint32_t* counts, int64_t* out) {
   int64_t off = 0;
-  for (int r = 0; r < dest; ++r) off += l.header_bytes + counts[r] * l.slot_bytes;
-  return off;
+  for (int r = 0; r < l.world_size; ++r) {
+    out[r] = off;
+    off += l.header_bytes + counts[r] * l.slot_bytes;
+  }
 }
 
 inline Layout make_layout(const Geometry& g, int64_t private_tokens) {

@@ -246,10 +246,9 @@ void Proxy::dispatch(uint32_t epoch) {
   //    offsets, and the header copied to the front of every other block.
   const auto* counts = reinterpret_cast<const uint32_t*>(send() + sizeof(RouteHeader));
   matrix_.set_row(me, counts);
-  for (int r = 0; r < W; ++r) {
-    block_offset_[r] = block_offset(l_, counts, r);
-    if (r > 0) std::memcpy(send() + block_offset_[r], send(), static_cast<size_t>(l_.header_bytes));
-  }
+  block_offsets(l_, counts, block_offset_.data());
+  for (int r = 1; r < W; ++r)
+    std::memcpy(send() + block_offset_[r], send(), static_cast<size_t>(l_.header_bytes));
 
   // 2. Routing info + private tokens: one scatter to every peer, starting
   //    with the next rank, so that the ranks do not all write to rank 0
