@@ -93,6 +93,7 @@ std::string CaseSpec::describe() const {
   if (!fabric_provider.empty()) os << " provider=" << fabric_provider;
   if (max_private_tokens >= 0) os << " private=" << max_private_tokens;
   if (fabric_nics > 0) os << " nics=" << fabric_nics;
+  if (node_size != 1) os << " node_size=" << node_size;
   os << "]";
   return os.str();
 }
@@ -306,6 +307,7 @@ CaseRunner::CaseRunner(const CaseSpec& spec, int rank, moelink::Bootstrap& boots
   o.fabric_provider = spec.fabric_provider;
   o.max_private_tokens = spec.max_private_tokens;
   o.fabric_nics = spec.fabric_nics;
+  o.node_size = spec.node_size;
   o.profile = spec.profile ? 1 : 0;
   o.debug = 0;
   a2a_ = moelink::AllToAll::create(config_, bootstrap, o);

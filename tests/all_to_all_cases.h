@@ -90,6 +90,9 @@ struct CaseSpec {
   std::string fabric_provider;
   int max_private_tokens = -1;
   int fabric_nics = 0;   // Options.fabric_nics
+  // Options.node_size: 1 (every peer through the engine) unless a case asks
+  // for node peers; 0 = by host name (all ranks of a test share one host).
+  int node_size = 1;
   bool profile = false;  // Options.profile
 
   moelink::Config config(int rank) const;

@@ -6,6 +6,7 @@
 // a rank that leaves mid-dispatch or mid-combine.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -114,6 +115,54 @@ std::vector<NamedCase> shm_cases() {
                    s.seed = seed;
                    s.max_private_tokens = 3;
                  })});
+  // Node peers (Options.node_size): their tokens and rows go through the
+  // node's shared memory, only the other nodes' through the engine.
+  const auto nodes = [&](const std::string& name, int node_size, CaseSpec s,
+                         const std::function<void(CaseSpec&)>& f = {}) {
+    s.node_size = node_size;
+    if (f) f(s);
+    v.push_back({name, s});
+  };
+  nodes("Nodes2_W4_Bf16_K4_E16", 2, node(p, 4, 1, 32, 16, 4, 256, kBf16, kBf16, kBf16));
+  nodes("Nodes2_W4_Dp2_Fp8_K8_E32", 2, node(p, 4, 2, 32, 32, 8, 512, kFp8, kFp16, kBf16));
+  nodes("Nodes4_W4_AllLocal_Dp2", 4, node(p, 4, 2, 32, 16, 4, 128, kBf16, kBf16, kBf16));
+  nodes("NodesByHost_W4", 0, node(p, 4, 1, 32, 16, 4, 128, kFp16, kBf16, kFp32));
+  nodes("Nodes3_W6_K3_E12", 3, node(p, 6, 1, 24, 12, 3, 128, kBf16, kFp16, kBf16));
+  // DP groups across nodes: a combine row reaches some replicas directly and
+  // the others through the engine.
+  nodes("Nodes2_W4_Dp4_GroupSpansNodes", 2, node(p, 4, 4, 20, 12, 3, 128, kFp16, kBf16, kBf16));
+  nodes("Nodes2_W6_Dp3_Skewed", 2, node(p, 6, 3, 18, 12, 4, 128, kBf16, kBf16, kBf16),
+        [](CaseSpec& s) { s.routing = Routing::kSkewed; });
+  nodes("Nodes4_W8_Dp2_K8_E64", 4, node(p, 8, 2, 16, 64, 8, 128, kBf16, kBf16, kBf16));
+  nodes("Nodes2_W4_Dp2_Skewed_Private0", 2, node(p, 4, 2, 32, 16, 4, 128, kFp8, kBf16, kBf16),
+        [](CaseSpec& s) {
+          s.routing = Routing::kSkewed;
+          s.max_private_tokens = 0;
+        });
+  nodes("Nodes2_W4_WithNone_Private1", 2, node(p, 4, 1, 32, 16, 4, 128, kBf16, kBf16, kBf16),
+        [](CaseSpec& s) {
+          s.routing = Routing::kWithNone;
+          s.max_private_tokens = 1;
+        });
+  nodes("Nodes2_W4_Repeated_K8_E8", 2, node(p, 4, 1, 16, 8, 8, 128, kBf16, kBf16, kBf16),
+        [](CaseSpec& s) { s.routing = Routing::kRepeated; });
+  nodes("Nodes2_W4_Dp2_Split_Accumulate_Strided_Padded", 2,
+        node(p, 4, 2, 16, 8, 2, 128, kBf16, kFp16, kBf16), [](CaseSpec& s) {
+          s.split = true;
+          s.accumulate = true;
+          s.strided = true;
+          s.padded = true;
+          s.input_rows = 12;
+        });
+  nodes("Nodes2_W4_ManyRounds_TwoNics", 2, node(p, 4, 1, 16, 8, 2, 128, kBf16, kBf16, kBf16),
+        [](CaseSpec& s) {
+          s.rounds = 12;
+          s.fabric_nics = 2;
+          s.max_private_tokens = 2;
+        });
+  for (uint64_t seed : {31, 32})
+    nodes("Nodes2_W4_Dp2_Seed" + std::to_string(seed), 2,
+          node(p, 4, 2, 32, 16, 4, 128, kBf16, kBf16, kBf16), [&](CaseSpec& s) { s.seed = seed; });
   return v;
 }
 
@@ -134,6 +183,8 @@ std::vector<NamedCase> tcp_cases() {
          s.routing = Routing::kSkewed;
          s.split = true;
        })});
+  v.push_back({"Nodes2_W4_Dp2", with(node(p, 4, 2, 32, 16, 4, 128, kBf16, kBf16, kBf16),
+                                     [](CaseSpec& s) { s.node_size = 2; })});
   return v;
 }
 
@@ -190,6 +241,7 @@ struct ExitCase {
   const char* provider;
   int world_size, dp_size, exiting_rank;
   bool before_combine;
+  int node_size = 1;
 };
 
 class InternodeCpuRankExit : public testing::TestWithParam<ExitCase> {};
@@ -198,7 +250,10 @@ TEST_P(InternodeCpuRankExit, TheRankIsNamedInTimeoutError) {
   const ExitCase& c = GetParam();
   REQUIRE_PROVIDER(c.provider);
   run_rank_exit(with(node(c.provider, c.world_size, c.dp_size, 16, 8, 2, 128, kBf16, kBf16, kBf16),
-                     [](CaseSpec& s) { s.timeout_s = 3; }),
+                     [&](CaseSpec& s) {
+                       s.timeout_s = 3;
+                       s.node_size = c.node_size;
+                     }),
                 c.exiting_rank, c.before_combine);
 }
 
@@ -206,12 +261,66 @@ INSTANTIATE_TEST_SUITE_P(
     Exit, InternodeCpuRankExit,
     testing::Values(ExitCase{"shm", 4, 1, 3, false}, ExitCase{"shm", 4, 2, 0, false},
                     ExitCase{"shm", 4, 2, 2, true}, ExitCase{"tcp", 4, 1, 1, false},
-                    ExitCase{"tcp", 4, 1, 2, true}),
+                    ExitCase{"tcp", 4, 1, 2, true},
+                    // A node peer leaves: its node mate and the other node
+                    // both name it.
+                    ExitCase{"shm", 4, 1, 1, false, 2}, ExitCase{"shm", 4, 2, 2, true, 2}),
     [](const testing::TestParamInfo<ExitCase>& i) {
       return std::string(i.param.provider) + "_W" + std::to_string(i.param.world_size) + "_Dp" +
              std::to_string(i.param.dp_size) + "_Rank" + std::to_string(i.param.exiting_rank) +
-             (i.param.before_combine ? "_BeforeCombine" : "_BeforeDispatch");
+             (i.param.before_combine ? "_BeforeCombine" : "_BeforeDispatch") +
+             (i.param.node_size > 1 ? "_Nodes" + std::to_string(i.param.node_size) : "");
     });
+
+// ------------------------------------------------------------ node_size
+
+// A node_size that does not divide the world fails create on every rank
+// with the field and the rule; so do ranks that disagree.
+TEST(InternodeCpuNodeSize, InvalidOrDisagreeingNodeSizeIsRefused) {
+  REQUIRE_PROVIDER("shm");
+  struct Bad {
+    int dp, node_size;
+  };
+  for (const Bad b : {Bad{1, 3}, Bad{2, 8}}) {
+    const CaseSpec spec = node("shm", 4, b.dp, 16, 8, 2, 128, kBf16, kBf16, kBf16);
+    run_ranks(
+        4,
+        [&](int rank, moelink::Bootstrap& bs) {
+          moelink::Options o;
+          o.backend = moelink::Backend::kInternodeCPU;
+          o.fabric_provider = "shm";
+          o.node_size = b.node_size;
+          try {
+            moelink::AllToAll::create(spec.config(rank), bs, o);
+            RANK_CHECK(false) << "node_size " << b.node_size << " with dp " << b.dp
+                              << " was accepted";
+          } catch (const moelink::InvalidArgument& e) {
+            const std::string what = e.what();
+            RANK_CHECK(what.find("node_size = " + std::to_string(b.node_size)) !=
+                           std::string::npos &&
+                       what.find("world_size = 4") != std::string::npos)
+                << what;
+          }
+        },
+        60);
+  }
+  const CaseSpec spec = node("shm", 4, 1, 16, 8, 2, 128, kBf16, kBf16, kBf16);
+  run_ranks(
+      4,
+      [&](int rank, moelink::Bootstrap& bs) {
+        moelink::Options o;
+        o.backend = moelink::Backend::kInternodeCPU;
+        o.fabric_provider = "shm";
+        o.node_size = rank == 2 ? 2 : 4;
+        try {
+          moelink::AllToAll::create(spec.config(rank), bs, o);
+          RANK_CHECK(false) << "ranks disagreeing on node_size were accepted";
+        } catch (const moelink::InvalidArgument& e) {
+          RANK_CHECK(std::string(e.what()).find("node_size") != std::string::npos) << e.what();
+        }
+      },
+      60);
+}
 
 // ------------------------------------------------------------ phase times
 

@@ -1,8 +1,11 @@
 // The inter-node backend with GPU kernels (kInternode): forked ranks, one
 // GPU each (rank r on GPU r % gpu_count, so several ranks share one GPU as
-// well), every peer reached through libfabric (shm here: GPUs of one
-// machine treated as nodes, host staging), checked by the shared driver
-// against tests/reference.h. Skips without a GPU or without the provider.
+// well), checked by the shared driver against tests/reference.h. Most
+// cases reach every peer through libfabric (shm here: GPUs of one machine
+// treated as nodes, host staging, node_size = 1); the Nodes* cases group
+// the ranks into nodes whose members exchange slots and rows over CUDA IPC
+// (NVLink between GPUs; the same memory path when ranks share a GPU).
+// Skips without a GPU or without the provider.
 // The runners and some specs are shared with the other GPU backends
 // (gpu_cases.h); the case lists are this backend's own (private tokens,
 // other shapes, a subset of the input errors).
@@ -90,6 +93,42 @@ std::vector<NamedCase> cases() {
                    s.index_dtype = DType::kUInt32;
                  })});
   v.push_back({"W1_Bf16_K2_E8", gpu_node(1, 1, 32, 8, 2, 256, kBf16, kBf16, kBf16)});
+  // Node peers over CUDA IPC: a whole node, two nodes of two, DP groups
+  // inside and across nodes, the host-name default.
+  const auto nodes = [](int node_size, CaseSpec s) {
+    s.node_size = node_size;
+    return s;
+  };
+  v.push_back({"Nodes2_DeepSeekLike_W2", nodes(2, deepseek)});
+  v.push_back({"Nodes2_DeepSeekLike_W4_Dp2_Split", nodes(2, with(deepseek, [](CaseSpec& s) {
+                                                            s.world_size = 4;
+                                                            s.dp_size = 2;
+                                                            s.max_num_tokens = 32;
+                                                            s.split = true;
+                                                          }))});
+  v.push_back({"Nodes2_W4_Dp4_GroupSpansNodes_Fp8",
+               nodes(2, gpu_node(4, 4, 32, 16, 4, 512, kFp8, kBf16, kBf16))});
+  v.push_back({"Nodes2_W4_Skewed_Private0_Uint32",
+               nodes(2, with(gpu_node(4, 1, 32, 16, 4, 256, kBf16, kBf16, kBf16),
+                             [](CaseSpec& s) {
+                               s.routing = Routing::kSkewed;
+                               s.max_private_tokens = 0;
+                               s.index_dtype = DType::kUInt32;
+                             }))});
+  v.push_back({"Nodes4_W4_Dp2_Accumulate_Strided_Padded",
+               nodes(4, with(gpu_node(4, 2, 32, 16, 8, 512, kFp8, kFp16, kBf16),
+                             [](CaseSpec& s) {
+                               s.accumulate = true;
+                               s.strided = true;
+                               s.padded = true;
+                               s.input_rows = 20;
+                             }))});
+  v.push_back({"Nodes2_W4_Repeated_K8_E8",
+               nodes(2, with(gpu_node(4, 1, 32, 8, 8, 256, kBf16, kBf16, kFp32),
+                             [](CaseSpec& s) { s.routing = Routing::kRepeated; }))});
+  v.push_back({"NodesByHost_W4_WithNone",
+               nodes(0, with(gpu_node(4, 1, 32, 16, 4, 256, kFp16, kBf16, kBf16),
+                             [](CaseSpec& s) { s.routing = Routing::kWithNone; }))});
   return v;
 }
 
@@ -140,6 +179,13 @@ TEST(InternodeGpuTimeout, RankThatExitsBeforeCombineIsNamedInTimeoutErrorW4Dp2) 
   run_exit(4, 2, 2, true);
 }
 
+TEST(InternodeGpuTimeout, NodePeerThatExitsIsNamedInTimeoutErrorW4Nodes2) {
+  REQUIRE_GPU_AND_SHM();
+  run_gpu_rank_exit(with(on_shm(rank_exit_spec(kInternode, 4, 1)),
+                         [](CaseSpec& s) { s.node_size = 2; }),
+                    1, false);
+}
+
 // ------------------------------------------------------------ graphs
 
 // The handshake with the proxy uses constants only and the epoch lives on
@@ -162,6 +208,17 @@ TEST(InternodeGpuGraph, TwoGraphsDeepSeekFp8ReplaysW2) {
 TEST(InternodeGpuGraph, TwoGraphsSplitRepeatedW4Dp2) {
   REQUIRE_GPU_AND_SHM();
   run_two_graph_case(on_shm(two_graph_split_repeated_w4_dp2_spec(kInternode)));
+}
+
+TEST(InternodeGpuGraph, OneGraphSplitWithOtherWorkReplaysW4Dp2Nodes2) {
+  REQUIRE_GPU_AND_SHM();
+  run_one_graph_case(with(on_shm(one_graph_split_other_work_w4_dp2_spec(kInternode)),
+                          [](CaseSpec& s) { s.node_size = 2; }));
+}
+
+TEST(InternodeGpuGraph, TwoGraphsDeepSeekFp8ReplaysW2Nodes2) {
+  REQUIRE_GPU_AND_SHM();
+  run_two_graph_case(with(on_shm(deepseek_spec(kInternode)), [](CaseSpec& s) { s.node_size = 2; }));
 }
 
 }  // namespace

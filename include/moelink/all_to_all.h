@@ -65,6 +65,14 @@ struct Options {
   // information, before offsets are known (private receive space per
   // sender). < 0: min(max_num_tokens, 32).
   int max_private_tokens = -1;
+  // Ranks per node: that many consecutive ranks exchange tokens and combine
+  // rows directly (kInternode: NVLink through CUDA IPC; kInternodeCPU:
+  // shared memory), only other nodes go through the NIC. Must divide
+  // world_size. 1: every peer through the NIC (how two GPUs of one host act
+  // as two nodes). 0: the ranks that share this rank's host name, when they
+  // form equal consecutive blocks, else 1. < 0: read MOELINK_NODE_SIZE, else
+  // 0. Must resolve to the same value on every rank.
+  int node_size = -1;
   // Time the phases of each call for phase_times() (kInternode records CUDA
   // events around its kernels, which costs a little latency). < 0: read
   // MOELINK_PROFILE.

@@ -68,14 +68,16 @@ class AllToAll:
 
     AllToAll(config=None, *, backend="nvlink", group=None, bootstrap=None,
              num_blocks=0, timeout_s=None, debug=None, fabric_provider=None,
-             fabric_nics=None, max_private_tokens=None, profile=None, **config_kwargs)
+             fabric_nics=None, max_private_tokens=None, node_size=None, profile=None,
+             **config_kwargs)
 
     backend: "nvlink" (GPUs of one node), "nvshmem", "internode" (GPUs of
     several nodes through the host proxy and libfabric), "cpu" and
     "internode-cpu" (host tensors). fabric_provider ("efa", "shm", "tcp"),
-    fabric_nics, max_private_tokens and profile apply to the internode
-    backends (see
-    docs/internode.md); None leaves the C++ defaults and environment.
+    fabric_nics, max_private_tokens, node_size (ranks per node that exchange
+    tokens directly; 1 = every peer through the NIC) and profile apply to the
+    internode backends (see docs/internode.md); None leaves the C++ defaults
+    and environment.
 
     config: a moelink.Config, a dict of its fields, or None with the fields
     given as keyword arguments (rank and world_size then default to the
@@ -91,8 +93,8 @@ class AllToAll:
                  bootstrap: Optional[Bootstrap] = None, num_blocks: int = 0,
                  timeout_s: Optional[float] = None, debug: Optional[bool] = None,
                  fabric_provider: Optional[str] = None, fabric_nics: Optional[int] = None,
-                 max_private_tokens: Optional[int] = None, profile: Optional[bool] = None,
-                 **config_kwargs):
+                 max_private_tokens: Optional[int] = None, node_size: Optional[int] = None,
+                 profile: Optional[bool] = None, **config_kwargs):
         if backend not in _BACKENDS:
             raise ValueError(f"moelink: AllToAll: backend = {backend!r} must be one of "
                              + ", ".join(repr(b) for b in _BACKENDS))
@@ -124,7 +126,8 @@ class AllToAll:
             fabric_provider or "",
             -1 if max_private_tokens is None else int(max_private_tokens),
             -1 if profile is None else int(bool(profile)),
-            0 if fabric_nics is None else int(fabric_nics))
+            0 if fabric_nics is None else int(fabric_nics),
+            -1 if node_size is None else int(node_size))
         self._backend = backend
 
     @staticmethod

@@ -152,6 +152,12 @@ ResolvedOptions resolve_options(const Options& o) {
                           " must be in [0, 64] (0 = MOELINK_FABRIC_NICS, else 1)");
   r.fabric_nics = o.fabric_nics > 0 ? o.fabric_nics : env_int("MOELINK_FABRIC_NICS", 1, 1, 64);
   r.profile = o.profile >= 0 ? o.profile != 0 : env_flag("MOELINK_PROFILE");
+  // Checked against the config by the inter-node backends, which resolve 0
+  // (host names) collectively.
+  if (o.node_size > (1 << 24))
+    throw InvalidArgument("moelink: Options.node_size = " + std::to_string(o.node_size) +
+                          " must be in [0, 16777216] (0 = by host name, < 0 = MOELINK_NODE_SIZE)");
+  r.node_size = o.node_size >= 0 ? o.node_size : env_int("MOELINK_NODE_SIZE", 0, 0, 1 << 24);
   return r;
 }
 

@@ -34,6 +34,7 @@ struct ResolvedOptions {
   std::string fabric_provider;  // may still be "" (engine picks)
   int max_private_tokens;       // default applied by AllToAll::create (needs the config)
   int fabric_nics;              // >= 1
+  int node_size;                // 0: by host name (resolved collectively by the backend)
   bool profile;
 };
 ResolvedOptions resolve_options(const Options& o);

@@ -18,9 +18,9 @@ namespace moelink::detail {
 
 namespace {
 
-// Fixed-size message through which rank 0 tells the others the segment name
-// (or why it could not create one), so that a failure on rank 0 fails every
-// rank at once instead of leaving them waiting.
+// Fixed-size message through which a group leader tells its group the
+// segment name (or why it could not create one), so that a failure on a
+// leader fails every rank at once instead of leaving them waiting.
 constexpr size_t kNameMsgBytes = 512;
 
 [[noreturn]] void fail(const std::string& call, const std::string& name, int err) {
@@ -70,7 +70,7 @@ std::string unique_name() {
   return buf;
 }
 
-// Rank 0: creates, sizes and maps a new segment; returns its name.
+// A group leader: creates, sizes and maps a new segment; returns its name.
 std::string create_segment(size_t bytes, Mapping& m, Unlinker& unlinker) {
   std::string name;
   int fd = -1;
@@ -97,7 +97,7 @@ std::string create_segment(size_t bytes, Mapping& m, Unlinker& unlinker) {
   return name;
 }
 
-// Other ranks: maps the segment rank 0 created.
+// Other ranks: maps the segment its leader created.
 void open_segment(const std::string& name, size_t bytes, Mapping& m) {
   int fd = ::shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0) fail("shm_open", name, errno);
@@ -116,36 +116,42 @@ void open_segment(const std::string& name, size_t bytes, Mapping& m) {
   map_fd(fd, name, bytes, m);
 }
 
-// Every rank learns rank 0's message: "1<name>" on success, "0<error>" else.
-std::string share_from_root(Bootstrap& bs, const std::string& msg) {
+// Every rank learns its group leader's message: "1<name>" on success,
+// "0<error>" else.
+std::string share_from_leader(Bootstrap& bs, int leader, const std::string& msg) {
   std::vector<char> blob(kNameMsgBytes, 0);
-  if (bs.rank() == 0) std::memcpy(blob.data(), msg.data(), std::min(msg.size(), kNameMsgBytes - 1));
+  if (bs.rank() == leader)
+    std::memcpy(blob.data(), msg.data(), std::min(msg.size(), kNameMsgBytes - 1));
   std::vector<char> all = bs.all_gather(blob);
-  return std::string(all.data());  // rank 0's part, NUL-terminated
+  return std::string(all.data() + static_cast<size_t>(leader) * kNameMsgBytes);  // NUL-terminated
 }
 
 }  // namespace
 
-SharedMemory::SharedMemory(Bootstrap& bs, size_t bytes) : size_(bytes) {
+SharedMemory::SharedMemory(Bootstrap& bs, size_t bytes, int group_size) : size_(bytes) {
   if (bytes == 0) throw SystemError("moelink: shared memory: a segment of 0 bytes was requested");
+  const int group = group_size > 0 ? group_size : bs.world_size();
+  const int leader = bs.rank() / group * group;
   Mapping m;
   Unlinker unlinker;
-  std::string root_error;
-  if (bs.rank() == 0) {
+  std::string leader_error;
+  if (bs.rank() == leader) {
     try {
       name_ = create_segment(bytes, m, unlinker);
     } catch (const SystemError& e) {
-      root_error = e.what();
+      leader_error = e.what();
     }
   }
-  const std::string msg = share_from_root(bs, root_error.empty() ? "1" + name_ : "0" + root_error);
-  if (!root_error.empty()) throw SystemError(root_error);
+  const std::string msg =
+      share_from_leader(bs, leader, leader_error.empty() ? "1" + name_ : "0" + leader_error);
+  if (!leader_error.empty()) throw SystemError(leader_error);
   if (msg.empty() || msg[0] != '1')
-    throw SystemError("moelink: shared memory: rank 0 failed to create the segment: " +
+    throw SystemError("moelink: shared memory: rank " + std::to_string(leader) +
+                      " failed to create the segment: " +
                       (msg.empty() ? std::string("(no message)") : msg.substr(1)));
 
   std::string my_error;
-  if (bs.rank() != 0) {
+  if (bs.rank() != leader) {
     name_ = msg.substr(1);
     try {
       open_segment(name_, bytes, m);
@@ -153,14 +159,14 @@ SharedMemory::SharedMemory(Bootstrap& bs, size_t bytes) : size_(bytes) {
       my_error = e.what();
     }
   }
-  // Every rank reports whether it mapped the segment; after this exchange
-  // nobody needs the name any more, so rank 0's Unlinker removes it.
+  // Every rank reports whether it mapped its segment; after this exchange
+  // nobody needs the names any more, so the leaders' Unlinkers remove them.
   std::vector<char> ok = bs.all_gather(std::vector<char>{my_error.empty() ? '1' : '0'});
   if (!my_error.empty()) throw SystemError(my_error);
   for (int r = 0; r < bs.world_size(); ++r)
     if (ok[static_cast<size_t>(r)] != '1')
-      throw SystemError("moelink: shared memory: rank " + std::to_string(r) + " could not map " +
-                        name_ + " (see that rank's error)");
+      throw SystemError("moelink: shared memory: rank " + std::to_string(r) +
+                        " could not map its segment (see that rank's error)");
   data_ = m.release();
 }
 

@@ -11,12 +11,14 @@ namespace moelink::detail {
 
 class SharedMemory {
  public:
-  // Collective over all ranks of `bootstrap`. Rank 0 creates a uniquely named
-  // segment of `bytes` zero-filled bytes; every rank maps it; once all have,
-  // rank 0 unlinks the name, so the memory goes away with the last mapping
-  // even if a process dies. Throws SystemError (naming the call, the segment
-  // and the reason) on every rank when any rank fails.
-  SharedMemory(Bootstrap& bootstrap, size_t bytes);
+  // Collective over all ranks of `bootstrap`. The ranks form groups of
+  // `group_size` consecutive ranks (0: one group of all); each group's first
+  // rank creates a uniquely named segment of `bytes` zero-filled bytes and
+  // the group maps it; once all have, the creators unlink the names, so the
+  // memory goes away with the last mapping even if a process dies. Throws
+  // SystemError (naming the call, the segment and the reason) on every rank
+  // when any rank fails.
+  SharedMemory(Bootstrap& bootstrap, size_t bytes, int group_size = 0);
   ~SharedMemory();
   SharedMemory(const SharedMemory&) = delete;
   SharedMemory& operator=(const SharedMemory&) = delete;

@@ -3,8 +3,14 @@
 // the pinned `done` word) between the pack and the unpack kernels, so no SM
 // is held while the network works.
 //
-// Reads of the pinned buffers and the plan use ld.cv: the host (proxy,
-// NIC) writes them between kernels and no GPU cache may serve an old copy.
+// Node peers' slots and rows are stored straight into their local areas
+// over NVLink. The system-scope fence that ends each pack kernel orders
+// those stores before the proxy's request, so before the notification the
+// peer's proxy waits for; its unpack kernels start only after that.
+//
+// Reads of the pinned buffers, the plan and the local area use ld.cv: the
+// host (proxy, NIC) or a peer GPU writes them between kernels and no GPU
+// cache may serve an old copy.
 #include <cub/block/block_scan.cuh>
 
 #include "internode/gpu_kernels.h"
@@ -140,7 +146,9 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(GpuDispatchParams p) {
         mask &= mask - 1;
         const int dest = r0 + b;
         const int32_t jj = __shfl_sync(0xffffffffu, j, b);
-        char* slot = p.c.send + block_off[dest] + l.header_bytes + jj * l.slot_bytes;
+        char* slot = l.is_local(g.rank, dest)
+                         ? p.c.local_bases[l.local_index(dest)] + l.local_slot_offset(g.rank, jj)
+                         : p.c.send + block_off[dest] + l.header_bytes + jj * l.slot_bytes;
         if (lane == 0) {
           RouteEntry* routes = reinterpret_cast<RouteEntry*>(slot + g.slot_routes_offset);
           uint32_t n = 0;
@@ -189,10 +197,22 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel(GpuDispatchParams p) {
       const uint32_t mask = __ballot_sync(0xffffffffu, hit);
       if (mask) sender = s0 + __ffs(mask) - 1;
     }
-    if (sender < 0) continue;  // cannot happen with a consistent plan
+    if (lane == 0) p.c.state.recv_sender[i] = sender;
+    if (sender < 0) {  // cannot happen with a consistent plan
+      if (lane == 0) p.c.state.recv_routes_n[i] = 0;
+      continue;
+    }
     const int64_t j = i - host_word(p.c.plan + pv.recv_base(sender));
+    const bool from_node = l.is_local(sender, g.rank);
+    // check_receiver bounds every count by T = local_slots.
+    if (from_node && j >= l.local_slots) {
+      if (lane == 0) p.c.state.recv_routes_n[i] = 0;
+      continue;
+    }
     const char* slot =
-        p.c.recv + l.recv_slot_offset(sender, j, host_word(p.c.plan + pv.shared_base(sender)));
+        from_node ? p.c.local + l.local_slot_offset(sender, j)
+              : p.c.recv +
+                    l.recv_slot_offset(sender, j, host_word(p.c.plan + pv.shared_base(sender)));
     const uint4 hw = host_16(slot);
     const SlotHeader h = *reinterpret_cast<const SlotHeader*>(&hw);
     const uint32_t nk = static_cast<uint32_t>(k);
@@ -257,7 +277,9 @@ __global__ void __launch_bounds__(kThreads) count_kernel(GpuDispatchParams p) {
 // ---------------------------------------------------------------- combine
 
 // One warp per received slot: the weighted sum of its routes' expert
-// outputs, rounded once to out_dtype, at its receive index in the send
+// outputs, rounded once to out_dtype. Replicas of the slot's group in this
+// node get it straight into their local area, at the row the proxy would
+// have written; for the others it goes at its receive index in the send
 // buffer.
 template <typename YT, typename OutT>
 __global__ void __launch_bounds__(kThreads) combine_pack_kernel(GpuCombineParams p) {
@@ -283,6 +305,15 @@ __global__ void __launch_bounds__(kThreads) combine_pack_kernel(GpuCombineParams
       }
     }
     const uint32_t kept = __ballot_sync(0xffffffffu, src != nullptr);
+    // Where the row goes: its group's replicas (protocol.h, step 5).
+    const int sender = p.c.state.recv_sender[i];
+    const int group = sender >= 0 ? g.dp_group_of(sender) : 0;
+    const int first = group * g.dp_size;
+    const int64_t row =
+        sender >= 0 ? i + host_word(p.c.plan + p.c.plan_view.row_shift(group)) : -1;
+    const bool row_ok = row >= 0 && row < l.combine_rows;  // always, with a consistent plan
+    bool remote = sender < 0;
+    for (int q = first; q < first + g.dp_size; ++q) remote |= !l.is_local(q, g.rank);
     char* dst = p.c.send + l.send_combine_offset + i * l.row_bytes;
     for (int64_t v0 = 0; v0 < nvec; v0 += 32) {
       const int64_t v = v0 + lane;
@@ -299,7 +330,13 @@ __global__ void __launch_bounds__(kThreads) combine_pack_kernel(GpuCombineParams
           for (int e = 0; e < 8; ++e) acc[e] += wb * f[e];
         }
       }
-      if (v < nvec) Vec8<OutT>::store(dst + v * 16, acc);
+      if (v >= nvec) continue;
+      if (remote) Vec8<OutT>::store(dst + v * 16, acc);
+      if (row_ok)
+        for (int q = first; q < first + g.dp_size; ++q)
+          if (l.is_local(q, g.rank))
+            Vec8<OutT>::store(p.c.local_bases[l.local_index(q)] + l.local_row_offset(row) + v * 16,
+                              acc);
     }
   }
   __threadfence_system();
@@ -322,6 +359,7 @@ __global__ void __launch_bounds__(kThreads) combine_unpack_kernel(GpuCombinePara
   const int64_t routed = m < dm ? m : dm;  // tokens past the dispatch's m have no routes
   const int64_t nvec = g.hidden_dim / 8;
   const char* area = p.c.recv + l.combine_offset;
+  const char* local_area = p.c.local + l.local_combine_offset;
   for (int64_t t = global_warp(); t < m; t += warp_count()) {
     const int q = g.sender_replica(t);
     // Lanes 0..n-1 end up holding the source rows (at most min(k, W) < 32).
@@ -334,7 +372,8 @@ __global__ void __launch_bounds__(kThreads) combine_unpack_kernel(GpuCombinePara
         const int32_t j = p.c.state.dest_index[t * W + r];
         if (j >= 0 && j < host_word(p.c.plan + pv.row_count(q, r))) {
           const int64_t row = host_word(p.c.plan + pv.row_base(q, r)) + j;
-          if (row >= 0 && row < l.combine_rows) src = area + row * l.row_bytes;
+          if (row >= 0 && row < l.combine_rows)
+            src = (l.is_local(r, g.rank) ? local_area : area) + row * l.row_bytes;
         }
       }
       const uint32_t mask = __ballot_sync(0xffffffffu, src != nullptr);

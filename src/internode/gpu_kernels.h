@@ -1,11 +1,13 @@
 // Host-side view of the inter-node GPU kernels (gpu_kernels.cu): what they
 // take and the functions that launch them. Plain C++, no nvcc needed.
 //
-// The kernels only pack and unpack; the proxy thread moves the bytes. Send
-// and receive buffers and the proxy's plan live in pinned host memory mapped
-// into the GPU (host staging: the path for providers without GPUDirect RDMA),
-// so the kernels read and write them over PCIe and the engine registers
-// plain host memory.
+// The kernels pack and unpack; the proxy thread moves the bytes to other
+// nodes. Send and receive buffers and the proxy's plan live in pinned host
+// memory mapped into the GPU (host staging: the path for providers without
+// GPUDirect RDMA), so the kernels read and write them over PCIe and the
+// engine registers plain host memory. Node peers' slots and rows the kernels
+// store themselves, over NVLink, into the peers' local areas (device memory
+// mapped through CUDA IPC; protocol.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -26,6 +28,7 @@ struct GpuState {
   int32_t* recv_routes_n;   // [G*T] routes of each received slot (0 when dropped)
   RouteEntry* recv_routes;  // [G*T][k]
   int32_t* recv_rows;       // [G*T][k] row in out_expert_x, -1 dropped
+  int32_t* recv_sender;     // [G*T] the rank each received slot came from
   int32_t* dispatch_m;      // [1] m of the last dispatch send
   uint32_t* epoch;          // [1] dispatch sends so far: graph replays advance it too
   ErrorRecord* error;       // first input error
@@ -38,6 +41,8 @@ struct GpuCommon {
   char* send;           // device view of the pinned send buffer
   char* recv;           // device view of the pinned recv buffer
   const int64_t* plan;  // device view of the proxy's plan
+  char* local;          // this rank's local area (device memory)
+  char* const* local_bases;  // [node_size] device array: node peers' local areas, mapped here
   GpuState state;
   uint64_t* request;  // device view of ProxySignals::request
 };

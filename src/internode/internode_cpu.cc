@@ -2,7 +2,10 @@
 // the GPU backend runs kernels: the same Proxy thread, the same
 // TransferEngine, host tensors. It lets CI run the whole protocol across
 // processes over libfabric's shm and tcp providers, and serves as the
-// reference the GPU version is held to.
+// reference the GPU version is held to. Node peers (Options.node_size) share
+// one POSIX shared memory segment per node: their slots and rows are stored
+// straight into each other's local areas, as the GPU backend does over
+// NVLink.
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -13,6 +16,7 @@
 #include "core/all_to_all_impl.h"
 #include "core/host_ops.h"
 #include "core/host_slots.h"
+#include "cpu/shared_memory.h"
 #include "internode/internode_impl.h"
 #include "internode/protocol.h"
 #include "internode/proxy.h"
@@ -49,6 +53,7 @@ struct Destination {
 
 // A slot this rank received, in receive order: what combine needs.
 struct Received {
+  int sender;
   int num_routes;
   RouteEntry routes[kMaxTopK];
   int32_t rows[kMaxTopK];  // row per route in out_expert_x, -1: dropped
@@ -58,9 +63,11 @@ class InternodeCpu final : public AllToAllImpl {
  public:
   InternodeCpu(const Config& c, const ResolvedOptions& o, Bootstrap& bootstrap)
       : AllToAllImpl(c, o),
-        layout_(make_layout(geometry_, o.max_private_tokens)),
+        layout_(make_layout(geometry_, o.max_private_tokens, o.node_size)),
         send_(alloc_host(layout_.send_bytes)),
         recv_(alloc_host(layout_.recv_bytes)),
+        // Mapped and zeroed by every node peer before the proxy starts.
+        local_(bootstrap, static_cast<size_t>(layout_.local_bytes * o.node_size), o.node_size),
         signals_{},
         plan_view_{c.world_size, c.dp_size},
         plan_(static_cast<size_t>(plan_view_.words()), 0),
@@ -78,7 +85,7 @@ class InternodeCpu final : public AllToAllImpl {
 
   Backend backend() const override { return Backend::kInternodeCPU; }
   size_t buffer_bytes() const override {
-    return static_cast<size_t>(layout_.send_bytes + layout_.recv_bytes);
+    return static_cast<size_t>(layout_.send_bytes + layout_.recv_bytes + layout_.local_bytes);
   }
 
   void dispatch(const DispatchArgs& a, bool send, bool recv) override {
@@ -133,9 +140,13 @@ class InternodeCpu final : public AllToAllImpl {
       if (!G.sends_token(t)) continue;
       for (int d = 0; d < num_dests_[t]; ++d) {
         const Destination& dest = tokens_[t][d];
-        write_slot(a, t, dest,
-                   send_.get() + blocks_[dest.rank] + layout_.header_bytes +
-                       dest.index * layout_.slot_bytes);
+        // Node peers straight into their local area (protocol.h), the others
+        // into the block the proxy sends.
+        char* slot = layout_.is_local(G.rank, dest.rank)
+                         ? local_area(dest.rank) + layout_.local_slot_offset(G.rank, dest.index)
+                         : send_.get() + blocks_[dest.rank] + layout_.header_bytes +
+                               dest.index * layout_.slot_bytes;
+        write_slot(a, t, dest, slot);
       }
     }
     times_.dispatch.pack_us = us_since(start);
@@ -168,8 +179,22 @@ class InternodeCpu final : public AllToAllImpl {
         if (r.rows[e] >= 0)
           add_scaled(acc_.data(), elem(a.expert_y, r.routes[e].local_expert, r.rows[e]),
                      a.expert_y.dtype, G.hidden_dim, r.routes[e].weight);
-      store_row(rows + static_cast<int64_t>(i) * layout_.row_bytes, config_.out_dtype, acc_.data(),
-                G.hidden_dim);
+      // Replicas in this node get the row straight into their local area,
+      // where the proxy would have written it; the others through the
+      // engine, from row i of the send buffer.
+      const int grp = G.dp_group_of(r.sender);
+      const int64_t row = static_cast<int64_t>(i) + plan(plan_view_.row_shift(grp));
+      bool remote = false;
+      for (int q = grp * G.dp_size; q < (grp + 1) * G.dp_size; ++q) {
+        if (!layout_.is_local(q, G.rank))
+          remote = true;
+        else if (row >= 0 && row < layout_.combine_rows)  // never outside with a consistent plan
+          store_row(local_area(q) + layout_.local_row_offset(row), config_.out_dtype, acc_.data(),
+                    G.hidden_dim);
+      }
+      if (remote)
+        store_row(rows + static_cast<int64_t>(i) * layout_.row_bytes, config_.out_dtype,
+                  acc_.data(), G.hidden_dim);
     }
     times_.combine.pack_us = us_since(start);
     request(combine_step(epoch_));
@@ -184,6 +209,7 @@ class InternodeCpu final : public AllToAllImpl {
         clamp_m(load<int32_t>(a.bound_m.data), std::min(G.max_num_tokens, a.input_rows), &clamped);
     if (plan(kPlanCombineEpoch) != epoch_) return;
     const char* area = recv_.get() + layout_.combine_offset;
+    const char* local = local_area(G.rank) + layout_.local_combine_offset;
     for (int64_t t = 0; t < m; ++t) {
       char* out = elem(a.out_tokens, t);
       std::fill(acc_.begin(), acc_.end(), 0.0f);
@@ -197,7 +223,8 @@ class InternodeCpu final : public AllToAllImpl {
         if (dest.index >= plan(plan_view_.row_count(q, dest.rank))) continue;
         const int64_t row = plan(plan_view_.row_base(q, dest.rank)) + dest.index;
         if (row < 0 || row >= layout_.combine_rows) continue;
-        add_scaled(acc_.data(), area + row * layout_.row_bytes, config_.out_dtype, G.hidden_dim,
+        const char* src = layout_.is_local(dest.rank, G.rank) ? local : area;
+        add_scaled(acc_.data(), src + row * layout_.row_bytes, config_.out_dtype, G.hidden_dim,
                    1.0f);
       }
       store_row(out, config_.out_dtype, acc_.data(), G.hidden_dim);
@@ -220,6 +247,11 @@ class InternodeCpu final : public AllToAllImpl {
 
   static double us_since(Clock::time_point start) {
     return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+  }
+
+  // Node peer r's local area (this rank's own included), in the node segment.
+  char* local_area(int r) const {
+    return static_cast<char*>(local_.data()) + layout_.local_index(r) * layout_.local_bytes;
   }
 
   int64_t plan(int64_t word) const {
@@ -320,10 +352,15 @@ class InternodeCpu final : public AllToAllImpl {
     for (int s = 0; s < G.world_size; ++s) {
       const int64_t count = plan(plan_view_.recv_base(s + 1)) - plan(plan_view_.recv_base(s));
       const int64_t shared_base = plan(plan_view_.shared_base(s));
-      for (int64_t j = 0; j < count; ++j) {
-        const char* slot = recv_.get() + layout_.recv_slot_offset(s, j, shared_base);
+      const bool local = layout_.is_local(s, G.rank);
+      // check_receiver bounds every count by T = local_slots.
+      const int64_t n = local ? std::min(count, layout_.local_slots) : count;
+      for (int64_t j = 0; j < n; ++j) {
+        const char* slot = local ? local_area(G.rank) + layout_.local_slot_offset(s, j)
+                                 : recv_.get() + layout_.recv_slot_offset(s, j, shared_base);
         const SlotHeader h = load<SlotHeader>(slot);
         Received r{};
+        r.sender = s;
         // A slot of another epoch or with more routes than k cannot come
         // from a moelink sender; it keeps its place in receive order (the
         // sender's combine rows count it) but carries nothing.
@@ -351,6 +388,7 @@ class InternodeCpu final : public AllToAllImpl {
 
   Layout layout_;
   HostBuffer send_, recv_;
+  SharedMemory local_;  // the node's segment: node_size local areas
   ProxySignals signals_;
   PlanView plan_view_;
   std::vector<int64_t> plan_;  // written by the proxy (protocol.h, PlanView)

@@ -1,11 +1,12 @@
 // kInternode: the inter-node protocol (protocol.h) with GPU kernels packing
 // and unpacking and the Proxy thread moving the bytes over the
-// TransferEngine. Every peer is treated as remote (a rank per node, or GPUs
-// of one node forced through the network for testing): peers in the same
-// node do not use NVLink here yet.
+// TransferEngine. Peers of the same node (Options.node_size) get their
+// slots and rows over NVLink: the kernels store them into the peers' local
+// areas (device memory mapped through CUDA IPC); node_size = 1 sends every
+// peer through the engine (two GPUs of one host acting as two nodes).
 //
-// Buffers are staged in pinned host memory mapped into the GPU, which any
-// libfabric provider can register. The handshake with the proxy goes through
+// Buffers for other nodes are staged in pinned host memory mapped into the
+// GPU, which any libfabric provider can register. The handshake with the proxy goes through
 // pinned words: after the pack kernels a one-thread kernel raises `request`
 // to the step (from the device-side epoch); before the unpack kernels the
 // stream waits for `dispatch_ready` / `combine_ready` == 1 and resets it
@@ -19,6 +20,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/all_to_all_impl.h"
 #include "core/kernel_blocks.h"
@@ -28,6 +30,7 @@
 #include "internode/proxy.h"
 #include "moelink/errors.h"
 #include "nvlink/cuda_check.h"
+#include "nvlink/peer_memory.h"
 
 namespace moelink::detail::internode {
 namespace {
@@ -105,7 +108,7 @@ class InternodeGpu final : public AllToAllImpl {
  public:
   InternodeGpu(const Config& c, const ResolvedOptions& o, Bootstrap& bootstrap)
       : AllToAllImpl(c, o),
-        layout_(make_layout(geometry_, o.max_private_tokens)),
+        layout_(make_layout(geometry_, o.max_private_tokens, o.node_size)),
         plan_view_{c.world_size, c.dp_size} {
     if (c.world_size > kMaxGpuWorldSize)
       throw InvalidArgument("moelink: internode: world_size = " + std::to_string(c.world_size) +
@@ -127,6 +130,10 @@ class InternodeGpu final : public AllToAllImpl {
     recv_ = std::make_unique<PinnedBuffer>(layout_.recv_bytes);
     plan_ = std::make_unique<PinnedBuffer>(8 * plan_view_.words());
     signals_ = std::make_unique<PinnedBuffer>(sizeof(ProxySignals));
+    // Zeroed and mapped by every node peer before any proxy starts (the
+    // proxy's constructor ends with a barrier too).
+    local_ = std::make_unique<PeerMemory>(static_cast<size_t>(layout_.local_bytes), bootstrap,
+                                          o.node_size);
     allocate_state();
     if (options_.profile)
       for (auto& e : events_) MOELINK_CUDA_CHECK(cudaEventCreate(&e));
@@ -146,11 +153,12 @@ class InternodeGpu final : public AllToAllImpl {
     for (auto e : events_)
       if (e) cudaEventDestroy(e);
     cudaFree(private_);
+    cudaFree(local_bases_);
   }
 
   Backend backend() const override { return Backend::kInternode; }
   size_t buffer_bytes() const override {
-    return static_cast<size_t>(layout_.send_bytes + layout_.recv_bytes);
+    return static_cast<size_t>(layout_.send_bytes + layout_.recv_bytes + layout_.local_bytes);
   }
 
   void dispatch(const DispatchArgs& a, bool send, bool recv) override {
@@ -246,6 +254,7 @@ class InternodeGpu final : public AllToAllImpl {
     const int64_t n_off = take(4 * slots);
     const int64_t routes_off = take(static_cast<int64_t>(sizeof(RouteEntry)) * slots * k);
     const int64_t rows_off = take(4 * slots * k);
+    const int64_t sender_off = take(4 * slots);
     const int64_t m_off = take(4);
     const int64_t epoch_off = take(4);
     const int64_t error_off = take(sizeof(ErrorRecord));
@@ -259,9 +268,16 @@ class InternodeGpu final : public AllToAllImpl {
     state_.recv_routes_n = reinterpret_cast<int32_t*>(private_ + n_off);
     state_.recv_routes = reinterpret_cast<RouteEntry*>(private_ + routes_off);
     state_.recv_rows = reinterpret_cast<int32_t*>(private_ + rows_off);
+    state_.recv_sender = reinterpret_cast<int32_t*>(private_ + sender_off);
     state_.dispatch_m = reinterpret_cast<int32_t*>(private_ + m_off);
     state_.epoch = reinterpret_cast<uint32_t*>(private_ + epoch_off);
     state_.error = reinterpret_cast<ErrorRecord*>(private_ + error_off);
+    // The node peers' local areas as this process maps them, for the kernels.
+    const int n = layout_.node_size, first = g.rank / n * n;
+    std::vector<char*> bases(local_->bases().begin() + first, local_->bases().begin() + first + n);
+    MOELINK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&local_bases_), sizeof(char*) * n));
+    MOELINK_CUDA_CHECK(
+        cudaMemcpy(local_bases_, bases.data(), sizeof(char*) * n, cudaMemcpyHostToDevice));
   }
 
   // A decode-sized grid whatever the buffers: these kernels only pack and
@@ -293,6 +309,8 @@ class InternodeGpu final : public AllToAllImpl {
     c.send = send_->device();
     c.recv = recv_->device();
     c.plan = plan_->device<int64_t>();
+    c.local = local_->local();
+    c.local_bases = local_bases_;
     c.state = state_;
     c.request = &signals_->device<ProxySignals>()->request;
     return c;
@@ -317,6 +335,8 @@ class InternodeGpu final : public AllToAllImpl {
   int device_ = 0;
   int num_sms_ = 0;
   std::unique_ptr<PinnedBuffer> send_, recv_, plan_, signals_;
+  std::unique_ptr<PeerMemory> local_;  // this rank's local area, node peers' mapped
+  char** local_bases_ = nullptr;       // [node_size] device copy of those addresses
   char* private_ = nullptr;
   GpuState state_{};
   std::unique_ptr<Proxy> proxy_;

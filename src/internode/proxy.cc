@@ -252,17 +252,15 @@ void Proxy::dispatch(uint32_t epoch) {
 
   // 2. Routing info + private tokens: one scatter to every peer, starting
   //    with the next rank, so that the ranks do not all write to rank 0
-  //    first.
+  //    first. Node peers get the header alone: the packer already stored
+  //    their slots in their local areas.
   std::vector<fabric::ScatterSlice> slices;
-  for (int i = 1; i <= W; ++i) {
+  for (int i = 1; i < W; ++i) {
     const int r = (me + i) % W;
-    const auto len =
-        static_cast<size_t>(l_.header_bytes + std::min<int64_t>(counts[r], P) * l_.slot_bytes);
-    if (r == me)
-      std::memcpy(recv() + l_.private_offset(me), send() + block_offset_[r], len);
-    else
-      slices.push_back({static_cast<size_t>(member(r)), static_cast<uint64_t>(block_offset_[r]),
-                        static_cast<uint64_t>(l_.private_offset(me)), len});
+    const int64_t tokens = l_.is_local(me, r) ? 0 : std::min<int64_t>(counts[r], P);
+    const auto len = static_cast<size_t>(l_.header_bytes + tokens * l_.slot_bytes);
+    slices.push_back({static_cast<size_t>(member(r)), static_cast<uint64_t>(block_offset_[r]),
+                      static_cast<uint64_t>(l_.private_offset(me)), len});
   }
   try {
     if (!slices.empty())
@@ -295,13 +293,13 @@ void Proxy::dispatch(uint32_t epoch) {
   }
   write_plan();
 
-  // 4. The tokens past the private ones: one write per peer, at offsets
-  //    only the matrix gives.
+  // 4. The tokens past the private ones: one write per remote peer, at
+  //    offsets only the matrix gives.
   slices.clear();
-  for (int i = 1; i <= W; ++i) {
+  for (int i = 1; i < W; ++i) {
     const int r = (me + i) % W;
     const int64_t rest = static_cast<int64_t>(counts[r]) - P;
-    if (rest <= 0) continue;
+    if (rest <= 0 || l_.is_local(me, r)) continue;
     const int64_t dst_slot = matrix_.shared_base(me, r);
     if (dst_slot + rest > l_.shared_slots) {
       fail(ErrorCode::kPeerLost, Phase::kDispatchSend, r,
@@ -310,12 +308,8 @@ void Proxy::dispatch(uint32_t epoch) {
     }
     const int64_t src = block_offset_[r] + l_.header_bytes + P * l_.slot_bytes;
     const int64_t dst = l_.shared_offset + dst_slot * l_.slot_bytes;
-    const auto len = static_cast<size_t>(rest * l_.slot_bytes);
-    if (r == me)
-      std::memcpy(recv() + dst, send() + src, len);
-    else
-      slices.push_back({static_cast<size_t>(member(r)), static_cast<uint64_t>(src),
-                        static_cast<uint64_t>(dst), len});
+    slices.push_back({static_cast<size_t>(member(r)), static_cast<uint64_t>(src),
+                      static_cast<uint64_t>(dst), static_cast<size_t>(rest * l_.slot_bytes)});
   }
   try {
     if (!slices.empty())
@@ -325,7 +319,8 @@ void Proxy::dispatch(uint32_t epoch) {
     return;
   }
   for (int s = 0; s < W; ++s)
-    if (s != me && matrix_.count(s, me) > P && !wait_peer(ImmKind::kData, s, Phase::kDispatchRecv))
+    if (!l_.is_local(s, me) && matrix_.count(s, me) > P &&
+        !wait_peer(ImmKind::kData, s, Phase::kDispatchRecv))
       return;
   // 5. The send buffer is reused by the combine rows and the next epoch.
   if (wait_transfers(Phase::kDispatchSend)) store_plan(kPlanDispatchEpoch, epoch);
@@ -346,6 +341,8 @@ void Proxy::write_plan() {
       plan_[v.row_count(q, r)] = matrix_.count(sender, r);
     }
   }
+  for (int g = 0; g < g_.num_dp_groups; ++g)
+    plan_[v.row_shift(g)] = matrix_.combine_base(g, me) - matrix_.recv_base(g * dp, me);
 }
 
 // The epoch words are read by other threads (and the GPU) once `done` says
@@ -361,8 +358,11 @@ void Proxy::combine(uint32_t epoch) {
   // bytes: so every rank's combine waits for all peers, which both names a
   // rank that is gone and tells each sender that this rank is done with its
   // dispatch areas (no separate barrier before the next dispatch).
+  // Replicas in this node got their rows from the packer directly
+  // (protocol.h): they get the notification alone.
   std::vector<fabric::ScatterSlice> slices;
   for (int g = 0; g < g_.num_dp_groups; ++g) {
+    const int first = g * g_.dp_size;
     const int64_t rows = matrix_.group_rows(g, me);
     const int64_t dst_row = matrix_.combine_base(g, me);
     if (dst_row + rows > l_.combine_rows) {
@@ -370,16 +370,13 @@ void Proxy::combine(uint32_t epoch) {
            "the announced counts do not fit group " + std::to_string(g) + "'s combine area");
       return;
     }
-    const int64_t src =
-        l_.send_combine_offset + matrix_.recv_base(g * g_.dp_size, me) * l_.row_bytes;
+    const int64_t src = l_.send_combine_offset + matrix_.recv_base(first, me) * l_.row_bytes;
     const int64_t dst = l_.combine_offset + dst_row * l_.row_bytes;
-    const auto len = static_cast<size_t>(rows * l_.row_bytes);
-    for (int q = g * g_.dp_size; q < (g + 1) * g_.dp_size; ++q) {
-      if (q == me)
-        std::memcpy(recv() + dst, send() + src, len);
-      else
-        slices.push_back({static_cast<size_t>(member(q)), len ? static_cast<uint64_t>(src) : 0,
-                          len ? static_cast<uint64_t>(dst) : 0, len});
+    for (int q = first; q < first + g_.dp_size; ++q) {
+      if (q == me) continue;
+      const auto len = l_.is_local(q, me) ? 0 : static_cast<size_t>(rows * l_.row_bytes);
+      slices.push_back({static_cast<size_t>(member(q)), len ? static_cast<uint64_t>(src) : 0,
+                        len ? static_cast<uint64_t>(dst) : 0, len});
     }
   }
   try {

@@ -44,7 +44,8 @@ void RouteMatrix::finish() {
     for (int s = 0; s < w_; ++s) {
       shared_prefix_[static_cast<size_t>(r) * (w_ + 1) + s] = shared;
       recv_prefix_[static_cast<size_t>(r) * (w_ + 1) + s] = recv;
-      shared += std::max<int64_t>(0, count(s, r) - p);
+      // Node peers' tokens never go through the shared area (protocol.h).
+      if (!l_.is_local(s, r)) shared += std::max<int64_t>(0, count(s, r) - p);
       recv += count(s, r);
     }
     shared_prefix_[static_cast<size_t>(r) * (w_ + 1) + w_] = shared;

@@ -45,7 +45,7 @@ class RouteMatrix {
   Layout l_;
   int w_;
   std::vector<uint32_t> c_;              // [W][W]
-  std::vector<int64_t> shared_prefix_;   // [r][s]: sum_{s' < s} max(0, C[s'][r] - P), s <= W
+  std::vector<int64_t> shared_prefix_;   // [r][s]: sum_{s' < s, s' remote} max(0, C[s'][r] - P)
   std::vector<int64_t> recv_prefix_;     // [r][s]: sum_{s' < s} C[s'][r], s <= W
   std::vector<int64_t> combine_prefix_;  // [g][r]: sum_{r' < r} N[g][r'], r <= W
 };

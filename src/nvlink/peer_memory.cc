@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -9,9 +10,11 @@
 
 namespace moelink::detail {
 
-PeerMemory::PeerMemory(size_t bytes, Bootstrap& bootstrap)
+PeerMemory::PeerMemory(size_t bytes, Bootstrap& bootstrap, int node_size)
     : bytes_(bytes), rank_(bootstrap.rank()), bases_(bootstrap.world_size(), nullptr) {
   const int world = bootstrap.world_size();
+  const int node = node_size > 0 ? node_size : world;
+  const int first = rank_ / node * node, last = std::min(world, first + node);
   void* mem = nullptr;
   MOELINK_CUDA_CHECK(cudaMalloc(&mem, bytes));
   bases_[rank_] = static_cast<char*>(mem);
@@ -22,20 +25,21 @@ PeerMemory::PeerMemory(size_t bytes, Bootstrap& bootstrap)
   MOELINK_CUDA_CHECK(cudaIpcGetMemHandle(&mine, mem));
   std::vector<cudaIpcMemHandle_t> all(world);
   bootstrap.all_gather(&mine, all.data(), sizeof(cudaIpcMemHandle_t));
-  for (int r = 0; r < world; ++r) {
+  for (int r = first; r < last; ++r) {
     if (r == rank_) continue;
     void* p = nullptr;
     cudaError_t err = cudaIpcOpenMemHandle(&p, all[r], cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
-      for (int q = 0; q < r; ++q)
+      for (int q = first; q < r; ++q)
         if (q != rank_ && bases_[q]) cudaIpcCloseMemHandle(bases_[q]);
       cudaFree(mem);
       throw SystemError("moelink: rank " + std::to_string(rank_) +
                         ": cannot map the buffer of rank " + std::to_string(r) +
                         " (cudaIpcOpenMemHandle: " + cudaGetErrorString(err) +
-                        "); the NVLink backend needs all ranks on GPUs of one node with peer "
-                        "access");
+                        "); the ranks of a node must be GPUs of one host with peer access "
+                        "(for the internode backend, Options.node_size = 1 sends every peer "
+                        "through the NIC)");
     }
     bases_[r] = static_cast<char*>(p);
   }

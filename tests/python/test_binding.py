@@ -373,15 +373,17 @@ def test_timeout_cpu():
 
 
 @pytest.mark.skipif(not moelink._C.with_fabric, reason="moelink was built without libfabric")
-@pytest.mark.parametrize("world_size,dp_size,kind", [(4, 1, "fp16"), (4, 2, "fp8")])
-def test_roundtrip_internode_cpu(world_size, dp_size, kind):
-    """The inter-node protocol with CPU loops over libfabric's shm provider."""
+@pytest.mark.parametrize("world_size,dp_size,kind,node_size",
+                         [(4, 1, "fp16", 1), (4, 2, "fp8", 1), (4, 2, "fp16", 2)])
+def test_roundtrip_internode_cpu(world_size, dp_size, kind, node_size):
+    """The inter-node protocol with CPU loops over libfabric's shm provider
+    (node_size 2: two ranks per node exchange tokens through shared memory)."""
     cfg = dict(BASE, dp_size=dp_size)
     if kind == "fp8":
         cfg["hidden_dim_scale"] = 2
     run_ranks(world_size, "roundtrip", cfg_kw=cfg, kind=kind, backend="internode-cpu",
               backend_kw=dict(fabric_provider="shm", max_private_tokens=2, profile=True,
-                              fabric_nics=dp_size))
+                              fabric_nics=dp_size, node_size=node_size))
 
 
 # --------------------------------------------------------------------------

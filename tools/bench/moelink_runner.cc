@@ -49,6 +49,7 @@ moelink::Options options_for(const BenchOptions& o, moelink::Backend backend) {
   opt.num_blocks = o.num_blocks;
   opt.fabric_provider = o.fabric_provider;
   opt.max_private_tokens = o.max_private_tokens;
+  opt.node_size = o.node_size;
   opt.profile = 0;  // the timed loops run without events; phases are timed apart
   return opt;
 }

@@ -54,6 +54,12 @@ bool parse_options(int argc, char** argv, BenchOptions& o, int& exit_code) {
                  "internode backends: Options.max_private_tokens (-1: library default)")
       ->check(CLI::Range(-1, 1 << 20))
       ->capture_default_str();
+  app.add_option("--node-size", o.node_size,
+                 "internode backends: Options.node_size, ranks per node that exchange tokens "
+                 "directly (1: every peer through the NIC; 0: by host name; -1: library "
+                 "default)")
+      ->check(CLI::Range(-1, 1 << 20))
+      ->capture_default_str();
   app.add_option("--compare", o.compare_backend,
                  "also time this GPU backend in the same run (quantities prefixed with its name, "
                  "e.g. nvlink_dispatch)")

@@ -31,6 +31,7 @@ struct BenchOptions {
   bool no_dense = false;  // skip NVSHMEM's dense all-to-all baseline
   std::string fabric_provider;  // internode backends ("" = default)
   int max_private_tokens = -1;
+  int node_size = -1;  // internode backends: Options.node_size (-1 = library default)
   int num_blocks = 0;
   std::string machine;
   bool split = false;
