@@ -70,9 +70,9 @@ class InternodeCpu final : public AllToAllImpl {
         local_(bootstrap, static_cast<size_t>(layout_.local_bytes * o.node_size), o.node_size),
         signals_{},
         plan_view_{c.world_size, c.dp_size},
-        plan_(static_cast<size_t>(plan_view_.words()), 0),
+        output_(static_cast<size_t>(ProxyOutput::bytes(plan_view_) / 8), 0),
         proxy_(geometry_, layout_, o, bootstrap, {send_.get(), recv_.get()}, &signals_,
-               plan_.data(), /*spin_polls=*/256),
+               ProxyOutput{reinterpret_cast<char*>(output_.data())}, /*spin_polls=*/256),
         tokens_(static_cast<size_t>(geometry_.max_num_tokens)),
         num_dests_(static_cast<size_t>(geometry_.max_num_tokens), 0),
         counters_(static_cast<size_t>(geometry_.num_local_experts), 0),
@@ -255,8 +255,9 @@ class InternodeCpu final : public AllToAllImpl {
   }
 
   int64_t plan(int64_t word) const {
-    return std::atomic_ref<int64_t>(const_cast<int64_t&>(plan_[static_cast<size_t>(word)]))
-        .load(std::memory_order_acquire);
+    int64_t* words = reinterpret_cast<int64_t*>(
+        reinterpret_cast<char*>(const_cast<uint64_t*>(output_.data())) + ProxyOutput::kPlanOffset);
+    return std::atomic_ref<int64_t>(words[word]).load(std::memory_order_acquire);
   }
 
   void request(uint64_t step) {
@@ -391,7 +392,7 @@ class InternodeCpu final : public AllToAllImpl {
   SharedMemory local_;  // the node's segment: node_size local areas
   ProxySignals signals_;
   PlanView plan_view_;
-  std::vector<int64_t> plan_;  // written by the proxy (protocol.h, PlanView)
+  std::vector<uint64_t> output_;  // ProxyOutput: ready words (unused here) and the plan
   Proxy proxy_;
   uint32_t epoch_ = 0;
   int64_t dispatch_m_ = 0;

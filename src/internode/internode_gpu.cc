@@ -6,7 +6,10 @@
 // peer through the engine (two GPUs of one host acting as two nodes).
 //
 // Buffers for other nodes are staged in pinned host memory mapped into the
-// GPU, which any libfabric provider can register. The handshake with the proxy goes through
+// GPU, which any libfabric provider can register. The proxy's output (ready
+// words and plan) goes to device memory through a GDRCopy mapping when
+// libgdrapi and gdrdrv are there at run time (MOELINK_GDRCOPY=0 turns it
+// off), else to pinned host memory. The handshake with the proxy goes through
 // pinned words: after the pack kernels a one-thread kernel raises `request`
 // to the step (from the device-side epoch); before the unpack kernels the
 // stream waits for `dispatch_ready` / `combine_ready` == 1 and resets it
@@ -17,6 +20,8 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -24,6 +29,7 @@
 
 #include "core/all_to_all_impl.h"
 #include "core/kernel_blocks.h"
+#include "internode/gdr_memory.h"
 #include "internode/gpu_kernels.h"
 #include "internode/internode_impl.h"
 #include "internode/protocol.h"
@@ -128,8 +134,8 @@ class InternodeGpu final : public AllToAllImpl {
           "needs to wait for the proxy without holding an SM");
     send_ = std::make_unique<PinnedBuffer>(layout_.send_bytes);
     recv_ = std::make_unique<PinnedBuffer>(layout_.recv_bytes);
-    plan_ = std::make_unique<PinnedBuffer>(8 * plan_view_.words());
     signals_ = std::make_unique<PinnedBuffer>(sizeof(ProxySignals));
+    allocate_output();
     // Zeroed and mapped by every node peer before any proxy starts (the
     // proxy's constructor ends with a barrier too).
     local_ = std::make_unique<PeerMemory>(static_cast<size_t>(layout_.local_bytes), bootstrap,
@@ -140,7 +146,7 @@ class InternodeGpu final : public AllToAllImpl {
     proxy_ = std::make_unique<Proxy>(
         geometry_, layout_, o, bootstrap,
         Proxy::Buffers{send_->host(), recv_->host(), fabric::MemoryKind::kHost, device_},
-        signals_->host<ProxySignals>(), plan_->host<int64_t>(),
+        signals_->host<ProxySignals>(), ProxyOutput{output_host_, gdr_ != nullptr},
         // A dedicated core: spin long before yielding, latency matters here.
         /*spin_polls=*/1 << 20);
   }
@@ -162,7 +168,6 @@ class InternodeGpu final : public AllToAllImpl {
   }
 
   void dispatch(const DispatchArgs& a, bool send, bool recv) override {
-    ProxySignals* signals = signals_->device<ProxySignals>();
     if (send) {
       const GpuDispatchParams p = dispatch_params(a);
       mark(kDispatchPack, a.stream);
@@ -170,7 +175,7 @@ class InternodeGpu final : public AllToAllImpl {
       mark(kDispatchPack + 1, a.stream);
     }
     if (recv) {
-      await_proxy(a.stream, &signals->dispatch_ready);
+      await_proxy(a.stream, output_device().dispatch_ready());
       mark(kDispatchUnpack, a.stream);
       MOELINK_CUDA_CHECK(launch_dispatch_unpack(dispatch_params(a), blocks(), a.stream));
       mark(kDispatchUnpack + 1, a.stream);
@@ -179,7 +184,6 @@ class InternodeGpu final : public AllToAllImpl {
   }
 
   void combine(const CombineArgs& a, bool send, bool recv) override {
-    ProxySignals* signals = signals_->device<ProxySignals>();
     const GpuCombineParams p = combine_params(a);
     if (send) {
       mark(kCombinePack, a.stream);
@@ -187,7 +191,7 @@ class InternodeGpu final : public AllToAllImpl {
       mark(kCombinePack + 1, a.stream);
     }
     if (recv) {
-      await_proxy(a.stream, &signals->combine_ready);
+      await_proxy(a.stream, output_device().combine_ready());
       mark(kCombineUnpack, a.stream);
       MOELINK_CUDA_CHECK(launch_combine_unpack(p, blocks(), a.stream));
       mark(kCombineUnpack + 1, a.stream);
@@ -237,6 +241,29 @@ class InternodeGpu final : public AllToAllImpl {
     if (cudaEventElapsedTime(&ms, events_[i], events_[i + 1]) != cudaSuccess) return 0;
     return 1000.0 * ms;
   }
+
+  // The proxy's output block: device memory behind a GDRCopy mapping when
+  // there is one (the stream waits and the unpack kernels then read HBM),
+  // else pinned host memory.
+  void allocate_output() {
+    const auto bytes = static_cast<size_t>(ProxyOutput::bytes(plan_view_));
+    std::string why = "MOELINK_GDRCOPY=0";
+    const char* env = std::getenv("MOELINK_GDRCOPY");
+    if (env == nullptr || std::string(env) != "0") gdr_ = GdrMemory::create(bytes, &why);
+    if (gdr_) {
+      output_host_ = gdr_->host();
+      output_device_ = gdr_->device();
+    } else {
+      output_pinned_ = std::make_unique<PinnedBuffer>(static_cast<int64_t>(bytes));
+      output_host_ = output_pinned_->host();
+      output_device_ = output_pinned_->device();
+    }
+    if (options_.debug)
+      std::fprintf(stderr, "moelink: internode rank %d: proxy output in %s\n", config_.rank,
+                   gdr_ ? "device memory (GDRCopy)"
+                        : ("pinned host memory (no GDRCopy: " + why + ")").c_str());
+  }
+  ProxyOutput output_device() const { return ProxyOutput{output_device_}; }
 
   void allocate_state() {
     const Geometry& g = geometry_;
@@ -308,7 +335,7 @@ class InternodeGpu final : public AllToAllImpl {
     c.plan_view = plan_view_;
     c.send = send_->device();
     c.recv = recv_->device();
-    c.plan = plan_->device<int64_t>();
+    c.plan = output_device().plan();
     c.local = local_->local();
     c.local_bases = local_bases_;
     c.state = state_;
@@ -334,7 +361,12 @@ class InternodeGpu final : public AllToAllImpl {
   PlanView plan_view_;
   int device_ = 0;
   int num_sms_ = 0;
-  std::unique_ptr<PinnedBuffer> send_, recv_, plan_, signals_;
+  std::unique_ptr<PinnedBuffer> send_, recv_, signals_;
+  // The proxy's output block (ProxyOutput), in one of the two.
+  std::unique_ptr<GdrMemory> gdr_;
+  std::unique_ptr<PinnedBuffer> output_pinned_;
+  char* output_host_ = nullptr;
+  char* output_device_ = nullptr;
   std::unique_ptr<PeerMemory> local_;  // this rank's local area, node peers' mapped
   char** local_bases_ = nullptr;       // [node_size] device copy of those addresses
   char* private_ = nullptr;

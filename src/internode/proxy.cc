@@ -35,13 +35,14 @@ fabric::EngineOptions engine_options(const Geometry& g, const ResolvedOptions& o
 }  // namespace
 
 Proxy::Proxy(const Geometry& g, const Layout& l, const ResolvedOptions& o, Bootstrap& bootstrap,
-             const Buffers& buffers, ProxySignals* signals, int64_t* plan, int spin_polls)
+             const Buffers& buffers, ProxySignals* signals, ProxyOutput output, int spin_polls)
     : g_(g),
       l_(l),
       o_(o),
       buffers_(buffers),
       signals_(signals),
-      plan_(plan),
+      output_(output),
+      plan_(output.plan()),
       plan_view_{g.world_size, g.dp_size},
       spin_polls_(spin_polls),
       matrix_(g, l),
@@ -122,7 +123,13 @@ void Proxy::run() {
     if (load_word(&signals_->request) > done) {
       run_step(done + 1);
       store_word(&signals_->done, done + 1);
-      store_word((done + 1) % 2 == 1 ? &signals_->dispatch_ready : &signals_->combine_ready, 1);
+      // Through a write-combined mapping the plan's stores may still sit in
+      // the CPU's buffers: a full fence drains them before the ready word,
+      // and the one after pushes the ready word out now.
+      if (output_.write_combined) std::atomic_thread_fence(std::memory_order_seq_cst);
+      store_word(
+          (done + 1) % 2 == 1 ? output_.dispatch_ready() : output_.combine_ready(), 1);
+      if (output_.write_combined) std::atomic_thread_fence(std::memory_order_seq_cst);
       idle = 0;
       continue;
     }

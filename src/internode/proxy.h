@@ -5,9 +5,11 @@
 // The packer and the proxy talk through two words (ProxySignals) that may sit
 // in pinned, GPU-mapped host memory: the packer raises `request` to a step
 // number when the step's inputs are ready (a release store on the CPU, a
-// stream memory operation on the GPU); the proxy runs the steps in order and
-// raises `done` (and `dispatch_ready` / `combine_ready`). Steps of epoch
-// e (e >= 1):
+// kernel's system-scope release store on the GPU); the proxy runs the steps
+// in order and raises `done`. What the unpacking side reads (ProxyOutput:
+// the plan and the `dispatch_ready` / `combine_ready` words) may sit
+// elsewhere: pinned host memory, or device memory the proxy writes through a
+// GDRCopy mapping. Steps of epoch e (e >= 1):
 //   2e-1  dispatch: post routing info + private tokens, gather every peer's,
 //         post the rest, wait for the rest to arrive
 //   2e    combine: post the output rows (zero bytes to peers without rows),
@@ -36,11 +38,24 @@ namespace moelink::detail::internode {
 struct ProxySignals {
   uint64_t request;  // written by the packer: the step whose inputs are ready
   uint64_t done;     // written by the proxy: the last step finished
-  // Set to 1 by the proxy when a dispatch / combine step finished, reset to
-  // 0 by the consumer. The GPU waits for == 1 and writes 0: constants, so
-  // the stream operations replay unchanged from a CUDA graph.
-  uint64_t dispatch_ready;
-  uint64_t combine_ready;
+};
+
+// One block the proxy writes and the unpacking side reads:
+//   [dispatch_ready, combine_ready][plan: PlanView::words() int64]
+// The ready words are set to 1 by the proxy when a dispatch / combine step
+// finished, after the plan, and reset to 0 by the consumer. The GPU waits
+// for == 1 and writes 0: constants, so the stream operations replay
+// unchanged from a CUDA graph.
+struct ProxyOutput {
+  static constexpr int64_t kPlanOffset = 16;  // bytes before the plan
+  static int64_t bytes(const PlanView& v) { return kPlanOffset + 8 * v.words(); }
+  char* base;  // as the proxy writes it
+  // A write-combined mapping (GDRCopy): stores are fenced so the plan lands
+  // before the ready word that announces it.
+  bool write_combined = false;
+  uint64_t* dispatch_ready() const { return reinterpret_cast<uint64_t*>(base); }
+  uint64_t* combine_ready() const { return reinterpret_cast<uint64_t*>(base) + 1; }
+  int64_t* plan() const { return reinterpret_cast<int64_t*>(base + kPlanOffset); }
 };
 
 inline uint64_t dispatch_step(uint32_t epoch) { return 2ull * epoch - 1; }
@@ -57,10 +72,10 @@ class Proxy {
   // Collective over the bootstrap: creates the engine, registers the
   // buffers, exchanges descriptors, starts the thread. `spin_polls`: polls
   // of `request` before the idle proxy starts to yield and sleep.
-  // `plan`: PlanView::words() int64 words the proxy fills for the unpacking
-  // side (protocol.h).
+  // `output`: the plan (protocol.h) and ready words the proxy fills for the
+  // unpacking side.
   Proxy(const Geometry& g, const Layout& l, const ResolvedOptions& o, Bootstrap& bootstrap,
-        const Buffers& buffers, ProxySignals* signals, int64_t* plan, int spin_polls);
+        const Buffers& buffers, ProxySignals* signals, ProxyOutput output, int spin_polls);
   ~Proxy();
   Proxy(const Proxy&) = delete;
   Proxy& operator=(const Proxy&) = delete;
@@ -107,6 +122,7 @@ class Proxy {
   ResolvedOptions o_;
   Buffers buffers_;
   ProxySignals* signals_;
+  ProxyOutput output_;
   int64_t* plan_;
   PlanView plan_view_;
   int spin_polls_;
