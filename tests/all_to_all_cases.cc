@@ -94,6 +94,7 @@ std::string CaseSpec::describe() const {
   if (max_private_tokens >= 0) os << " private=" << max_private_tokens;
   if (fabric_nics > 0) os << " nics=" << fabric_nics;
   if (node_size != 1) os << " node_size=" << node_size;
+  if (gpu_direct >= 0) os << " gpu_direct=" << gpu_direct;
   os << "]";
   return os.str();
 }
@@ -308,6 +309,7 @@ CaseRunner::CaseRunner(const CaseSpec& spec, int rank, moelink::Bootstrap& boots
   o.max_private_tokens = spec.max_private_tokens;
   o.fabric_nics = spec.fabric_nics;
   o.node_size = spec.node_size;
+  o.gpu_direct = spec.gpu_direct;
   o.profile = spec.profile ? 1 : 0;
   o.debug = 0;
   a2a_ = moelink::AllToAll::create(config_, bootstrap, o);

@@ -93,6 +93,7 @@ struct CaseSpec {
   // Options.node_size: 1 (every peer through the engine) unless a case asks
   // for node peers; 0 = by host name (all ranks of a test share one host).
   int node_size = 1;
+  int gpu_direct = -1;  // Options.gpu_direct (kInternode)
   bool profile = false;  // Options.profile
 
   moelink::Config config(int rank) const;

@@ -203,6 +203,13 @@ TEST(Create, RejectsInternodeOptionsOutOfRange) {
           [&] { moelink::AllToAll::create(valid_config(), bs, o); },
           {"fabric_nics", std::to_string(nics)}, "create");
     }
+    for (int gd : {2, 7}) {
+      moelink::Options o = cpu_options();
+      o.gpu_direct = gd;
+      expect_throw_naming<InvalidArgument>(
+          [&] { moelink::AllToAll::create(valid_config(), bs, o); },
+          {"gpu_direct", std::to_string(gd)}, "create");
+    }
     // max_private_tokens may not exceed max_num_tokens.
     moelink::Options o = cpu_options();
     o.max_private_tokens = static_cast<int>(valid_config().max_num_tokens) + 1;
@@ -219,6 +226,19 @@ TEST(Create, RejectsBadFabricNicsEnvironment) {
         [&] { moelink::AllToAll::create(valid_config(), bs, cpu_options()); },
         {"MOELINK_FABRIC_NICS", "zero"}, "create");
     unsetenv("MOELINK_FABRIC_NICS");
+  }, 60);
+}
+
+TEST(Create, RejectsBadNodeSizeAndGpuDirectEnvironment) {
+  run_ranks(1, [](int, moelink::Bootstrap& bs) {
+    for (const auto& [name, value] : {std::pair{"MOELINK_NODE_SIZE", "-2"},
+                                      std::pair{"MOELINK_GPU_DIRECT", "yes"}}) {
+      setenv(name, value, 1);
+      expect_throw_naming<InvalidArgument>(
+          [&] { moelink::AllToAll::create(valid_config(), bs, cpu_options()); }, {name, value},
+          "create");
+      unsetenv(name);
+    }
   }, 60);
 }
 

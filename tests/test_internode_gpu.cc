@@ -10,7 +10,11 @@
 // (gpu_cases.h); the case lists are this backend's own (private tokens,
 // other shapes, a subset of the input errors).
 #include <gtest/gtest.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <csignal>
 #include <string>
 #include <vector>
 
@@ -133,6 +137,66 @@ std::vector<NamedCase> cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shm, InternodeGpu, testing::ValuesIn(cases()), CaseName());
+
+// ------------------------------------------------------------ GPUDirect
+
+// Why a one-rank internode AllToAll with GPU buffers (gpu_direct = 1) cannot
+// be created over shm here ("" when it can), asked in a forked child so the
+// test process keeps no CUDA context.
+std::string gpu_direct_refusal() {
+  int fds[2];
+  if (pipe(fds) != 0) return "pipe failed";
+  std::fflush(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    close(fds[0]);
+    std::string why;
+    try {
+      // One rank listens on nothing, so any port will do.
+      auto bs = moelink::make_tcp_bootstrap(0, 1, "127.0.0.1", 65000, 10.0);
+      CaseSpec s = gpu_node(1, 1, 8, 8, 2, 128, kBf16, kBf16, kBf16);
+      moelink::Options o;
+      o.backend = kInternode;
+      o.fabric_provider = "shm";
+      o.gpu_direct = 1;
+      moelink::AllToAll::create(s.config(0), *bs, o);
+    } catch (const std::exception& e) {
+      why = e.what();
+      if (why.empty()) why = "(no message)";
+    }
+    (void)!write(fds[1], why.data(), why.size());
+    _exit(0);
+  }
+  close(fds[1]);
+  std::string why;
+  char buf[512];
+  for (ssize_t n; (n = read(fds[0], buf, sizeof(buf))) > 0;) why.append(buf, static_cast<size_t>(n));
+  close(fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (!WIFEXITED(status)) return "the probe crashed";
+  return why;
+}
+
+// The send and receive buffers in device memory, registered with FI_HMEM:
+// the GPUDirect path. Runs only where shm takes CUDA memory (a libfabric
+// built with CUDA support); elsewhere it says why it skips.
+TEST(InternodeGpuDirect, DeviceBuffersMatchReference) {
+  REQUIRE_GPU_AND_SHM();
+  const std::string why = gpu_direct_refusal();
+  if (!why.empty()) GTEST_SKIP() << "shm does not take GPU buffers here: " << why;
+  const CaseSpec deepseek = on_shm(deepseek_spec(kInternode));
+  run_gpu_case(with(deepseek, [](CaseSpec& s) { s.gpu_direct = 1; }));
+  run_gpu_case(with(deepseek, [](CaseSpec& s) {
+    s.gpu_direct = 1;
+    s.world_size = 4;
+    s.dp_size = 2;
+    s.node_size = 2;
+    s.max_num_tokens = 32;
+    s.split = true;
+  }));
+}
 
 // ------------------------------------------------------------ bad input
 

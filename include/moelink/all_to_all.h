@@ -73,6 +73,12 @@ struct Options {
   // form equal consecutive blocks, else 1. < 0: read MOELINK_NODE_SIZE, else
   // 0. Must resolve to the same value on every rank.
   int node_size = -1;
+  // kInternode: put the send and receive buffers in GPU memory registered
+  // with the NIC (FI_HMEM: GPUDirect RDMA) instead of staging them in pinned
+  // host memory. 1: required (create fails when the provider refuses
+  // FI_HMEM or the registration), 0: host staging, < 0: MOELINK_GPU_DIRECT,
+  // else on for the efa and verbs providers when they accept FI_HMEM.
+  int gpu_direct = -1;
   // Time the phases of each call for phase_times() (kInternode records CUDA
   // events around its kernels, which costs a little latency). < 0: read
   // MOELINK_PROFILE.

@@ -68,16 +68,17 @@ class AllToAll:
 
     AllToAll(config=None, *, backend="nvlink", group=None, bootstrap=None,
              num_blocks=0, timeout_s=None, debug=None, fabric_provider=None,
-             fabric_nics=None, max_private_tokens=None, node_size=None, profile=None,
-             **config_kwargs)
+             fabric_nics=None, max_private_tokens=None, node_size=None, gpu_direct=None,
+             profile=None, **config_kwargs)
 
     backend: "nvlink" (GPUs of one node), "nvshmem", "internode" (GPUs of
     several nodes through the host proxy and libfabric), "cpu" and
     "internode-cpu" (host tensors). fabric_provider ("efa", "shm", "tcp"),
     fabric_nics, max_private_tokens, node_size (ranks per node that exchange
-    tokens directly; 1 = every peer through the NIC) and profile apply to the
-    internode backends (see docs/internode.md); None leaves the C++ defaults
-    and environment.
+    tokens directly; 1 = every peer through the NIC), gpu_direct (GPU buffers
+    registered with the NIC: True, False, None = by provider) and profile
+    apply to the internode backends (see docs/internode.md); None leaves the
+    C++ defaults and environment.
 
     config: a moelink.Config, a dict of its fields, or None with the fields
     given as keyword arguments (rank and world_size then default to the
@@ -94,7 +95,8 @@ class AllToAll:
                  timeout_s: Optional[float] = None, debug: Optional[bool] = None,
                  fabric_provider: Optional[str] = None, fabric_nics: Optional[int] = None,
                  max_private_tokens: Optional[int] = None, node_size: Optional[int] = None,
-                 profile: Optional[bool] = None, **config_kwargs):
+                 gpu_direct: Optional[bool] = None, profile: Optional[bool] = None,
+                 **config_kwargs):
         if backend not in _BACKENDS:
             raise ValueError(f"moelink: AllToAll: backend = {backend!r} must be one of "
                              + ", ".join(repr(b) for b in _BACKENDS))
@@ -127,7 +129,8 @@ class AllToAll:
             -1 if max_private_tokens is None else int(max_private_tokens),
             -1 if profile is None else int(bool(profile)),
             0 if fabric_nics is None else int(fabric_nics),
-            -1 if node_size is None else int(node_size))
+            -1 if node_size is None else int(node_size),
+            -1 if gpu_direct is None else int(bool(gpu_direct)))
         self._backend = backend
 
     @staticmethod

@@ -249,7 +249,8 @@ class PyAllToAll {
  public:
   PyAllToAll(const Config& config, Bootstrap& bootstrap, const std::string& backend,
              int num_blocks, double timeout_s, int debug, const std::string& fabric_provider,
-             int max_private_tokens, int profile, int fabric_nics, int node_size) {
+             int max_private_tokens, int profile, int fabric_nics, int node_size,
+             int gpu_direct) {
     Options o;
     o.backend = parse_backend(backend);
     o.num_blocks = num_blocks;
@@ -260,6 +261,7 @@ class PyAllToAll {
     o.profile = profile;
     o.fabric_nics = fabric_nics;
     o.node_size = node_size;
+    o.gpu_direct = gpu_direct;
     nb::gil_scoped_release release;
     if (!backend_uses_host_memory(o.backend)) {
 #if defined(MOELINK_WITH_CUDA)
@@ -497,10 +499,11 @@ void bind_all_to_all(nb::module_& m) {
                          "Low-level binding; use moelink.AllToAll, which resolves the "
                          "bootstrap and the CUDA stream.")
       .def(nb::init<const Config&, Bootstrap&, const std::string&, int, double, int,
-                    const std::string&, int, int, int, int>(),
+                    const std::string&, int, int, int, int, int>(),
            "config"_a, "bootstrap"_a, "backend"_a = "nvlink", "num_blocks"_a = 0,
            "timeout_s"_a = -1.0, "debug"_a = -1, "fabric_provider"_a = "",
            "max_private_tokens"_a = -1, "profile"_a = -1, "fabric_nics"_a = 0, "node_size"_a = -1,
+           "gpu_direct"_a = -1,
            nb::keep_alive<1, 3>())
       .def("dispatch", &PyAllToAll::dispatch, "out_expert_num_tokens"_a, "out_expert_x"_a,
            "out_expert_x_scale"_a.none(), "dp_x"_a, "dp_x_scale"_a.none(), "indices"_a,

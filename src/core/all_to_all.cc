@@ -158,6 +158,11 @@ ResolvedOptions resolve_options(const Options& o) {
     throw InvalidArgument("moelink: Options.node_size = " + std::to_string(o.node_size) +
                           " must be in [0, 16777216] (0 = by host name, < 0 = MOELINK_NODE_SIZE)");
   r.node_size = o.node_size >= 0 ? o.node_size : env_int("MOELINK_NODE_SIZE", 0, 0, 1 << 24);
+  if (o.gpu_direct > 1)
+    throw InvalidArgument("moelink: Options.gpu_direct = " + std::to_string(o.gpu_direct) +
+                          " must be 1 (required), 0 (host staging) or < 0 (MOELINK_GPU_DIRECT, "
+                          "else by provider)");
+  r.gpu_direct = o.gpu_direct >= 0 ? o.gpu_direct : env_int("MOELINK_GPU_DIRECT", -1, -1, 1);
   return r;
 }
 

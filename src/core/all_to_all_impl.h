@@ -35,6 +35,7 @@ struct ResolvedOptions {
   int max_private_tokens;       // default applied by AllToAll::create (needs the config)
   int fabric_nics;              // >= 1
   int node_size;                // 0: by host name (resolved collectively by the backend)
+  int gpu_direct;               // -1 auto, 0 off, 1 required
   bool profile;
 };
 ResolvedOptions resolve_options(const Options& o);

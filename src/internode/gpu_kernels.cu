@@ -101,7 +101,9 @@ __global__ void __launch_bounds__(kThreads) route_scan_kernel(GpuDispatchParams 
 }
 
 // One warp per own token: a slot per destination rank, at the token's
-// position in that rank's block; block 0 also writes the header.
+// position in that rank's block. The blocks share out the headers at the
+// front of every destination's block; block 0 also writes the pinned copy
+// the proxy reads.
 __global__ void __launch_bounds__(kThreads) pack_kernel(GpuDispatchParams p) {
   const uint32_t epoch = *p.c.state.epoch;
   const Geometry& g = p.c.geo;
@@ -117,15 +119,19 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(GpuDispatchParams p) {
     }
   }
   const int64_t m = *p.c.state.dispatch_m;
-  if (blockIdx.x == 0) {
-    if (threadIdx.x == 0) {
-      const RouteHeader h{epoch, static_cast<uint32_t>(m)};
-      *reinterpret_cast<RouteHeader*>(p.c.send) = h;
-    }
-    uint32_t* counts = reinterpret_cast<uint32_t*>(p.c.send + sizeof(RouteHeader));
-    for (int r = threadIdx.x; r < W; r += kThreads) counts[r] = own[r];
-  }
   __syncthreads();
+  // RouteHeader {epoch, m} then the W counts, as 32-bit words.
+  static_assert(sizeof(RouteHeader) == 8);
+  const auto header_word = [&](int w) {
+    return w == 0 ? epoch : w == 1 ? static_cast<uint32_t>(m) : own[w - 2];
+  };
+  for (int r = blockIdx.x; r < W; r += gridDim.x) {
+    uint32_t* h = reinterpret_cast<uint32_t*>(p.c.send + block_off[r]);
+    for (int w = threadIdx.x; w < 2 + W; w += kThreads) h[w] = header_word(w);
+  }
+  if (blockIdx.x == 0)
+    for (int w = threadIdx.x; w < 2 + W; w += kThreads)
+      reinterpret_cast<uint32_t*>(p.c.own_header)[w] = header_word(w);
   const int mine = g.rank % g.dp_size;
   const int64_t n_mine = mine < m ? (m - mine + g.dp_size - 1) / g.dp_size : 0;
   for (int64_t u = global_warp(); u < n_mine; u += warp_count()) {

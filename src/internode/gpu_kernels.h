@@ -2,12 +2,12 @@
 // take and the functions that launch them. Plain C++, no nvcc needed.
 //
 // The kernels pack and unpack; the proxy thread moves the bytes to other
-// nodes. Send and receive buffers and the proxy's plan live in pinned host
-// memory mapped into the GPU (host staging: the path for providers without
-// GPUDirect RDMA), so the kernels read and write them over PCIe and the
-// engine registers plain host memory. Node peers' slots and rows the kernels
-// store themselves, over NVLink, into the peers' local areas (device memory
-// mapped through CUDA IPC; protocol.h).
+// nodes. Send and receive buffers live in pinned host memory mapped into
+// the GPU (host staging: the path for providers without GPUDirect RDMA, the
+// kernels read and write them over PCIe) or, with Options.gpu_direct, in
+// device memory the NIC reads and writes. Node peers' slots and rows the
+// kernels store themselves, over NVLink, into the peers' local areas
+// (device memory mapped through CUDA IPC; protocol.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -38,9 +38,10 @@ struct GpuCommon {
   Geometry geo;
   Layout layout;
   PlanView plan_view;
-  char* send;           // device view of the pinned send buffer
-  char* recv;           // device view of the pinned recv buffer
-  const int64_t* plan;  // device view of the proxy's plan
+  char* send;           // the send buffer (device view of pinned memory, or device memory)
+  char* recv;           // the recv buffer (likewise)
+  char* own_header;     // device view of a pinned copy of this rank's RouteHeader + counts
+  const int64_t* plan;  // the proxy's plan (pinned memory or, with GDRCopy, device memory)
   char* local;          // this rank's local area (device memory)
   char* const* local_bases;  // [node_size] device array: node peers' local areas, mapped here
   GpuState state;

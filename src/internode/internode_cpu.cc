@@ -71,8 +71,8 @@ class InternodeCpu final : public AllToAllImpl {
         signals_{},
         plan_view_{c.world_size, c.dp_size},
         output_(static_cast<size_t>(ProxyOutput::bytes(plan_view_) / 8), 0),
-        proxy_(geometry_, layout_, o, bootstrap, {send_.get(), recv_.get()}, &signals_,
-               ProxyOutput{reinterpret_cast<char*>(output_.data())}, /*spin_polls=*/256),
+        proxy_(geometry_, layout_, o, &signals_, ProxyOutput{reinterpret_cast<char*>(output_.data())},
+               /*spin_polls=*/256),
         tokens_(static_cast<size_t>(geometry_.max_num_tokens)),
         num_dests_(static_cast<size_t>(geometry_.max_num_tokens), 0),
         counters_(static_cast<size_t>(geometry_.num_local_experts), 0),
@@ -81,6 +81,11 @@ class InternodeCpu final : public AllToAllImpl {
         acc_(static_cast<size_t>(geometry_.hidden_dim)) {
     for (auto& t : tokens_)
       t.resize(static_cast<size_t>(std::min(c.experts_per_token, c.world_size)));
+    Proxy::Buffers b;
+    b.send = send_.get();
+    b.recv = recv_.get();
+    b.own_header = send_.get();  // block 0's header
+    proxy_.start(b, bootstrap);
   }
 
   Backend backend() const override { return Backend::kInternodeCPU; }
@@ -131,11 +136,13 @@ class InternodeCpu final : public AllToAllImpl {
     for (int64_t t = 0; t < m; ++t) classify(a, t, counts);
     const int mine = G.rank % G.dp_size;
     const uint32_t* own = counts.data() + static_cast<size_t>(mine) * G.world_size;
-    // The header at the front of block 0; the proxy copies it to the others.
+    // The header at the front of every block (the proxy reads block 0's).
     const RouteHeader h{epoch_, static_cast<uint32_t>(m)};
     std::memcpy(send_.get(), &h, sizeof(h));
     std::memcpy(send_.get() + sizeof(h), own, sizeof(uint32_t) * G.world_size);
     block_offsets(layout_, own, blocks_.data());
+    for (int r = 1; r < G.world_size; ++r)
+      std::memcpy(send_.get() + blocks_[r], send_.get(), static_cast<size_t>(layout_.header_bytes));
     for (int64_t t = 0; t < m; ++t) {
       if (!G.sends_token(t)) continue;
       for (int d = 0; d < num_dests_[t]; ++d) {

@@ -6,7 +6,9 @@
 // peer through the engine (two GPUs of one host acting as two nodes).
 //
 // Buffers for other nodes are staged in pinned host memory mapped into the
-// GPU, which any libfabric provider can register. The proxy's output (ready
+// GPU, which any libfabric provider can register, or, with GPUDirect RDMA
+// (Options.gpu_direct: providers that accept FI_HMEM), live in device
+// memory the NIC reads and writes. The proxy's output (ready
 // words and plan) goes to device memory through a GDRCopy mapping when
 // libgdrapi and gdrdrv are there at run time (MOELINK_GDRCOPY=0 turns it
 // off), else to pinned host memory. The handshake with the proxy goes through
@@ -110,6 +112,36 @@ class PinnedBuffer {
   int64_t bytes_;
 };
 
+// A send or receive buffer: pinned host memory mapped into the GPU (host
+// staging) or device memory registered for GPUDirect RDMA. Zeroed.
+class FabricBuffer {
+ public:
+  FabricBuffer(int64_t bytes, bool device) : device_(device) {
+    if (!device) {
+      pinned_ = std::make_unique<PinnedBuffer>(bytes);
+      return;
+    }
+    MOELINK_CUDA_CHECK(cudaMalloc(&memory_, static_cast<size_t>(bytes)));
+    MOELINK_CUDA_CHECK(cudaMemset(memory_, 0, static_cast<size_t>(bytes)));
+    MOELINK_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  ~FabricBuffer() {
+    if (memory_) cudaFree(memory_);
+  }
+  FabricBuffer(const FabricBuffer&) = delete;
+  FabricBuffer& operator=(const FabricBuffer&) = delete;
+  void* engine_ptr() const { return device_ ? memory_ : pinned_->host(); }
+  char* kernel_ptr() const { return device_ ? static_cast<char*>(memory_) : pinned_->device(); }
+  fabric::MemoryKind kind() const {
+    return device_ ? fabric::MemoryKind::kCuda : fabric::MemoryKind::kHost;
+  }
+
+ private:
+  bool device_;
+  std::unique_ptr<PinnedBuffer> pinned_;
+  void* memory_ = nullptr;
+};
+
 class InternodeGpu final : public AllToAllImpl {
  public:
   InternodeGpu(const Config& c, const ResolvedOptions& o, Bootstrap& bootstrap)
@@ -132,10 +164,16 @@ class InternodeGpu final : public AllToAllImpl {
           "moelink: internode: GPU " + std::to_string(device_) +
           " lacks 64-bit stream memory operations (cuStreamWaitValue64), which the backend "
           "needs to wait for the proxy without holding an SM");
-    send_ = std::make_unique<PinnedBuffer>(layout_.send_bytes);
-    recv_ = std::make_unique<PinnedBuffer>(layout_.recv_bytes);
     signals_ = std::make_unique<PinnedBuffer>(sizeof(ProxySignals));
+    own_header_ = std::make_unique<PinnedBuffer>(layout_.header_bytes);
     allocate_output();
+    proxy_ = std::make_unique<Proxy>(geometry_, layout_, o, signals_->host<ProxySignals>(),
+                                     ProxyOutput{output_host_, gdr_ != nullptr},
+                                     // A dedicated core: spin long before yielding.
+                                     /*spin_polls=*/1 << 20);
+    const bool direct = use_gpu_direct();
+    send_ = std::make_unique<FabricBuffer>(layout_.send_bytes, direct);
+    recv_ = std::make_unique<FabricBuffer>(layout_.recv_bytes, direct);
     // Zeroed and mapped by every node peer before any proxy starts (the
     // proxy's constructor ends with a barrier too).
     local_ = std::make_unique<PeerMemory>(static_cast<size_t>(layout_.local_bytes), bootstrap,
@@ -143,12 +181,19 @@ class InternodeGpu final : public AllToAllImpl {
     allocate_state();
     if (options_.profile)
       for (auto& e : events_) MOELINK_CUDA_CHECK(cudaEventCreate(&e));
-    proxy_ = std::make_unique<Proxy>(
-        geometry_, layout_, o, bootstrap,
-        Proxy::Buffers{send_->host(), recv_->host(), fabric::MemoryKind::kHost, device_},
-        signals_->host<ProxySignals>(), ProxyOutput{output_host_, gdr_ != nullptr},
-        // A dedicated core: spin long before yielding, latency matters here.
-        /*spin_polls=*/1 << 20);
+    Proxy::Buffers b;
+    b.send = send_->engine_ptr();
+    b.recv = recv_->engine_ptr();
+    b.kind = send_->kind();
+    b.device = device_;
+    b.own_header = own_header_->host();
+    if (direct) {
+      MOELINK_CUDA_CHECK(cudaStreamCreateWithFlags(&proxy_stream_, cudaStreamNonBlocking));
+      b.read_recv = [this](char* dst, int64_t offset, int64_t stride, int64_t bytes, int rows) {
+        read_device_recv(dst, offset, stride, bytes, rows);
+      };
+    }
+    proxy_->start(b, bootstrap);
   }
 
   ~InternodeGpu() override {
@@ -160,6 +205,7 @@ class InternodeGpu final : public AllToAllImpl {
       if (e) cudaEventDestroy(e);
     cudaFree(private_);
     cudaFree(local_bases_);
+    if (proxy_stream_) cudaStreamDestroy(proxy_stream_);
   }
 
   Backend backend() const override { return Backend::kInternode; }
@@ -265,6 +311,33 @@ class InternodeGpu final : public AllToAllImpl {
   }
   ProxyOutput output_device() const { return ProxyOutput{output_device_}; }
 
+  // Options.gpu_direct: 1 needs a provider that accepted FI_HMEM; the
+  // default takes it where GPUDirect RDMA is the point of the provider
+  // (efa, verbs). shm and tcp stay on host staging (an shm built without
+  // CUDA support may still announce FI_HMEM).
+  bool use_gpu_direct() const {
+    const std::string& p = proxy_->provider();
+    const bool hmem = proxy_->engine_hmem();
+    if (options_.gpu_direct == 1 && !hmem)
+      throw InvalidArgument("moelink: Options.gpu_direct = 1 (GPU buffers registered with the NIC), "
+                            "but the libfabric provider '" +
+                            p + "' did not accept FI_HMEM; use 0 (host staging)");
+    if (options_.gpu_direct >= 0) return options_.gpu_direct == 1;
+    return hmem && (p.rfind("efa", 0) == 0 || p.find("verbs") != std::string::npos);
+  }
+
+  // The proxy thread reads the peers' routing headers out of device memory:
+  // on its own non-blocking stream, so it never waits behind the user's
+  // streams (one of which may be waiting for this very step).
+  void read_device_recv(char* dst, int64_t offset, int64_t stride, int64_t bytes, int rows) {
+    MOELINK_CUDA_CHECK(cudaSetDevice(device_));
+    MOELINK_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(bytes),
+                                         recv_->kernel_ptr() + offset, static_cast<size_t>(stride),
+                                         static_cast<size_t>(bytes), static_cast<size_t>(rows),
+                                         cudaMemcpyDeviceToHost, proxy_stream_));
+    MOELINK_CUDA_CHECK(cudaStreamSynchronize(proxy_stream_));
+  }
+
   void allocate_state() {
     const Geometry& g = geometry_;
     const int64_t T = g.max_num_tokens, W = g.world_size, k = g.experts_per_token;
@@ -333,8 +406,9 @@ class InternodeGpu final : public AllToAllImpl {
     c.geo = geometry_;
     c.layout = layout_;
     c.plan_view = plan_view_;
-    c.send = send_->device();
-    c.recv = recv_->device();
+    c.send = send_->kernel_ptr();
+    c.recv = recv_->kernel_ptr();
+    c.own_header = own_header_->device();
     c.plan = output_device().plan();
     c.local = local_->local();
     c.local_bases = local_bases_;
@@ -361,7 +435,9 @@ class InternodeGpu final : public AllToAllImpl {
   PlanView plan_view_;
   int device_ = 0;
   int num_sms_ = 0;
-  std::unique_ptr<PinnedBuffer> send_, recv_, signals_;
+  std::unique_ptr<FabricBuffer> send_, recv_;
+  std::unique_ptr<PinnedBuffer> signals_, own_header_;
+  cudaStream_t proxy_stream_ = nullptr;  // GPUDirect: the proxy's header reads
   // The proxy's output block (ProxyOutput), in one of the two.
   std::unique_ptr<GdrMemory> gdr_;
   std::unique_ptr<PinnedBuffer> output_pinned_;

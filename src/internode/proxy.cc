@@ -34,32 +34,55 @@ fabric::EngineOptions engine_options(const Geometry& g, const ResolvedOptions& o
 
 }  // namespace
 
-Proxy::Proxy(const Geometry& g, const Layout& l, const ResolvedOptions& o, Bootstrap& bootstrap,
-             const Buffers& buffers, ProxySignals* signals, ProxyOutput output, int spin_polls)
+Proxy::Proxy(const Geometry& g, const Layout& l, const ResolvedOptions& o, ProxySignals* signals,
+             ProxyOutput output, int spin_polls)
     : g_(g),
       l_(l),
       o_(o),
-      buffers_(buffers),
       signals_(signals),
       output_(output),
       plan_(output.plan()),
       plan_view_{g.world_size, g.dp_size},
       spin_polls_(spin_polls),
       matrix_(g, l),
-      block_offset_(static_cast<size_t>(g.world_size), 0) {
+      block_offset_(static_cast<size_t>(g.world_size), 0),
+      headers_(static_cast<size_t>(g.world_size * l.header_bytes)) {
   if (g.world_size > kMaxWorldSize)
     throw InvalidArgument("moelink: internode: world_size = " + std::to_string(g.world_size) +
                           " must be <= " + std::to_string(kMaxWorldSize));
   engine_ = fabric::TransferEngine::create(engine_options(g, o));
   provider_ = engine_->provider();
-  send_mr_ = engine_->register_memory(buffers.send, static_cast<size_t>(l.send_bytes), buffers.kind,
-                                      buffers.device);
-  recv_mr_ = engine_->register_memory(buffers.recv, static_cast<size_t>(l.recv_bytes), buffers.kind,
-                                      buffers.device);
+}
+
+void Proxy::start(const Buffers& buffers, Bootstrap& bootstrap) {
+  buffers_ = buffers;
+  if (!buffers_.read_recv)
+    buffers_.read_recv = [recv = static_cast<const char*>(buffers.recv)](
+                             char* dst, int64_t offset, int64_t stride, int64_t bytes, int rows) {
+      for (int i = 0; i < rows; ++i)
+        std::memcpy(dst + i * bytes, recv + offset + i * stride, static_cast<size_t>(bytes));
+    };
+  // A rank whose registration fails tells the others instead of leaving
+  // them in the exchange below: "" or what its engine said.
+  std::string error;
+  try {
+    send_mr_ = engine_->register_memory(buffers.send, static_cast<size_t>(l_.send_bytes),
+                                        buffers.kind, buffers.device);
+    recv_mr_ = engine_->register_memory(buffers.recv, static_cast<size_t>(l_.recv_bytes),
+                                        buffers.kind, buffers.device);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const auto errors = bootstrap.all_gather_blobs(std::vector<char>(error.begin(), error.end()));
+  for (int r = 0; r < g_.world_size; ++r)
+    if (!errors[r].empty())
+      throw FabricError("moelink: internode: rank " + std::to_string(r) +
+                        " could not register its buffers with the TransferEngine (" + provider_ +
+                        "): " + std::string(errors[r].begin(), errors[r].end()));
   const auto blobs = bootstrap.all_gather_blobs(engine_->descriptor(recv_mr_).serialize());
   std::vector<fabric::MemoryDescriptor> members;
-  for (int r = 0; r < g.world_size; ++r)
-    if (r != g.rank)
+  for (int r = 0; r < g_.world_size; ++r)
+    if (r != g_.rank)
       members.push_back(fabric::MemoryDescriptor::deserialize(blobs[r].data(), blobs[r].size()));
   if (!members.empty()) peers_ = engine_->add_peer_group(members);
   // Nobody writes before every rank has registered its buffers.
@@ -249,13 +272,11 @@ void Proxy::dispatch(uint32_t epoch) {
   // The peers' dispatch areas are free: each one's combine notification of
   // the previous epoch (step 5), sent after it unpacked, has arrived.
 
-  // 1. Own counts (the packer's header, at the front of block 0), block
-  //    offsets, and the header copied to the front of every other block.
-  const auto* counts = reinterpret_cast<const uint32_t*>(send() + sizeof(RouteHeader));
+  // 1. Own counts (the packer's header, which it also wrote at the front of
+  //    every block) and the block offsets.
+  const auto* counts = reinterpret_cast<const uint32_t*>(buffers_.own_header + sizeof(RouteHeader));
   matrix_.set_row(me, counts);
   block_offsets(l_, counts, block_offset_.data());
-  for (int r = 1; r < W; ++r)
-    std::memcpy(send() + block_offset_[r], send(), static_cast<size_t>(l_.header_bytes));
 
   // 2. Routing info + private tokens: one scatter to every peer, starting
   //    with the next rank, so that the ranks do not all write to rank 0
@@ -277,11 +298,14 @@ void Proxy::dispatch(uint32_t epoch) {
     return;
   }
 
-  // 3. Every peer's routing info: the matrix.
+  // 3. Every peer's routing info: the matrix. The headers are read in one
+  //    go once all have arrived (one device copy for GPU buffers).
+  for (int s = 0; s < W; ++s)
+    if (s != me && !wait_peer(ImmKind::kRoute, s, Phase::kDispatchRecv)) return;
+  buffers_.read_recv(headers_.data(), l_.private_offset(0), l_.private_stride, l_.header_bytes, W);
   for (int s = 0; s < W; ++s) {
     if (s == me) continue;
-    if (!wait_peer(ImmKind::kRoute, s, Phase::kDispatchRecv)) return;
-    const char* h = recv() + l_.private_offset(s);
+    const char* h = headers_.data() + s * l_.header_bytes;
     RouteHeader header;
     std::memcpy(&header, h, sizeof(header));
     if (header.epoch != epoch) {

@@ -22,6 +22,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -63,19 +64,33 @@ inline uint64_t combine_step(uint32_t epoch) { return 2ull * epoch; }
 
 class Proxy {
  public:
+  // Copies `rows` runs of `bytes` from recv + offset + i * stride to
+  // dst + i * bytes (the peers' routing headers, step 3).
+  using RecvReader =
+      std::function<void(char* dst, int64_t offset, int64_t stride, int64_t bytes, int rows)>;
   struct Buffers {
-    void* send;  // Layout::send_bytes, registered with the engine
-    void* recv;  // Layout::recv_bytes
+    void* send = nullptr;  // Layout::send_bytes, registered with the engine
+    void* recv = nullptr;  // Layout::recv_bytes
     fabric::MemoryKind kind = fabric::MemoryKind::kHost;
     int device = 0;
+    // This rank's RouteHeader + counts as the packer wrote them, readable
+    // by the host. The packer also writes it at the front of every block.
+    const char* own_header = nullptr;
+    // How the host reads the receive buffer: memcpy when empty (host
+    // memory); a device copy for GPU memory.
+    RecvReader read_recv;
   };
-  // Collective over the bootstrap: creates the engine, registers the
-  // buffers, exchanges descriptors, starts the thread. `spin_polls`: polls
-  // of `request` before the idle proxy starts to yield and sleep.
-  // `output`: the plan (protocol.h) and ready words the proxy fills for the
-  // unpacking side.
-  Proxy(const Geometry& g, const Layout& l, const ResolvedOptions& o, Bootstrap& bootstrap,
-        const Buffers& buffers, ProxySignals* signals, ProxyOutput output, int spin_polls);
+  // Creates the engine. `spin_polls`: polls of `request` before the idle
+  // proxy starts to yield and sleep. `output`: the plan (protocol.h) and
+  // ready words the proxy fills for the unpacking side.
+  Proxy(const Geometry& g, const Layout& l, const ResolvedOptions& o, ProxySignals* signals,
+        ProxyOutput output, int spin_polls);
+  // The engine's provider accepted FI_HMEM: buffers may be GPU memory.
+  bool engine_hmem() const { return engine_->hmem(); }
+  // Collective over the bootstrap: registers the buffers, exchanges
+  // descriptors, starts the thread. When registering fails on any rank,
+  // every rank throws (naming that rank and what its engine said).
+  void start(const Buffers& buffers, Bootstrap& bootstrap);
   ~Proxy();
   Proxy(const Proxy&) = delete;
   Proxy& operator=(const Proxy&) = delete;
@@ -113,8 +128,6 @@ class Proxy {
   void fail(ErrorCode code, Phase phase, int peer, const std::string& detail);
   double remaining_s() const;
 
-  char* send() const { return static_cast<char*>(buffers_.send); }
-  char* recv() const { return static_cast<char*>(buffers_.recv); }
   int member(int rank) const { return rank < g_.rank ? rank : rank - 1; }
 
   Geometry g_;
@@ -133,6 +146,7 @@ class Proxy {
   RouteMatrix matrix_;
   std::vector<fabric::TransferPtr> pending_;  // this step's transfers
   std::vector<int64_t> block_offset_;         // [W] own dispatch blocks in send
+  std::vector<char> headers_;                 // [W] peers' RouteHeaders + counts, step 3
   std::chrono::steady_clock::time_point deadline_;
   // This step's time in waits (wait_peer, wait_transfers) and in total.
   class WaitTimer;

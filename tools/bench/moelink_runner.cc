@@ -50,6 +50,7 @@ moelink::Options options_for(const BenchOptions& o, moelink::Backend backend) {
   opt.fabric_provider = o.fabric_provider;
   opt.max_private_tokens = o.max_private_tokens;
   opt.node_size = o.node_size;
+  opt.gpu_direct = o.gpu_direct;
   opt.profile = 0;  // the timed loops run without events; phases are timed apart
   return opt;
 }

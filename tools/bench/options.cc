@@ -60,6 +60,11 @@ bool parse_options(int argc, char** argv, BenchOptions& o, int& exit_code) {
                  "default)")
       ->check(CLI::Range(-1, 1 << 20))
       ->capture_default_str();
+  app.add_option("--gpu-direct", o.gpu_direct,
+                 "internode: Options.gpu_direct, GPU buffers registered with the NIC (1), host "
+                 "staging (0), by provider (-1)")
+      ->check(CLI::Range(-1, 1))
+      ->capture_default_str();
   app.add_option("--compare", o.compare_backend,
                  "also time this GPU backend in the same run (quantities prefixed with its name, "
                  "e.g. nvlink_dispatch)")

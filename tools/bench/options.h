@@ -31,7 +31,8 @@ struct BenchOptions {
   bool no_dense = false;  // skip NVSHMEM's dense all-to-all baseline
   std::string fabric_provider;  // internode backends ("" = default)
   int max_private_tokens = -1;
-  int node_size = -1;  // internode backends: Options.node_size (-1 = library default)
+  int node_size = -1;   // internode backends: Options.node_size (-1 = library default)
+  int gpu_direct = -1;  // internode: Options.gpu_direct (-1 = by provider)
   int num_blocks = 0;
   std::string machine;
   bool split = false;
