@@ -1,7 +1,8 @@
-// TransferEngine: a host-side RDMA engine over libfabric RDM endpoints.
-// One engine per process (per GPU); several NICs ("domains"), each driven by
-// a worker thread of its NIC group. See docs/transfer_engine.md for the
-// protocol of each operation.
+// TransferEngine: a host-side RDMA engine over libfabric RDM endpoints, or
+// over moelink's own libibverbs transport for ConnectX (provider "ibverbs";
+// never run on a NIC yet). One engine per process (per GPU); several NICs
+// ("domains"), each driven by a worker thread of its NIC group. See
+// docs/transfer_engine.md for the protocol of each operation.
 //
 // Thread safety: every public member may be called from any thread.
 // Completion: operations return a Transfer, which can be waited on, polled,
@@ -22,9 +23,17 @@
 
 namespace moelink::fabric {
 
+// EngineOptions::provider that selects moelink's own libibverbs transport
+// (one UD QP per NIC for handshakes, two RC QPs per peer) instead of
+// libfabric. Not to be confused with libfabric's "verbs" provider
+// (verbs;ofi_rxm), which "verbs" still selects. It has only run against a
+// fake verbs layer in tests, never on a NIC (docs/transfer_engine.md).
+inline constexpr char kVerbsProvider[] = "ibverbs";
+
 struct EngineOptions {
-  // libfabric provider: "efa", "shm", "tcp" (tcp;ofi_rxm), or "" for the
-  // first of efa, shm, tcp that fi_getinfo offers.
+  // libfabric provider: "efa", "shm", "tcp" (tcp;ofi_rxm), "verbs"
+  // (verbs;ofi_rxm), or "" for the first of efa, shm, tcp that fi_getinfo
+  // offers; or kVerbsProvider ("ibverbs") for moelink's libibverbs transport.
   std::string provider;
   // Number of NICs to use. When the provider offers fewer domains than
   // this (shm, tcp), the same domain is opened several times, which
@@ -39,16 +48,25 @@ struct EngineOptions {
   double timeout_s = 30.0;
   // Label shown in this engine's address; peers use it in error messages.
   std::string name;
-  // Two-sided messages: largest message and receive buffers per domain.
+  // Two-sided messages: largest message and receive buffers per domain
+  // (ibverbs: per domain and peer). Peers must agree on max_message_bytes.
   size_t max_message_bytes = 4096;
   int recv_buffers = 64;
+  // ibverbs only: the device of each domain ("mlx5_0", ...); empty = the
+  // machine's devices in ibv_get_device_list order, domain i on device
+  // i % count. Port and source GID index are the same for every domain.
+  std::vector<std::string> verbs_devices;
+  int verbs_port = 1;
+  int verbs_gid_index = 0;
 };
 
 // An engine's address: its label and the endpoint name of each domain.
 // Serializable; exchange it out of band (Bootstrap::all_gather).
 struct EngineAddress {
   std::string name;
-  std::vector<std::string> endpoints;  // raw fi_getname bytes per domain
+  // Per domain: raw fi_getname bytes (libfabric), or the NIC's UD contact
+  // (LID, GID, UD QPN) and node id (ibverbs).
+  std::vector<std::string> endpoints;
   std::vector<char> serialize() const;
   static EngineAddress deserialize(const void* data, size_t size);
   bool operator==(const EngineAddress&) const = default;
@@ -64,8 +82,9 @@ struct MemoryRegion {
 };
 
 // What a peer needs to write into a registration: the owner's address, the
-// remote base (virtual address or 0, per the provider's FI_MR_VIRT_ADDR) and
-// key of each domain, and the size. Serializable.
+// remote base (virtual address or 0, per the provider's FI_MR_VIRT_ADDR;
+// ibverbs: the virtual address) and key (ibverbs: the rkey) of each domain,
+// and the size. Serializable.
 struct MemoryDescriptor {
   EngineAddress owner;
   uint64_t size = 0;
@@ -124,7 +143,7 @@ class TransferEngine {
   virtual ~TransferEngine() = default;
 
   virtual const EngineAddress& address() const = 0;
-  virtual std::string provider() const = 0;  // as fi_getinfo named it
+  virtual std::string provider() const = 0;  // as fi_getinfo named it, or "ibverbs"
   virtual int num_domains() const = 0;
   virtual bool hmem() const = 0;  // the provider accepted FI_HMEM
 
@@ -175,7 +194,8 @@ class TransferEngine {
 
 // fi_version() of the libfabric loaded at run time, e.g. "1.17".
 std::string fabric_runtime_version();
-// True when fi_getinfo offers the provider with what the engine needs.
+// True when fi_getinfo offers the provider with what the engine needs
+// ("ibverbs": built with libibverbs and an RDMA device is present).
 bool provider_available(const std::string& provider);
 
 }  // namespace moelink::fabric

@@ -1,16 +1,27 @@
-// libfabric setup: fi_getinfo with the engine's needs, and one domain with
-// its endpoint. Honours what fi_getinfo returns: FI_MR_VIRT_ADDR (remote
+// libfabric as a TransferEngine transport: fi_getinfo with the engine's
+// needs, one domain with its endpoint, posting and completion
+// classification. Honours what fi_getinfo returns: FI_MR_VIRT_ADDR (remote
 // addresses are virtual addresses, else offsets), FI_MR_PROV_KEY (provider
 // keys, else our own), FI_MR_ENDPOINT (bind registrations to the endpoint),
 // FI_MR_LOCAL (pass descriptors for local buffers) and FI_RX_CQ_DATA (remote
 // CQ data consumes a posted receive).
+//
+// Completion classification (never by length): an entry with FI_REMOTE_WRITE
+// is a peer's write carrying an immediate (counted; under FI_RX_CQ_DATA it
+// consumed a posted receive, which is reposted); an entry with FI_RECV is a
+// two-sided message; anything else is one of the worker's work requests,
+// found through its context.
 #include "fabric/fabric_domain.h"
 
 #include <rdma/fi_cm.h>
 #include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
 
 #include <cstring>
+#include <functional>
 #include <set>
+
+#include "fabric/cuda_dmabuf.h"
 
 namespace moelink::fabric {
 
@@ -18,6 +29,10 @@ namespace moelink::fabric {
 // headers that have them, and used only when the loaded library has them.
 #define MOELINK_FI_HEADERS_AT_LEAST(maj, min) \
   (FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION) >= FI_VERSION(maj, min))
+
+// The worker's contexts carry libfabric's per-operation space at their front.
+static_assert(sizeof(fi_context2) <= sizeof(WrContext::transport_space),
+              "WrContext must hold an fi_context2");
 
 void check_fi(int rc, const std::string& what) {
   if (rc < 0) throw FabricError(what + ": " + fi_strerror(-rc) + " (" + std::to_string(rc) + ")");
@@ -102,7 +117,7 @@ std::unique_ptr<ProviderInfo> query_provider(const std::string& provider) {
                             std::to_string(FI_MINOR(fi_version())) + ")");
 }
 
-Domain::Domain(const fi_info* info, int index) : index_(index) {
+Domain::Domain(const fi_info* info, int index, const ReceiveConfig& rx) : index_(index) {
   info_ = fi_dupinfo(info);
   if (!info_) throw FabricError("fi_dupinfo failed");
   provider_ = info_->fabric_attr->prov_name;
@@ -142,15 +157,30 @@ Domain::Domain(const fi_info* info, int index) : index_(index) {
     size_t len = sizeof(buf);
     check_fi(fi_getname(&ep_->fid, buf, &len), where + ": fi_getname");
     name_.assign(buf, len);
+    post_receives(rx);
   } catch (...) {
     cleanup();
     throw;
   }
 }
 
+void Domain::post_receives(const ReceiveConfig& rx) {
+  recv_bytes_ = rx.max_message_bytes;
+  const size_t n = static_cast<size_t>(rx.recv_buffers);
+  recv_memory_.resize(n * recv_bytes_);
+  recv_mr_ = register_memory(recv_memory_.data(), recv_memory_.size(), MemoryKind::kHost, 0);
+  recv_ctxs_.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    recv_ctxs_[i].buf = recv_memory_.data() + i * recv_bytes_;
+    repost(&recv_ctxs_[i]);
+  }
+}
+
 void Domain::close_endpoint() {
   if (ep_) fi_close(&ep_->fid);
   ep_ = nullptr;
+  deregister_memory(recv_mr_);  // after the endpoint it may be bound to
+  recv_mr_ = MemoryHandle{};
 }
 
 Domain::~Domain() { cleanup(); }
@@ -169,51 +199,200 @@ void Domain::cleanup() {
   info_ = nullptr;
 }
 
-Domain::Mr Domain::register_memory(void* ptr, size_t size, MemoryKind kind, int device) {
+bool Domain::register_dmabuf(void* ptr, size_t size, int device, uint64_t key, fid_mr** mr,
+                             std::string* why) {
+#if defined(FI_MR_DMABUF) && MOELINK_FI_HEADERS_AT_LEAST(1, 20)
+  // Headers that know FI_MR_DMABUF; the loaded library must too (a newer
+  // header set can meet an older libfabric.so at run time).
+  if (fi_version() < FI_VERSION(1, 20)) {
+    *why = "the loaded libfabric is older than 1.20";
+    return false;
+  }
+  auto range = export_cuda_dmabuf(ptr, size, why);
+  if (!range) return false;
+  fi_mr_dmabuf dmabuf{};
+  dmabuf.fd = range->fd;
+  dmabuf.offset = range->offset;
+  dmabuf.len = size;
+  // The region's virtual address is base_addr + offset = ptr, so remote
+  // addresses stay those of the FI_HMEM path (remote_base below).
+  dmabuf.base_addr = range->base;
+  fi_mr_attr attr{};
+  attr.dmabuf = &dmabuf;
+  attr.iov_count = 1;
+  attr.access = FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+  attr.requested_key = key;
+  attr.iface = FI_HMEM_CUDA;
+  attr.device.cuda = device;
+  const int rc = fi_mr_regattr(domain_, &attr, FI_MR_DMABUF, mr);
+  close_dmabuf(*range);  // the registration holds its own reference to the dma-buf
+  if (rc < 0) {
+    *why = std::string("fi_mr_regattr(FI_MR_DMABUF): ") + fi_strerror(-rc);
+    *mr = nullptr;
+    return false;
+  }
+  return true;
+#else
+  (void)ptr;
+  (void)size;
+  (void)device;
+  (void)key;
+  (void)mr;
+  *why = "libfabric headers older than 1.20 (no FI_MR_DMABUF)";
+  return false;
+#endif
+}
+
+MemoryHandle Domain::register_memory(void* ptr, size_t size, MemoryKind kind, int device) {
   const std::string where = "TransferEngine register_memory on domain " + std::to_string(index_);
   if (kind == MemoryKind::kCuda && !hmem_)
     throw FabricError(where + ": provider " + provider_ +
                       " did not accept FI_HMEM; CUDA memory cannot be registered");
-  iovec iov{ptr, size};
-  fi_mr_attr attr{};
-  attr.mr_iov = &iov;
-  attr.iov_count = 1;
-  attr.access = FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
-  attr.requested_key = prov_key_ ? 0 : next_key_++;
-  attr.iface = kind == MemoryKind::kCuda ? FI_HMEM_CUDA : FI_HMEM_SYSTEM;
-  if (kind == MemoryKind::kCuda) attr.device.cuda = device;
-  // TODO(issue 3): DMA-BUF registration (FI_MR_DMABUF, libfabric >= 1.20)
-  // guarded by MOELINK_FI_HEADERS_AT_LEAST(1, 20) and fi_version().
-  Mr out;
-  check_fi(fi_mr_regattr(domain_, &attr, 0, &out.mr), where + ": fi_mr_regattr");
+  const uint64_t key = prov_key_ ? 0 : next_key_++;
+  fid_mr* mr = nullptr;
+  // CUDA memory: DMA-BUF first (the provider then needs no CUDA calls of its
+  // own to pin the pages), else the FI_HMEM iface path. Why DMA-BUF was not
+  // used is not an error: the iface path is the fallback.
+  std::string dmabuf_why;
+  if (kind != MemoryKind::kCuda || !register_dmabuf(ptr, size, device, key, &mr, &dmabuf_why)) {
+    iovec iov{ptr, size};
+    fi_mr_attr attr{};
+    attr.mr_iov = &iov;
+    attr.iov_count = 1;
+    attr.access = FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+    attr.requested_key = key;
+    attr.iface = kind == MemoryKind::kCuda ? FI_HMEM_CUDA : FI_HMEM_SYSTEM;
+    if (kind == MemoryKind::kCuda) attr.device.cuda = device;
+    check_fi(fi_mr_regattr(domain_, &attr, 0, &mr), where + ": fi_mr_regattr");
+  }
   if (mr_endpoint_) {
-    int rc = fi_mr_bind(out.mr, &ep_->fid, 0);
-    if (rc == 0) rc = fi_mr_enable(out.mr);
+    int rc = fi_mr_bind(mr, &ep_->fid, 0);
+    if (rc == 0) rc = fi_mr_enable(mr);
     if (rc < 0) {
-      fi_close(&out.mr->fid);
+      fi_close(&mr->fid);
       check_fi(rc, where + ": fi_mr_bind/fi_mr_enable");
     }
   }
-  out.desc = fi_mr_desc(out.mr);
-  out.key = fi_mr_key(out.mr);
+  MemoryHandle out;
+  out.impl = mr;
+  out.desc = fi_mr_desc(mr);
+  out.key = fi_mr_key(mr);
+  out.remote_base = virt_addr_ ? reinterpret_cast<uint64_t>(ptr) : 0;
   if (out.key == FI_KEY_NOTAVAIL) {
-    fi_close(&out.mr->fid);
+    fi_close(&mr->fid);
     throw FabricError(where + ": fi_mr_key not available");
   }
   return out;
 }
 
-void Domain::close_mr(const Mr& mr) {
-  if (mr.mr) fi_close(&mr.mr->fid);
+void Domain::deregister_memory(const MemoryHandle& mr) {
+  if (mr.impl) fi_close(&static_cast<fid_mr*>(mr.impl)->fid);
 }
 
-fi_addr_t Domain::insert_address(const std::string& name) {
+uint64_t Domain::insert_peer(const std::string& endpoint, const std::string&) {
   fi_addr_t addr = FI_ADDR_UNSPEC;
-  const int n = fi_av_insert(av_, name.data(), 1, &addr, 0, nullptr);
+  const int n = fi_av_insert(av_, endpoint.data(), 1, &addr, 0, nullptr);
   if (n != 1)
     throw FabricError("TransferEngine add_peer: fi_av_insert on domain " + std::to_string(index_) +
                       " failed (" + std::to_string(n) + ")");
   return addr;
+}
+
+void Domain::repost(RecvCtx* c) {
+  for (;;) {
+    const ssize_t rc = fi_recv(ep_, c->buf, recv_bytes_, recv_mr_.desc, FI_ADDR_UNSPEC, &c->fi);
+    if (rc == 0) return;
+    if (rc != -FI_EAGAIN) check_fi(static_cast<int>(rc), "TransferEngine: fi_recv");
+    fi_cq_data_entry e[1];
+    (void)fi_cq_read(cq_, e, 0);  // progress
+  }
+}
+
+Domain::RecvCtx* Domain::recv_ctx(void* op_context) {
+  if (recv_ctxs_.empty()) return nullptr;
+  const std::less<const void*> before;
+  const void* first = recv_ctxs_.data();
+  const void* end = recv_ctxs_.data() + recv_ctxs_.size();
+  if (before(op_context, first) || !before(op_context, end)) return nullptr;
+  return static_cast<RecvCtx*>(op_context);
+}
+
+PostStatus Domain::post(const Wr& wr, WrContext* ctx, bool, PostError* error) {
+  void* context = ctx->transport_space;
+  void* desc = wr.desc;
+  ssize_t rc;
+  if (wr.kind == Wr::Kind::kWrite) {
+    // WR template: one local iov, one remote iov, the immediate as CQ data.
+    iovec iov{wr.buf, wr.len};
+    fi_rma_iov riov{wr.remote_addr, wr.len, wr.remote_key};
+    fi_msg_rma msg{};
+    msg.msg_iov = &iov;
+    msg.desc = &desc;
+    msg.iov_count = 1;
+    msg.addr = wr.dest;
+    msg.rma_iov = &riov;
+    msg.rma_iov_count = 1;
+    msg.context = context;
+    msg.data = wr.imm;
+    rc = fi_writemsg(ep_, &msg, FI_COMPLETION | (wr.has_imm ? FI_REMOTE_CQ_DATA : 0));
+  } else {
+    rc = fi_send(ep_, wr.buf, wr.len, desc, wr.dest, context);
+  }
+  if (rc == 0) return PostStatus::kPosted;
+  if (rc == -FI_EAGAIN) return PostStatus::kAgain;
+  error->timeout = false;
+  error->text = fi_strerror(static_cast<int>(-rc));
+  return PostStatus::kFailed;
+}
+
+void Domain::handle_error(CompletionSink& sink) {
+  fi_cq_err_entry err{};
+  if (fi_cq_readerr(cq_, &err, 0) <= 0) return;
+  if (!err.op_context) return;  // a peer's write that failed on our side
+  if (err.flags & FI_REMOTE_WRITE) {  // under FI_RX_CQ_DATA it used a receive
+    if (rx_cq_data_)
+      if (RecvCtx* r = recv_ctx(err.op_context)) repost(r);
+    return;
+  }
+  if (RecvCtx* r = recv_ctx(err.op_context)) {
+    if (err.err != FI_ECANCELED) repost(r);
+    return;
+  }
+  char buf[256] = {0};
+  const char* detail = fi_cq_strerror(cq_, err.prov_errno, err.err_data, buf, sizeof(buf));
+  sink.wr_failed(reinterpret_cast<WrContext*>(err.op_context),
+                 std::string(fi_strerror(err.err)) + " (" + (detail ? detail : "") + ")");
+}
+
+int Domain::poll(CompletionSink& sink) {
+  fi_cq_data_entry entries[32];
+  const ssize_t n = fi_cq_read(cq_, entries, 32);
+  if (n == -FI_EAGAIN) return 0;
+  if (n == -FI_EAVAIL) {
+    handle_error(sink);
+    return 1;
+  }
+  if (n < 0) return 0;
+  for (ssize_t i = 0; i < n; ++i) {
+    const fi_cq_data_entry& e = entries[i];
+    if (e.flags & FI_REMOTE_WRITE) {
+      if (e.flags & FI_REMOTE_CQ_DATA) sink.imm_arrived(static_cast<uint32_t>(e.data));
+      if (rx_cq_data_ && e.op_context)
+        if (RecvCtx* r = recv_ctx(e.op_context)) repost(r);
+      continue;
+    }
+    if (!e.op_context) continue;
+    if (e.flags & FI_RECV) {
+      if (RecvCtx* r = recv_ctx(e.op_context)) {
+        sink.message_arrived(r->buf, e.len);
+        repost(r);
+      }
+      continue;
+    }
+    // transport_space is WrContext's first (and only) member.
+    sink.wr_done(reinterpret_cast<WrContext*>(e.op_context));
+  }
+  return static_cast<int>(n);
 }
 
 }  // namespace moelink::fabric

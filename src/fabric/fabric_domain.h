@@ -1,8 +1,8 @@
-// One libfabric domain (one NIC): fabric, domain, address vector, completion
-// queue and one RDM endpoint, plus what fi_getinfo said about memory
-// registration. After construction it is only called under its worker's
-// endpoint mutex (by the worker or by a user thread posting/polling, see
-// worker.h): the domain is opened FI_THREAD_DOMAIN.
+// One libfabric domain (one NIC) as a TransferEngine transport (transport.h):
+// fabric, domain, address vector, completion queue and one RDM endpoint,
+// what fi_getinfo said about memory registration, and the posted receive
+// buffers for two-sided messages. After construction it is only called
+// under its worker's endpoint mutex (the domain is opened FI_THREAD_DOMAIN).
 #pragma once
 
 #include <rdma/fabric.h>
@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "fabric/transport.h"
 #include "moelink/transfer_engine.h"
 
 namespace moelink::fabric {
@@ -31,39 +32,45 @@ struct ProviderInfo {
 // Tries FI_HMEM first, then host memory only. Throws ProviderUnavailable.
 std::unique_ptr<ProviderInfo> query_provider(const std::string& provider);
 
-class Domain {
+class Domain final : public Nic {
  public:
-  Domain(const fi_info* info, int index);
-  ~Domain();
+  // Opens everything and posts rx.recv_buffers receives.
+  Domain(const fi_info* info, int index, const ReceiveConfig& rx);
+  ~Domain() override;
   Domain(const Domain&) = delete;
   Domain& operator=(const Domain&) = delete;
 
-  struct Mr {
-    fid_mr* mr = nullptr;
-    void* desc = nullptr;
-    uint64_t key = 0;
-  };
-  // Registers [ptr, ptr+size) for local use and remote writes.
-  Mr register_memory(void* ptr, size_t size, MemoryKind kind, int device);
-  static void close_mr(const Mr& mr);
-  // Remote address for offset 0 of a registration at ptr.
-  uint64_t remote_base(const void* ptr) const {
-    return virt_addr_ ? reinterpret_cast<uint64_t>(ptr) : 0;
-  }
-  fi_addr_t insert_address(const std::string& name);
+  int index() const override { return index_; }
+  const std::string& provider() const override { return provider_; }
+  const std::string& endpoint() const override { return name_; }
+  bool hmem() const override { return hmem_; }
 
-  int index() const { return index_; }
-  const std::string& name() const { return name_; }
-  const std::string& provider() const { return provider_; }
-  fid_ep* ep() const { return ep_; }
-  fid_cq* cq() const { return cq_; }
-  bool mr_local() const { return mr_local_; }
-  bool rx_cq_data() const { return rx_cq_data_; }
-  // Closes the endpoint (outstanding operations are abandoned).
-  void close_endpoint();
+  MemoryHandle register_memory(void* ptr, size_t size, MemoryKind kind, int device) override;
+  void deregister_memory(const MemoryHandle& mr) override;
+  uint64_t insert_peer(const std::string& endpoint, const std::string& peer_name) override;
+
+  PostStatus post(const Wr& wr, WrContext* ctx, bool more, PostError* error) override;
+  void flush() override {}  // every post is its own fi_writemsg / fi_send
+  int poll(CompletionSink& sink) override;
+  // Closes the endpoint (outstanding operations are abandoned), then the
+  // receive buffers' registration.
+  void close_endpoint() override;
 
  private:
+  struct RecvCtx {
+    fi_context2 fi;  // first: libfabric's FI_CONTEXT2 space
+    char* buf = nullptr;
+  };
   void cleanup();
+  void post_receives(const ReceiveConfig& rx);
+  void repost(RecvCtx* c);
+  RecvCtx* recv_ctx(void* op_context);  // null when it is not one of ours
+  void handle_error(CompletionSink& sink);
+  // FI_MR_DMABUF registration of CUDA memory; false (and *why) when it is
+  // not possible here, so the caller falls back to FI_HMEM_CUDA.
+  bool register_dmabuf(void* ptr, size_t size, int device, uint64_t key, fid_mr** mr,
+                       std::string* why);
+
   int index_;
   std::string provider_;
   bool virt_addr_ = false, prov_key_ = false, mr_endpoint_ = false, mr_local_ = false;
@@ -77,6 +84,12 @@ class Domain {
   fid_cq* cq_ = nullptr;
   fid_ep* ep_ = nullptr;
   std::string name_;
+  // Receive buffers for two-sided messages (and, under FI_RX_CQ_DATA, for
+  // remote writes with data), reposted after every completion.
+  size_t recv_bytes_ = 0;
+  std::vector<char> recv_memory_;
+  MemoryHandle recv_mr_;
+  std::vector<RecvCtx> recv_ctxs_;
 };
 
 }  // namespace moelink::fabric

@@ -13,7 +13,7 @@ void check_range(uint64_t size, uint64_t offset, uint64_t len, const std::string
                           "-byte registration");
 }
 
-uint64_t MemoryRegistry::add(void* ptr, size_t size, std::vector<Domain::Mr> mrs) {
+uint64_t MemoryRegistry::add(void* ptr, size_t size, std::vector<MemoryHandle> mrs) {
   auto r = std::make_shared<Registration>();
   r->ptr = ptr;
   r->size = size;

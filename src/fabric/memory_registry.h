@@ -1,4 +1,4 @@
-// Local registrations: id -> (pointer, size, one libfabric MR per domain),
+// Local registrations: id -> (pointer, size, one registration per NIC),
 // and the range checks every operation runs before posting anything.
 #pragma once
 
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "fabric/fabric_domain.h"
+#include "fabric/transport.h"
 
 namespace moelink::fabric {
 
@@ -17,12 +17,12 @@ struct Registration {
   uint64_t id = 0;
   void* ptr = nullptr;
   size_t size = 0;
-  std::vector<Domain::Mr> mrs;  // per domain
+  std::vector<MemoryHandle> mrs;  // per domain (NIC)
 };
 
 class MemoryRegistry {
  public:
-  uint64_t add(void* ptr, size_t size, std::vector<Domain::Mr> mrs);
+  uint64_t add(void* ptr, size_t size, std::vector<MemoryHandle> mrs);
   // Removes and returns the registration; InvalidArgument when unknown.
   std::shared_ptr<Registration> remove(uint64_t id, const std::string& op);
   // InvalidArgument naming `op` when the region is not registered (or was

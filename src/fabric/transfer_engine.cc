@@ -1,9 +1,9 @@
-// TransferEngine over libfabric: peers, peer groups (prebuilt work-request
-// templates) and the operations, which validate on the calling thread and
-// submit work requests to the worker of the chosen domain (posted from the
-// calling thread when its endpoints are free, see worker.h). Waiters
-// (Transfer::wait, wait_imm) drive progress themselves through a
-// ProgressHook before sleeping.
+// The TransferEngine over its NICs (transport.h: libfabric domains or verbs
+// NICs): peers, peer groups (prebuilt work-request templates) and the
+// operations, which validate on the calling thread and submit work requests
+// to the worker of the chosen domain (posted from the calling thread when its
+// endpoints are free, see worker.h). Waiters (Transfer::wait, wait_imm) drive
+// progress themselves through a ProgressHook before sleeping.
 #include "moelink/transfer_engine.h"
 
 #include <rdma/fabric.h>
@@ -14,11 +14,15 @@
 #include <unordered_map>
 #include <mutex>
 
+#include "fabric/engine_factory.h"
 #include "fabric/fabric_domain.h"
 #include "fabric/imm_counters.h"
 #include "fabric/memory_registry.h"
 #include "fabric/op_state.h"
 #include "fabric/worker.h"
+#if MOELINK_WITH_VERBS
+#include "fabric/verbs/verbs_engine.h"
+#endif
 
 namespace moelink::fabric {
 
@@ -26,7 +30,7 @@ namespace {
 
 struct Peer {
   EngineAddress address;
-  std::vector<fi_addr_t> fi_addr;  // per local domain
+  std::vector<uint64_t> dest;  // per local domain: Nic::insert_peer's handle
 };
 
 // Peers are looked up by address on every write: hash the address in place
@@ -49,31 +53,20 @@ struct Member {
 
 class FabricEngine final : public TransferEngine {
  public:
-  explicit FabricEngine(const EngineOptions& o) : options_(o) {
-    if (o.num_domains < 1 || o.num_domains > 64)
-      throw InvalidArgument("TransferEngine: num_domains " + std::to_string(o.num_domains) +
-                            " is outside 1..64");
-    if (o.domains_per_worker < 1)
-      throw InvalidArgument("TransferEngine: domains_per_worker must be >= 1");
-    if (o.timeout_s <= 0) throw InvalidArgument("TransferEngine: timeout_s must be > 0");
-    if (o.recv_buffers < 1 || o.max_message_bytes < 1)
-      throw InvalidArgument("TransferEngine: recv_buffers and max_message_bytes must be >= 1");
-    info_ = query_provider(o.provider);
-    for (int i = 0; i < o.num_domains; ++i)
-      domains_.push_back(std::make_unique<Domain>(
-          info_->domains[static_cast<size_t>(i) % info_->domains.size()], i));
+  // The options were checked (check_options); nics[i] is domain i.
+  FabricEngine(const EngineOptions& o, std::vector<std::unique_ptr<Nic>> nics)
+      : options_(o), domains_(std::move(nics)) {
     address_.name = o.name;
-    for (auto& d : domains_) address_.endpoints.push_back(d->name());
+    for (auto& d : domains_) address_.endpoints.push_back(d->endpoint());
     progress_ = std::make_shared<ProgressHook>([this] {
       bool any = false;
       for (auto& w : workers_) any |= w->progress();
       return any;
     });
     progress_fn_ = [this] { return progress_->run(); };
-    Worker::Options wo{o.yield_when_idle, o.max_message_bytes, o.recv_buffers,
-                       &progress_->waiters()};
+    Worker::Options wo{o.yield_when_idle, &progress_->waiters()};
     for (int first = 0; first < o.num_domains; first += o.domains_per_worker) {
-      std::vector<Domain*> group;
+      std::vector<Nic*> group;
       for (int i = first; i < std::min(o.num_domains, first + o.domains_per_worker); ++i)
         group.push_back(domains_[i].get());
       workers_.push_back(std::make_unique<Worker>(group, imms_, messages_, wo));
@@ -84,7 +77,7 @@ class FabricEngine final : public TransferEngine {
     progress_->clear();  // operations may outlive the engine
     for (auto& w : workers_) w->stop();
     for (auto& r : registry_.take_all())
-      for (auto& mr : r->mrs) Domain::close_mr(mr);
+      for (size_t i = 0; i < r->mrs.size(); ++i) domains_[i]->deregister_memory(r->mrs[i]);
     for (auto& d : domains_) d->close_endpoint();  // no completions after this
     workers_.clear();                               // frees abandoned contexts
     domains_.clear();
@@ -93,20 +86,21 @@ class FabricEngine final : public TransferEngine {
   const EngineAddress& address() const override { return address_; }
   std::string provider() const override { return domains_[0]->provider(); }
   int num_domains() const override { return static_cast<int>(domains_.size()); }
-  bool hmem() const override { return info_->hmem; }
+  bool hmem() const override { return domains_[0]->hmem(); }
 
   MemoryRegion register_memory(void* ptr, size_t size, MemoryKind kind, int device) override {
     if (!ptr || size == 0)
       throw InvalidArgument("TransferEngine register_memory: null pointer or zero size");
-    std::vector<Domain::Mr> mrs;
+    std::vector<MemoryHandle> mrs;
     try {
       for (auto& d : domains_) {
-        Domain::Mr mr;
+        MemoryHandle mr;
         worker_of(d->index()).call([&] { mr = d->register_memory(ptr, size, kind, device); });
         mrs.push_back(mr);
       }
     } catch (...) {
-      for (auto& mr : mrs) Domain::close_mr(mr);
+      for (size_t i = 0; i < mrs.size(); ++i)
+        worker_of(static_cast<int>(i)).call([&] { domains_[i]->deregister_memory(mrs[i]); });
       throw;
     }
     return MemoryRegion{registry_.add(ptr, size, std::move(mrs)), ptr, size};
@@ -115,7 +109,7 @@ class FabricEngine final : public TransferEngine {
   void deregister_memory(const MemoryRegion& region) override {
     auto r = registry_.remove(region.id, "deregister_memory");
     for (size_t i = 0; i < r->mrs.size(); ++i)
-      worker_of(static_cast<int>(i)).call([&] { Domain::close_mr(r->mrs[i]); });
+      worker_of(static_cast<int>(i)).call([&] { domains_[i]->deregister_memory(r->mrs[i]); });
   }
 
   MemoryDescriptor descriptor(const MemoryRegion& region) const override {
@@ -124,7 +118,7 @@ class FabricEngine final : public TransferEngine {
     d.owner = address_;
     d.size = r->size;
     for (size_t i = 0; i < domains_.size(); ++i) {
-      d.remote_base.push_back(domains_[i]->remote_base(r->ptr));
+      d.remote_base.push_back(r->mrs[i].remote_base);
       d.keys.push_back(r->mrs[i].key);
     }
     return d;
@@ -141,10 +135,10 @@ class FabricEngine final : public TransferEngine {
     p.address = address;
     for (auto& d : domains_) {
       // Local domain i talks to the peer's domain i (mod its count).
-      const auto& name = address.endpoints[d->index() % address.endpoints.size()];
-      fi_addr_t a = FI_ADDR_UNSPEC;
-      worker_of(d->index()).call([&] { a = d->insert_address(name); });
-      p.fi_addr.push_back(a);
+      const auto& endpoint = address.endpoints[d->index() % address.endpoints.size()];
+      uint64_t dest = 0;
+      worker_of(d->index()).call([&] { dest = d->insert_peer(endpoint, address.name); });
+      p.dest.push_back(dest);
     }
     const PeerId id = static_cast<PeerId>(peers_.size());
     peers_.push_back(std::move(p));
@@ -157,7 +151,7 @@ class FabricEngine final : public TransferEngine {
     std::vector<Member> group;
     for (size_t i = 0; i < members.size(); ++i) {
       const PeerId peer = add_peer(members[i].owner);
-      Domain* d = domains_[i % domains_.size()].get();
+      Nic* d = domains_[i % domains_.size()].get();
       group.push_back(Member{peer, make_template(peer, d, members[i], "add_peer_group"),
                              members[i].size});
     }
@@ -173,7 +167,7 @@ class FabricEngine final : public TransferEngine {
     const std::string what = "write to " + peer_str(peer);
     auto reg = registry_.check(src, src_offset, len, what);
     check_range(dst.size, dst_offset, len, what, "destination");
-    Domain* d = domains_[static_cast<size_t>(peer) % domains_.size()].get();
+    Nic* d = domains_[static_cast<size_t>(peer) % domains_.size()].get();
     WorkRequest wr = make_template(peer, d, dst, what);
     fill(wr, *reg, d, src_offset, dst_offset, len, imm);
     auto op = new_op(what, 1, std::move(cb));
@@ -207,7 +201,7 @@ class FabricEngine final : public TransferEngine {
       }
       // Pages are sharded across domains (NICs).
       const size_t di = i % domains_.size();
-      Domain* d = domains_[di].get();
+      Nic* d = domains_[di].get();
       if (di == tmpl.size()) {
         tmpl.push_back(make_template(peer, d, dst, what));
         per_domain[di].reserve(p.src_pages.size() / domains_.size() + 1);
@@ -240,9 +234,9 @@ class FabricEngine final : public TransferEngine {
         check_range(m.size, s.dst_offset, s.len, w, "destination");
       }
       WorkRequest wr = m.tmpl;
-      fill(wr, *reg, wr.domain, s.src_offset, s.dst_offset, s.len, imm);
+      fill(wr, *reg, wr.nic, s.src_offset, s.dst_offset, s.len, imm);
       wr.op = op;
-      per_domain[wr.domain->index()].push_back(std::move(wr));
+      per_domain[wr.nic->index()].push_back(std::move(wr));
     }
     submit_all(per_domain);
     if (slices.empty()) op->complete_one();
@@ -259,7 +253,7 @@ class FabricEngine final : public TransferEngine {
       wr.has_imm = true;
       wr.imm = imm;
       wr.op = op;
-      per_domain[wr.domain->index()].push_back(std::move(wr));
+      per_domain[wr.nic->index()].push_back(std::move(wr));
     }
     submit_all(per_domain);
     return op;
@@ -279,11 +273,11 @@ class FabricEngine final : public TransferEngine {
       throw InvalidArgument("TransferEngine " + what + ": " + std::to_string(len) +
                             " bytes exceed max_message_bytes " +
                             std::to_string(options_.max_message_bytes));
-    Domain* d = domains_[static_cast<size_t>(peer) % domains_.size()].get();
+    Nic* d = domains_[static_cast<size_t>(peer) % domains_.size()].get();
     WorkRequest wr;
-    wr.kind = WorkRequest::Kind::kSend;
-    wr.domain = d;
-    wr.dest = peer_addr(peer, d);
+    wr.kind = Wr::Kind::kSend;
+    wr.nic = d;
+    wr.dest = peer_dest(peer, d);
     wr.buf = static_cast<char*>(reg->ptr) + offset;
     wr.len = len;
     wr.desc = reg->mrs[d->index()].desc;
@@ -307,9 +301,9 @@ class FabricEngine final : public TransferEngine {
     return "peer '" + peers_[peer].address.name + "' (peer " + std::to_string(peer) + ")";
   }
 
-  fi_addr_t peer_addr(PeerId peer, Domain* d) {
+  uint64_t peer_dest(PeerId peer, const Nic* d) {
     std::lock_guard<std::mutex> lock(peers_mu_);
-    return peers_[peer].fi_addr[d->index()];
+    return peers_[peer].dest[d->index()];
   }
 
   const std::vector<Member>& group_at(GroupId g, const char* op) {
@@ -321,15 +315,15 @@ class FabricEngine final : public TransferEngine {
   }
 
   // The write template for (peer, local domain d, destination descriptor).
-  WorkRequest make_template(PeerId peer, Domain* d, const MemoryDescriptor& dst,
+  WorkRequest make_template(PeerId peer, Nic* d, const MemoryDescriptor& dst,
                             const std::string& what) {
     if (dst.keys.size() != dst.owner.endpoints.size() || dst.keys.size() != dst.remote_base.size())
       throw InvalidArgument("TransferEngine " + what + ": malformed descriptor");
     const size_t rd = static_cast<size_t>(d->index()) % dst.keys.size();
     WorkRequest wr;
-    wr.kind = WorkRequest::Kind::kWrite;
-    wr.domain = d;
-    wr.dest = peer_addr(peer, d);
+    wr.kind = Wr::Kind::kWrite;
+    wr.nic = d;
+    wr.dest = peer_dest(peer, d);
     wr.remote_addr = dst.remote_base[rd];
     wr.remote_key = dst.keys[rd];
     return wr;
@@ -339,7 +333,7 @@ class FabricEngine final : public TransferEngine {
     return offset <= size && len <= size - offset;
   }
 
-  static void fill(WorkRequest& wr, const Registration& reg, Domain* d, uint64_t src_offset,
+  static void fill(WorkRequest& wr, const Registration& reg, const Nic* d, uint64_t src_offset,
                    uint64_t dst_offset, size_t len, std::optional<uint32_t> imm) {
     wr.buf = static_cast<char*>(reg.ptr) + src_offset;
     wr.len = len;
@@ -362,8 +356,7 @@ class FabricEngine final : public TransferEngine {
   }
 
   EngineOptions options_;
-  std::unique_ptr<ProviderInfo> info_;
-  std::vector<std::unique_ptr<Domain>> domains_;
+  std::vector<std::unique_ptr<Nic>> domains_;  // one per domain (NIC)
   EngineAddress address_;
   ImmCounters imms_;
   MessageQueue messages_;
@@ -377,10 +370,45 @@ class FabricEngine final : public TransferEngine {
   std::deque<std::vector<Member>> groups_;
 };
 
+// InvalidArgument for options no transport accepts, before any NIC is opened.
+void check_options(const EngineOptions& o) {
+  if (o.num_domains < 1 || o.num_domains > 64)
+    throw InvalidArgument("TransferEngine: num_domains " + std::to_string(o.num_domains) +
+                          " is outside 1..64");
+  if (o.domains_per_worker < 1)
+    throw InvalidArgument("TransferEngine: domains_per_worker must be >= 1");
+  if (o.timeout_s <= 0) throw InvalidArgument("TransferEngine: timeout_s must be > 0");
+  if (o.recv_buffers < 1 || o.max_message_bytes < 1)
+    throw InvalidArgument("TransferEngine: recv_buffers and max_message_bytes must be >= 1");
+}
+
 }  // namespace
 
+std::unique_ptr<TransferEngine> create_engine_on(const EngineOptions& options,
+                                                 const NicFactory& make_nic) {
+  check_options(options);
+  std::vector<std::unique_ptr<Nic>> nics;
+  for (int i = 0; i < options.num_domains; ++i) nics.push_back(make_nic(i));
+  return std::make_unique<FabricEngine>(options, std::move(nics));
+}
+
 std::unique_ptr<TransferEngine> TransferEngine::create(const EngineOptions& options) {
-  return std::make_unique<FabricEngine>(options);
+  check_options(options);
+  if (options.provider == kVerbsProvider) {
+#if MOELINK_WITH_VERBS
+    return create_engine_on(options, verbs::ibv_nic_factory(options));
+#else
+    throw ProviderUnavailable(
+        "TransferEngine: provider 'ibverbs' (moelink's libibverbs transport) is not built in: "
+        "libibverbs was not found when moelink was configured (pkg-config libibverbs)");
+#endif
+  }
+  const std::shared_ptr<ProviderInfo> info = query_provider(options.provider);
+  const ReceiveConfig rx{options.max_message_bytes, options.recv_buffers};
+  return create_engine_on(options, [&](int i) -> std::unique_ptr<Nic> {
+    return std::make_unique<Domain>(info->domains[static_cast<size_t>(i) % info->domains.size()],
+                                    i, rx);
+  });
 }
 
 std::string fabric_runtime_version() {
@@ -389,6 +417,13 @@ std::string fabric_runtime_version() {
 }
 
 bool provider_available(const std::string& provider) {
+  if (provider == kVerbsProvider) {
+#if MOELINK_WITH_VERBS
+    return verbs::ibv_devices_present();
+#else
+    return false;
+#endif
+  }
   try {
     query_provider(provider);
     return true;

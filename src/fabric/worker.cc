@@ -1,17 +1,9 @@
-// The worker loop: take new work, post what the provider accepts (-FI_EAGAIN
+// The worker loop: take new work, post what the transport accepts (kAgain
 // keeps it queued), read completions, fail operations past their deadline,
-// and sleep briefly when idle (yield mode).
-//
-// Completion classification (never by length): an entry with FI_REMOTE_WRITE
-// is a peer's write carrying an immediate (counted; under FI_RX_CQ_DATA it
-// consumed a posted receive, which is reposted); an entry with FI_RECV is a
-// two-sided message; anything else is one of our own work requests, found
-// through its context.
+// and sleep briefly when idle (yield mode). The transports (transport.h)
+// classify their completions; the worker turns them into operation progress,
+// immediate counts and received messages.
 #include "fabric/worker.h"
-
-#include <rdma/fi_endpoint.h>
-#include <rdma/fi_errno.h>
-#include <rdma/fi_rma.h>
 
 #include <algorithm>
 #include <cstring>
@@ -23,25 +15,52 @@ namespace {
 constexpr std::chrono::microseconds kHelpedSleep{1000};
 }  // namespace
 
-struct Worker::Ctx {
-  fi_context2 fi;  // first: libfabric's FI_CONTEXT2 space
-  bool is_recv = false;
-  // in-flight list links (own work requests)
+// A work request in flight: the transport's space (WrContext), the
+// in-flight list links and the request itself.
+struct Worker::Ctx : WrContext {
   Ctx* prev = nullptr;
   Ctx* next = nullptr;
-  // own work requests
   WorkRequest wr;
-  // receive buffers
-  Domain* domain = nullptr;
-  char* buf = nullptr;
-  void* desc = nullptr;
 };
 
-struct Worker::RecvSlab {
-  Domain* domain = nullptr;
-  std::vector<char> memory;
-  Domain::Mr mr;
-  std::vector<Ctx> ctxs;
+// Receives one poll's events. On a user thread (on_worker false) the
+// completion or failure of an operation with a callback is handed to the
+// worker, where callbacks run.
+class Worker::Sink final : public CompletionSink {
+ public:
+  Sink(Worker& w, bool on_worker) : w_(w), on_worker_(on_worker) {}
+  bool wake = false;
+
+  void wr_done(WrContext* ctx) override {
+    Ctx* c = static_cast<Ctx*>(ctx);
+    if (!on_worker_ && c->wr.op->has_callback()) {
+      w_.deferred_.push_back(c);
+      wake = true;
+      return;
+    }
+    w_.unlink(c);
+    c->wr.op->complete_one();
+    w_.put_ctx(c);
+  }
+  void wr_failed(WrContext* ctx, const std::string& why) override {
+    Ctx* c = static_cast<Ctx*>(ctx);
+    if (!on_worker_ && c->wr.op->has_callback()) {
+      w_.deferred_failed_.emplace_back(c, why);
+      wake = true;
+      return;
+    }
+    w_.finish_failed(c, why);
+  }
+  void imm_arrived(uint32_t imm) override { w_.imms_.add(imm); }
+  void message_arrived(const char* data, size_t len) override {
+    Message m;
+    m.data.assign(data, data + len);
+    w_.messages_.push(std::move(m));
+  }
+
+ private:
+  Worker& w_;
+  const bool on_worker_;
 };
 
 void MessageQueue::push(Message m) {
@@ -61,28 +80,10 @@ std::optional<Message> MessageQueue::pop(double timeout_s) {
   return m;
 }
 
-Worker::Worker(std::vector<Domain*> domains, ImmCounters& imms, MessageQueue& messages,
+Worker::Worker(std::vector<Nic*> nics, ImmCounters& imms, MessageQueue& messages,
                const Options& options)
-    : domains_(std::move(domains)), imms_(imms), messages_(messages), options_(options) {
-  // Receive buffers, posted before the thread starts (nothing else touches
-  // the endpoints yet).
-  for (Domain* d : domains_) {
-    auto slab = std::make_unique<RecvSlab>();
-    slab->domain = d;
-    const size_t n = static_cast<size_t>(options_.recv_buffers);
-    slab->memory.resize(n * options_.max_message_bytes);
-    slab->mr = d->register_memory(slab->memory.data(), slab->memory.size(), MemoryKind::kHost, 0);
-    slab->ctxs.resize(n);
-    for (size_t i = 0; i < n; ++i) {
-      Ctx& c = slab->ctxs[i];
-      c.is_recv = true;
-      c.domain = d;
-      c.buf = slab->memory.data() + i * options_.max_message_bytes;
-      c.desc = slab->mr.desc;
-    }
-    slabs_.push_back(std::move(slab));
-    for (auto& c : slabs_.back()->ctxs) repost(&c);
-  }
+    : nics_(std::move(nics)), imms_(imms), messages_(messages), options_(options) {
+  // The NICs posted their receive buffers when they were opened.
   thread_ = std::thread([this] { loop(); });
   thread_id_ = thread_.get_id();
 }
@@ -123,15 +124,30 @@ void Worker::unlink(Ctx* c) {
   c->prev = c->next = nullptr;
 }
 
-void Worker::repost(Ctx* c) {
-  for (;;) {
-    const ssize_t rc =
-        fi_recv(c->domain->ep(), c->buf, options_.max_message_bytes, c->desc, FI_ADDR_UNSPEC, &c->fi);
-    if (rc == 0) return;
-    if (rc != -FI_EAGAIN) check_fi(static_cast<int>(rc), "TransferEngine: fi_recv");
-    fi_cq_data_entry e[1];
-    (void)fi_cq_read(c->domain->cq(), e, 0);  // progress
-  }
+void Worker::finish_failed(Ctx* c, const std::string& why) {
+  unlink(c);
+  c->wr.op->fail(std::make_exception_ptr(
+      FabricError("TransferEngine " + c->wr.op->what() + ": completion error on domain " +
+                  std::to_string(c->wr.nic->index()) + ": " + why)));
+  put_ctx(c);
+}
+
+void Worker::flush_all() {
+  for (Nic* n : nics_) n->flush();
+}
+
+int Worker::poll_all(bool on_worker, bool* wake) {
+  Sink sink(*this, on_worker);
+  int work = 0;
+  for (Nic* n : nics_) work += n->poll(sink);
+  if (sink.wake) *wake = true;
+  return work;
+}
+
+// Whether b goes to the same (NIC, destination) as a: a transport may then
+// chain a's work request with b's into one doorbell.
+static bool same_destination(const WorkRequest& a, const WorkRequest& b) {
+  return a.nic == b.nic && a.dest == b.dest;
 }
 
 void Worker::submit(std::vector<WorkRequest>&& wrs) {
@@ -159,10 +175,12 @@ void Worker::submit(std::vector<WorkRequest>&& wrs) {
   size_t i = 0;
   for (; i < wrs.size(); ++i) {
     if (wrs[i].op->done()) continue;  // failed meanwhile
-    // Not posted (busy provider or an error): the worker retries and, on a
+    const bool more = i + 1 < wrs.size() && same_destination(wrs[i], wrs[i + 1]);
+    // Not posted (busy transport or an error): the worker retries and, on a
     // hard error, fails the op on its thread (where callbacks run).
-    if (try_post(wrs[i]) != PostResult::kPosted) break;
+    if (try_post(wrs[i], more) != PostStatus::kPosted) break;
   }
+  flush_all();
   const bool queued = i < wrs.size();
   for (; i < wrs.size(); ++i) pending_.push_back(std::move(wrs[i]));
   ep.unlock();
@@ -186,8 +204,8 @@ bool Worker::progress() {
     }
   }
   work += post_pending(false);
-  for (Domain* d : domains_) work += poll(*d, false, &wake);
-  if (!pending_.empty() || !deferred_.empty()) wake = true;
+  work += poll_all(false, &wake);
+  if (!pending_.empty() || !deferred_.empty() || !deferred_failed_.empty()) wake = true;
   ep.unlock();
   if (wake) wake_.notify_one();
   return work > 0;
@@ -221,6 +239,7 @@ void Worker::release() {
       FabricError("TransferEngine: the engine was destroyed before the operation completed"));
   std::lock_guard<std::mutex> ep(ep_mu_);
   deferred_.clear();  // still in the in-flight list
+  deferred_failed_.clear();
   while (inflight_) {
     Ctx* c = inflight_;
     unlink(c);
@@ -235,8 +254,6 @@ void Worker::release() {
     incoming.swap(incoming_);
   }
   for (auto& wr : incoming) wr.op->fail(closed);
-  for (auto& s : slabs_) Domain::close_mr(s->mr);
-  slabs_.clear();
 }
 
 void Worker::run_tasks() {
@@ -252,35 +269,16 @@ void Worker::run_tasks() {
   for (auto& t : tasks) t();
 }
 
-Worker::PostResult Worker::try_post(WorkRequest& wr) {
+PostStatus Worker::try_post(WorkRequest& wr, bool more) {
   Ctx* c = get_ctx();
   c->wr = wr;
-  ssize_t rc;
-  if (wr.kind == WorkRequest::Kind::kWrite) {
-    // WR template: one local iov, one remote iov, the immediate as CQ data.
-    iovec iov{wr.buf, wr.len};
-    fi_rma_iov riov{wr.remote_addr, wr.len, wr.remote_key};
-    fi_msg_rma msg{};
-    msg.msg_iov = &iov;
-    msg.desc = &wr.desc;
-    msg.iov_count = 1;
-    msg.addr = wr.dest;
-    msg.rma_iov = &riov;
-    msg.rma_iov_count = 1;
-    msg.context = &c->fi;
-    msg.data = wr.imm;
-    rc = fi_writemsg(wr.domain->ep(), &msg, FI_COMPLETION | (wr.has_imm ? FI_REMOTE_CQ_DATA : 0));
-  } else {
-    rc = fi_send(wr.domain->ep(), wr.buf, wr.len, wr.desc, wr.dest, &c->fi);
-  }
-  if (rc == 0) {
+  const PostStatus r = wr.nic->post(c->wr, c, more, &last_post_error_);
+  if (r == PostStatus::kPosted) {
     link(c);
-    return PostResult::kPosted;
+    return r;
   }
   put_ctx(c);
-  if (rc == -FI_EAGAIN) return PostResult::kAgain;
-  last_post_error_ = static_cast<int>(-rc);
-  return PostResult::kFailed;
+  return r;
 }
 
 // Queued work requests go out in order, except that one the provider
@@ -291,99 +289,36 @@ Worker::PostResult Worker::try_post(WorkRequest& wr) {
 // posting error fails the op; a user thread leaves that to the worker.
 int Worker::post_pending(bool on_worker) {
   int posted = 0;
-  std::vector<std::pair<const Domain*, fi_addr_t>> held;
+  std::vector<std::pair<const Nic*, uint64_t>> held;
   for (auto it = pending_.begin(); it != pending_.end();) {
     if (it->op->done()) {  // failed meanwhile
       it = pending_.erase(it);
       continue;
     }
-    const std::pair<const Domain*, fi_addr_t> dest{it->domain, it->dest};
+    const std::pair<const Nic*, uint64_t> dest{it->nic, it->dest};
     if (std::find(held.begin(), held.end(), dest) != held.end()) {
       ++it;
       continue;
     }
-    const PostResult r = try_post(*it);
-    if (r == PostResult::kPosted) {
+    const auto next = std::next(it);
+    const bool more = next != pending_.end() && same_destination(*it, *next);
+    const PostStatus r = try_post(*it, more);
+    if (r == PostStatus::kPosted) {
       it = pending_.erase(it);
       ++posted;
-    } else if (r == PostResult::kFailed && on_worker) {
-      fail_op(it->op, std::make_exception_ptr(FabricError(
-                          "TransferEngine " + it->op->what() + ": posting failed on domain " +
-                          std::to_string(it->domain->index()) + ": " +
-                          fi_strerror(last_post_error_))));
+    } else if (r == PostStatus::kFailed && on_worker) {
+      const std::string why = "TransferEngine " + it->op->what() + ": posting failed on domain " +
+                              std::to_string(it->nic->index()) + ": " + last_post_error_.text;
+      it->op->fail(last_post_error_.timeout ? std::make_exception_ptr(TimeoutError(why))
+                                            : std::make_exception_ptr(FabricError(why)));
       it = pending_.erase(it);
     } else {
       held.push_back(dest);
       ++it;
     }
   }
+  flush_all();
   return posted;
-}
-
-void Worker::fail_op(const std::shared_ptr<OpState>& op, std::exception_ptr e) { op->fail(e); }
-
-void Worker::handle_error(Domain& d) {
-  fi_cq_err_entry err{};
-  if (fi_cq_readerr(d.cq(), &err, 0) <= 0) return;
-  if (!err.op_context) return;  // a peer's write that failed on our side
-  if (err.flags & FI_REMOTE_WRITE) {  // under FI_RX_CQ_DATA it used a receive
-    if (d.rx_cq_data()) repost(reinterpret_cast<Ctx*>(err.op_context));
-    return;
-  }
-  Ctx* c = reinterpret_cast<Ctx*>(err.op_context);
-  if (c->is_recv) {
-    if (err.err != FI_ECANCELED) repost(c);
-    return;
-  }
-  char buf[256] = {0};
-  const char* detail = fi_cq_strerror(d.cq(), err.prov_errno, err.err_data, buf, sizeof(buf));
-  unlink(c);
-  c->wr.op->fail(std::make_exception_ptr(FabricError(
-      "TransferEngine " + c->wr.op->what() + ": completion error on domain " +
-      std::to_string(d.index()) + ": " + fi_strerror(err.err) + " (" +
-      (detail ? detail : "") + ")")));
-  put_ctx(c);
-}
-
-int Worker::poll(Domain& d, bool on_worker, bool* wake) {
-  fi_cq_data_entry entries[32];
-  const ssize_t n = fi_cq_read(d.cq(), entries, 32);
-  if (n == -FI_EAGAIN) return 0;
-  if (n == -FI_EAVAIL) {
-    if (!on_worker) {  // error entries are the worker's (they may run callbacks)
-      *wake = true;
-      return 0;
-    }
-    handle_error(d);
-    return 1;
-  }
-  if (n < 0) return 0;
-  for (ssize_t i = 0; i < n; ++i) {
-    const fi_cq_data_entry& e = entries[i];
-    if (e.flags & FI_REMOTE_WRITE) {
-      if (e.flags & FI_REMOTE_CQ_DATA) imms_.add(static_cast<uint32_t>(e.data));
-      if (d.rx_cq_data() && e.op_context) repost(reinterpret_cast<Ctx*>(e.op_context));
-      continue;
-    }
-    Ctx* c = reinterpret_cast<Ctx*>(e.op_context);
-    if (!c) continue;
-    if (e.flags & FI_RECV) {
-      Message m;
-      m.data.assign(c->buf, c->buf + e.len);
-      messages_.push(std::move(m));
-      repost(c);
-      continue;
-    }
-    if (!on_worker && c->wr.op->has_callback()) {  // the callback runs on the worker
-      deferred_.push_back(c);
-      *wake = true;
-      continue;
-    }
-    unlink(c);
-    c->wr.op->complete_one();
-    put_ctx(c);
-  }
-  return static_cast<int>(n);
 }
 
 void Worker::check_deadlines() {
@@ -435,11 +370,16 @@ void Worker::loop() {
       ++work;
     }
     deferred_.clear();
+    for (auto& [c, why] : deferred_failed_) {  // failed while a user thread polled
+      finish_failed(c, why);
+      ++work;
+    }
+    deferred_failed_.clear();
     work += post_pending(true);
     bool unused = false;
-    for (Domain* d : domains_) work += poll(*d, true, &unused);
+    work += poll_all(true, &unused);
     check_deadlines();
-    queued = !pending_.empty() || !deferred_.empty();
+    queued = !pending_.empty() || !deferred_.empty() || !deferred_failed_.empty();
     idle = work ? 0 : idle + 1;
   }
 }

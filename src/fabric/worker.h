@@ -1,5 +1,6 @@
 // The worker thread of one NIC group: it drives progress on the completion
-// queues of its domains, completes operations and runs their callbacks.
+// queues of its NICs (transport.h: libfabric domains or verbs NICs, the
+// worker does not know which), completes operations and runs their callbacks.
 // Everything that touches the endpoints and completion queues (posting,
 // polling, the in-flight list) is under ep_mu_: the worker takes it for one
 // loop iteration at a time, and a user thread that finds it free posts its
@@ -9,8 +10,6 @@
 // run on the worker thread. Setup tasks (call(): memory registration,
 // address insertion) run on the worker thread under ep_mu_.
 #pragma once
-
-#include <rdma/fabric.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -23,24 +22,16 @@
 #include <thread>
 #include <vector>
 
-#include "fabric/fabric_domain.h"
 #include "fabric/imm_counters.h"
 #include "fabric/op_state.h"
+#include "fabric/transport.h"
 
 namespace moelink::fabric {
 
-// One RDMA write (with optional immediate) or one send.
-struct WorkRequest {
-  enum class Kind { kWrite, kSend } kind = Kind::kWrite;
-  Domain* domain = nullptr;
-  fi_addr_t dest = FI_ADDR_UNSPEC;
-  void* buf = nullptr;
-  size_t len = 0;
-  void* desc = nullptr;
-  uint64_t remote_addr = 0;
-  uint64_t remote_key = 0;
-  bool has_imm = false;
-  uint32_t imm = 0;
+// One RDMA write (with optional immediate) or one send: the transport's
+// work request plus the NIC it goes out on and the operation it belongs to.
+struct WorkRequest : Wr {
+  Nic* nic = nullptr;
   std::shared_ptr<OpState> op;
 };
 
@@ -60,14 +51,12 @@ class Worker {
  public:
   struct Options {
     bool yield_when_idle = true;
-    size_t max_message_bytes = 4096;
-    int recv_buffers = 64;
     // Engine-wide count of user threads driving progress while waiting
     // (yield mode: the worker then sleeps between passes instead of
     // spinning). May be null. Outlives the worker.
     const std::atomic<int>* waiters = nullptr;
   };
-  Worker(std::vector<Domain*> domains, ImmCounters& imms, MessageQueue& messages,
+  Worker(std::vector<Nic*> nics, ImmCounters& imms, MessageQueue& messages,
          const Options& options);
   ~Worker();  // stop() + release()
   Worker(const Worker&) = delete;
@@ -89,27 +78,27 @@ class Worker {
 
  private:
   struct Ctx;
-  struct RecvSlab;
+  class Sink;
   void loop();
   void run_tasks();
-  enum class PostResult { kPosted, kAgain, kFailed };
-  PostResult try_post(WorkRequest& wr);
+  // `more`: the next work request goes to the same destination (the
+  // transport may chain them into one doorbell).
+  PostStatus try_post(WorkRequest& wr, bool more);
   // Posts what it can of pending_ (see worker.cc); returns how many.
   int post_pending(bool on_worker);
-  // on_worker=false (user thread): completions of ops with a callback and
-  // error entries are left to the worker (*wake set).
-  int poll(Domain& d, bool on_worker, bool* wake);
+  // One poll of every NIC. on_worker=false (user thread): completions and
+  // failures of ops with a callback are left to the worker (wake set).
+  int poll_all(bool on_worker, bool* wake);
+  void flush_all();
   Ctx* get_ctx();
   void put_ctx(Ctx* c);
   void link(Ctx* c);
   void unlink(Ctx* c);
   bool on_worker_thread() const;
-  void handle_error(Domain& d);
-  void repost(Ctx* rc);
+  void finish_failed(Ctx* c, const std::string& why);
   void check_deadlines();
-  void fail_op(const std::shared_ptr<OpState>& op, std::exception_ptr e);
 
-  std::vector<Domain*> domains_;
+  std::vector<Nic*> nics_;
   ImmCounters& imms_;
   MessageQueue& messages_;
   Options options_;
@@ -127,13 +116,13 @@ class Worker {
   // Under ep_mu_ (the worker, or a user thread in submit/progress).
   std::mutex ep_mu_;
   bool stopped_ = false;
-  int last_post_error_ = 0;
+  PostError last_post_error_;
   std::deque<WorkRequest> pending_;
   Ctx* inflight_ = nullptr;        // intrusive doubly linked list
   std::vector<Ctx*> free_ctxs_;    // pool of contexts
   std::vector<Ctx*> deferred_;     // completed on a user thread, callback pending
+  std::vector<std::pair<Ctx*, std::string>> deferred_failed_;  // failed there, likewise
   // Worker-thread only.
-  std::vector<std::unique_ptr<RecvSlab>> slabs_;
   Clock::time_point next_deadline_check_{};
   std::thread thread_;
   std::thread::id thread_id_;  // thread_'s id (thread_ itself changes at join)

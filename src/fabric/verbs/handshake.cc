@@ -64,12 +64,16 @@ void Handshake::create_qps(PeerConnection& p) {
   p.write_qp->to_init();
   p.local_msg = {p.msg_qp->qpn(), static_cast<uint32_t>(psn_rng_() & 0xffffff)};
   p.local_write = {p.write_qp->qpn(), static_cast<uint32_t>(psn_rng_() & 0xffffff)};
+  if (qps_created_) qps_created_(p.node, *p.msg_qp, *p.write_qp);
 }
 
 void Handshake::connect(uint64_t node, const std::string& name, const UdContact& contact,
                         Clock::time_point now) {
   if (auto it = peers_.find(node); it != peers_.end()) {
-    if (it->second.state != PeerState::kExpecting) return;  // already active or done
+    if (it->second.state != PeerState::kExpecting) {  // already active or done
+      if (!name.empty()) it->second.name = name;
+      return;
+    }
   }
   PeerConnection& p = add(node, name, PeerState::kHelloSent, now);
   p.remote_ud = contact;
@@ -166,6 +170,11 @@ void Handshake::on_message(const HandshakeMsg& m, Clock::time_point now) {
     return;
   }
   auto it = peers_.find(m.from);
+  if (it == peers_.end() && options_.accept_unknown_peers && m.type == MsgType::kHello &&
+      m.from != local_.id) {
+    expect(m.from, "node " + std::to_string(m.from), now);
+    it = peers_.find(m.from);
+  }
   if (it == peers_.end()) {
     ++stats_.unknown_peer;
     return;

@@ -20,7 +20,9 @@
 // per peer and both HELLO and ACK carry it, so both sides end connected to
 // each other's only pair whatever the order of arrival.
 // Ignored (counted in stats()): malformed datagrams, messages for another
-// node, from unknown nodes, ACKs echoing another session (a late ACK to a
+// node, from unknown nodes (unless accept_unknown_peers: then a HELLO from
+// one makes it a passive peer, as if expect() had been called), ACKs echoing
+// another session (a late ACK to a
 // previous incarnation), anything for a failed peer, duplicates. A HELLO/ACK
 // carrying a new session for a known peer (it restarted) or different QPs
 // under the same session fails that peer: reconnection is not implemented.
@@ -48,6 +50,10 @@ struct HandshakeOptions {
   std::chrono::milliseconds passive_timeout{5000};
   QpCaps msg_caps{64, 64, 1, 1, 64};      // SEND/RECV QP
   QpCaps write_caps{256, 256, 1, 1, 64};  // WRITE_WITH_IMM QP
+  // A HELLO from a node never connect()ed or expect()ed is answered (the
+  // peer is added passively, named "node <id>") instead of ignored: the
+  // engine's targets need not know their writers in advance.
+  bool accept_unknown_peers = false;
 };
 
 // What this node advertises.
@@ -86,13 +92,21 @@ struct HandshakeStats {
 class Handshake {
  public:
   using SendFn = std::function<void(const UdContact& to, const HandshakeMsg& msg)>;
+  // Called once per peer right after its two RC QPs reached INIT, before
+  // any HELLO or ACK naming them is sent and before RTR: where receives are
+  // posted, so that nothing the peer sends once connected finds an empty
+  // receive queue. A throw fails the peer like a QP creation failure.
+  using QpsCreatedFn = std::function<void(uint64_t node, Qp& msg_qp, Qp& write_qp)>;
 
   // cq: completion queue for both RC QPs of every peer (send and receive).
   // The Handshake owns the peers' QPs: destroy it before cq and device.
   Handshake(Device& device, Cq& cq, const LocalNode& local, HandshakeOptions options,
             SendFn send);
 
-  // Active side: the peer's UD contact came out of band. Idempotent.
+  void on_qps_created(QpsCreatedFn fn) { qps_created_ = std::move(fn); }
+
+  // Active side: the peer's UD contact came out of band. Idempotent (a
+  // second call only renames the peer, e.g. one accepted as "node <id>").
   void connect(uint64_t node, const std::string& name, const UdContact& contact,
                Clock::time_point now);
   // Passive side: wait for the peer's HELLO.
@@ -125,6 +139,7 @@ class Handshake {
   LocalNode local_;
   HandshakeOptions options_;
   SendFn send_;
+  QpsCreatedFn qps_created_;
   std::mt19937 psn_rng_;
   std::map<uint64_t, PeerConnection> peers_;
   HandshakeStats stats_;

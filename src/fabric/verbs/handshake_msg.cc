@@ -2,48 +2,9 @@
 
 #include <cstring>
 
+#include "fabric/verbs/be_codec.h"
+
 namespace moelink::fabric::verbs {
-namespace {
-
-class Out {
- public:
-  explicit Out(std::vector<uint8_t>& b) : b_(b) {}
-  void u8(uint8_t v) { b_.push_back(v); }
-  void u16(uint16_t v) { be(v, 2); }
-  void u32(uint32_t v) { be(v, 4); }
-  void u64(uint64_t v) { be(v, 8); }
-  void bytes(const uint8_t* p, size_t n) { b_.insert(b_.end(), p, p + n); }
-
- private:
-  void be(uint64_t v, int n) {
-    for (int i = n - 1; i >= 0; --i) b_.push_back(static_cast<uint8_t>(v >> (8 * i)));
-  }
-  std::vector<uint8_t>& b_;
-};
-
-class In {
- public:
-  explicit In(std::span<const uint8_t> b) : b_(b) {}
-  uint8_t u8() { return static_cast<uint8_t>(be(1)); }
-  uint16_t u16() { return static_cast<uint16_t>(be(2)); }
-  uint32_t u32() { return static_cast<uint32_t>(be(4)); }
-  uint64_t u64() { return be(8); }
-  void bytes(uint8_t* p, size_t n) {
-    std::memcpy(p, b_.data() + pos_, n);
-    pos_ += n;
-  }
-
- private:
-  uint64_t be(int n) {
-    uint64_t v = 0;
-    for (int i = 0; i < n; ++i) v = (v << 8) | b_[pos_++];
-    return v;
-  }
-  std::span<const uint8_t> b_;
-  size_t pos_ = 0;
-};
-
-}  // namespace
 
 const char* to_string(MsgType t) {
   switch (t) {
@@ -56,7 +17,7 @@ const char* to_string(MsgType t) {
 std::vector<uint8_t> encode(const HandshakeMsg& m) {
   std::vector<uint8_t> b;
   b.reserve(kHandshakeMsgBytes);
-  Out o(b);
+  BeWriter o(b);
   o.u32(kHandshakeMagic);
   o.u16(kHandshakeVersion);
   o.u8(static_cast<uint8_t>(m.type));
@@ -89,7 +50,7 @@ std::optional<HandshakeMsg> decode(std::span<const uint8_t> bytes, std::string* 
     return reject("size " + std::to_string(bytes.size()) + ", expected " +
                   std::to_string(kHandshakeMsgBytes));
   }
-  In in(bytes);
+  BeReader in(bytes);
   if (in.u32() != kHandshakeMagic) return reject("bad magic");
   if (const uint16_t v = in.u16(); v != kHandshakeVersion) {
     return reject("version " + std::to_string(v) + ", expected " +

@@ -101,6 +101,16 @@ std::unique_ptr<IbvDevice> IbvDevice::open(const IbvDeviceOptions& options) {
   return d;
 }
 
+std::vector<std::string> IbvDevice::device_names() {
+  std::vector<std::string> names;
+  int num = 0;
+  ibv_device** list = ibv_get_device_list(&num);
+  if (!list) return names;  // no RDMA in the kernel (ENOSYS)
+  for (int i = 0; i < num; ++i) names.emplace_back(ibv_get_device_name(list[i]));
+  ibv_free_device_list(list);
+  return names;
+}
+
 IbvDevice::~IbvDevice() {
   if (pd_) ibv_dealloc_pd(pd_);
   if (ctx_) ibv_close_device(ctx_);

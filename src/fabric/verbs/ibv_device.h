@@ -8,6 +8,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "fabric/verbs/qp.h"
 
@@ -32,6 +33,8 @@ class IbvDevice final : public Device {
   // exists -- the only path that runs on a machine without RDMA -- and
   // FabricError when opening it fails.
   static std::unique_ptr<IbvDevice> open(const IbvDeviceOptions& options);
+  // ibv_get_device_list's names, in its order; empty without RDMA.
+  static std::vector<std::string> device_names();
   ~IbvDevice() override;
 
   std::string name() const override { return name_; }

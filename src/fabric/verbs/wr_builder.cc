@@ -56,11 +56,14 @@ WriteChain::WriteChain(const RemoteBuffer& remote, const QpCaps& caps, uint32_t 
   const uint32_t cap = std::min(max_len, caps.max_send_wr);
   if (cap == 0) throw InvalidArgument("verbs write chain: capacity 0 (max_len or max_send_wr)");
   ops_.resize(cap);
+  remotes_.resize(cap);
   sges_.resize(cap);
   wrs_.resize(cap);
 }
 
-void WriteChain::add(const WriteOp& op) {
+void WriteChain::add(const WriteOp& op) { add(op, remote_); }
+
+void WriteChain::add(const WriteOp& op, const RemoteBuffer& remote) {
   if (full()) {
     throw InvalidArgument("verbs write chain: full at " + std::to_string(wrs_.size()) + " WRs");
   }
@@ -68,14 +71,28 @@ void WriteChain::add(const WriteOp& op) {
   // chain is posted; the WR itself is (re)built in finish().
   ibv_send_wr probe{};
   ibv_sge probe_sge{};
-  fill_write(probe, probe_sge, remote_, max_inline_, op, 0, false);
+  fill_write(probe, probe_sge, remote, max_inline_, op, 0, false);
+  remotes_[n_] = remote;
   ops_[n_++] = op;
 }
 
 ibv_send_wr* WriteChain::finish(uint64_t wr_id) {
   if (n_ == 0) return nullptr;
   for (size_t i = 0; i < n_; ++i) {
-    fill_write(wrs_[i], sges_[i], remote_, max_inline_, ops_[i], wr_id, i + 1 == n_);
+    fill_write(wrs_[i], sges_[i], remotes_[i], max_inline_, ops_[i], wr_id, i + 1 == n_);
+    wrs_[i].next = i + 1 == n_ ? nullptr : &wrs_[i + 1];
+  }
+  return &wrs_[0];
+}
+
+ibv_send_wr* WriteChain::finish(std::span<const uint64_t> wr_ids) {
+  if (n_ == 0) return nullptr;
+  if (wr_ids.size() < n_) {
+    throw InvalidArgument("verbs write chain: " + std::to_string(wr_ids.size()) + " wr_ids for " +
+                          std::to_string(n_) + " WRs");
+  }
+  for (size_t i = 0; i < n_; ++i) {
+    fill_write(wrs_[i], sges_[i], remotes_[i], max_inline_, ops_[i], wr_ids[i], i + 1 == n_);
     wrs_[i].next = i + 1 == n_ ? nullptr : &wrs_[i + 1];
   }
   return &wrs_[0];

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "fabric/verbs/qp.h"
@@ -85,19 +86,27 @@ class WriteChain {
   size_t size() const { return n_; }
   size_t capacity() const { return wrs_.size(); }
   bool full() const { return n_ == wrs_.size(); }
-  // Appends one write; throws InvalidArgument when full or out of range.
+  // Appends one write to the chain's remote buffer; throws InvalidArgument
+  // when full or out of range.
   void add(const WriteOp& op);
+  // Appends one write to its own remote buffer (the engine's writes to one
+  // peer may target different registrations, each with its rkey).
+  void add(const WriteOp& op, const RemoteBuffer& remote);
   // Links the chain (wrs[i].next = &wrs[i+1], last next = null), signals
   // only the last WR and returns the head, or null when empty. Every WR
   // carries wr_id: an unsignaled WR that fails still produces an error
   // completion, and it must name the same operation.
   ibv_send_wr* finish(uint64_t wr_id);
+  // The same with one wr_id per WR (wr_ids.size() >= size()): the verbs
+  // transport numbers every WR, so an error completion tells which failed.
+  ibv_send_wr* finish(std::span<const uint64_t> wr_ids);
   void clear() { n_ = 0; }
 
  private:
   RemoteBuffer remote_;
   uint32_t max_inline_;
   std::vector<WriteOp> ops_;
+  std::vector<RemoteBuffer> remotes_;  // per op
   std::vector<ibv_sge> sges_;
   std::vector<ibv_send_wr> wrs_;
   size_t n_ = 0;

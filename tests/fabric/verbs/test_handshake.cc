@@ -349,6 +349,70 @@ TEST(VerbsHandshake, QpCreationFailureFailsThePeer) {
   EXPECT_NE(e.find("peer 'C' (node 3): fake ibv_create_qp: out of QPs"), std::string::npos) << e;
 }
 
+TEST(VerbsHandshake, AcceptingUnknownPeersAnswersTheirHello) {
+  Net net;
+  HandshakeOptions accepting = fast_options();
+  accepting.accept_unknown_peers = true;
+  Node a(net, 1, 0xa1, fast_options()), b(net, 2, 0xb1, accepting);
+  a.hs->connect(2, "B", b.contact(), net.now);  // b never heard of node 1
+  net.run();
+  expect_wired(a, b);
+  EXPECT_EQ(b.hs->peer(1).name, "node 1");
+  EXPECT_EQ(b.hs->stats().unknown_peer, 0u);
+  // Adding it later only renames it: no new QPs, no new HELLO.
+  b.hs->connect(1, "A", a.contact(), net.now);
+  EXPECT_EQ(b.hs->peer(1).name, "A");
+  EXPECT_EQ(b.hs->peer(1).state, PeerState::kConnected);
+  EXPECT_EQ(b.dev.qps.size(), 2u);
+  EXPECT_TRUE(net.inflight.empty());
+  // An ACK from an unknown node is still ignored (only HELLOs open).
+  Node c(net, 3, 0xc1, fast_options());
+  HandshakeMsg ack;
+  ack.type = MsgType::kAck;
+  ack.from = 3;
+  ack.to = 2;
+  ack.session = 0xc1;
+  b.hs->on_message(ack, net.now);
+  EXPECT_EQ(b.hs->stats().unknown_peer, 1u);
+}
+
+TEST(VerbsHandshake, QpsCreatedHookRunsInInitBeforeAnyMessageNamesTheQps) {
+  Net net;
+  Node a(net, 1, 0xa1, fast_options()), b(net, 2, 0xb1, fast_options());
+  struct Seen {
+    uint64_t node;
+    QpState msg, write;
+    size_t inflight;
+  };
+  std::vector<Seen> seen_a, seen_b;
+  a.hs->on_qps_created([&](uint64_t node, Qp& m, Qp& w) {
+    seen_a.push_back({node, m.state(), w.state(), net.inflight.size()});
+  });
+  b.hs->on_qps_created([&](uint64_t node, Qp& m, Qp& w) {
+    seen_b.push_back({node, m.state(), w.state(), net.inflight.size()});
+  });
+  b.hs->expect(1, "A", net.now);
+  a.hs->connect(2, "B", b.contact(), net.now);
+  ASSERT_EQ(seen_a.size(), 1u);
+  EXPECT_EQ(seen_a[0].node, 2u);
+  EXPECT_EQ(seen_a[0].msg, QpState::kInit);
+  EXPECT_EQ(seen_a[0].write, QpState::kInit);
+  EXPECT_EQ(seen_a[0].inflight, 0u);  // before the HELLO went out
+  net.deliver(0);                     // the HELLO reaches b
+  ASSERT_EQ(seen_b.size(), 1u);
+  EXPECT_EQ(seen_b[0].msg, QpState::kInit);  // before RTR
+  EXPECT_EQ(seen_b[0].inflight, 0u);         // and before the ACK
+  net.run();
+  expect_wired(a, b);
+  EXPECT_EQ(seen_a.size(), 1u);  // once per peer
+  EXPECT_EQ(seen_b.size(), 1u);
+  // A hook that throws fails the peer like a QP creation failure.
+  Node c(net, 3, 0xc1, fast_options());
+  c.hs->on_qps_created([](uint64_t, Qp&, Qp&) { throw FabricError("no receive buffers"); });
+  EXPECT_THROW(c.hs->connect(2, "B", b.contact(), net.now), FabricError);
+  EXPECT_NE(error_of<FabricError>(*c.hs, 2).find("no receive buffers"), std::string::npos);
+}
+
 TEST(VerbsHandshake, InvalidUse) {
   Net net;
   Node a(net, 1, 0xa1, fast_options());
