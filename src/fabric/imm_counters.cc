@@ -28,12 +28,15 @@ void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
     // Poll like the workers (a short sleep after kSpinPolls passes without
     // work), driving progress from this thread instead of waiting for the
     // worker to wake.
-    for (int idle = 0; !ok;) {
-      const auto now = Clock::now();
-      if (now >= deadline) break;
-      if (idle >= kSpinPolls)
-        ok = cv_.wait_until(lock, std::min(deadline, now + kIdleSleep),
-                            [&] { return counts_[imm] >= count; });
+    // The clock is read before sleeping and every 64 passes, not every pass.
+    for (int idle = 0, pass = 0; !ok; ++pass) {
+      if (idle >= kSpinPolls || pass % 64 == 0) {
+        const auto now = Clock::now();
+        if (now >= deadline) break;
+        if (idle >= kSpinPolls)
+          ok = cv_.wait_until(lock, std::min(deadline, now + kIdleSleep),
+                              [&] { return counts_[imm] >= count; });
+      }
       if (ok) break;
       lock.unlock();
       idle = progress() ? 0 : idle + 1;

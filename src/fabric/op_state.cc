@@ -19,24 +19,28 @@ void OpState::wait(double timeout_s) const {
       idle = progress_->run() ? 0 : idle + 1;
   }
   std::unique_lock<std::mutex> lock(mu_);
-  for (int idle = kSpinPolls;;) {
+  // The clock is read before sleeping and every 64 passes, not every pass.
+  for (int idle = kSpinPolls, pass = 0;; ++pass) {
     if (done_.load()) break;
-    const auto now = Clock::now();
-    if (now >= until) break;
     if (!progress_) {
+      if (Clock::now() >= until) break;
       cv_.wait_until(lock, until, [&] { return done_.load(); });
       continue;
     }
-    if (idle >= kSpinPolls)
-      cv_.wait_until(lock, std::min<Clock::time_point>(until, now + kIdleSleep),
-                     [&] { return done_.load(); });
+    if (idle >= kSpinPolls || pass % 64 == 0) {
+      const auto now = Clock::now();
+      if (now >= until) break;
+      if (idle >= kSpinPolls)
+        cv_.wait_until(lock, std::min<Clock::time_point>(until, now + kIdleSleep),
+                       [&] { return done_.load(); });
+    }
     if (done_.load()) break;
     lock.unlock();
     idle = progress_->run() ? 0 : idle + 1;
     lock.lock();
   }
   if (!done_.load())
-    throw TimeoutError("TransferEngine " + what_ + ": not complete within the wait's timeout");
+    throw TimeoutError("TransferEngine " + *what_ + ": not complete within the wait's timeout");
   if (error_) std::rethrow_exception(error_);
 }
 

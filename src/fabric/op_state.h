@@ -61,9 +61,11 @@ inline constexpr std::chrono::microseconds kIdleSleep{50};
 
 class OpState : public Transfer {
  public:
-  // `what` names the operation and peer for error messages.
-  OpState(std::string what, int work_requests, Clock::time_point deadline, Callback cb,
-          std::shared_ptr<ProgressHook> progress = nullptr)
+  // `what` names the operation and peer for error messages: built once per
+  // peer or group by the engine and shared, so no operation formats text
+  // unless it fails.
+  OpState(std::shared_ptr<const std::string> what, int work_requests, Clock::time_point deadline,
+          Callback cb, std::shared_ptr<ProgressHook> progress = nullptr)
       : what_(std::move(what)),
         remaining_(work_requests),
         deadline_(deadline),
@@ -71,7 +73,7 @@ class OpState : public Transfer {
         has_cb_(static_cast<bool>(cb_)),
         progress_(std::move(progress)) {}
 
-  const std::string& what() const { return what_; }
+  const std::string& what() const { return *what_; }
   Clock::time_point deadline() const { return deadline_; }
   bool has_callback() const { return has_cb_; }
 
@@ -89,7 +91,7 @@ class OpState : public Transfer {
 
  private:
   void finish();
-  const std::string what_;
+  const std::shared_ptr<const std::string> what_;
   std::atomic<int> remaining_;
   const Clock::time_point deadline_;
   Callback cb_;

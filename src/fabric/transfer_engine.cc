@@ -28,9 +28,14 @@ namespace moelink::fabric {
 
 namespace {
 
+using Text = std::shared_ptr<const std::string>;
+Text text(std::string s) { return std::make_shared<const std::string>(std::move(s)); }
+
 struct Peer {
   EngineAddress address;
   std::vector<uint64_t> dest;  // per local domain: Nic::insert_peer's handle
+  // The operations' names in error messages, built once.
+  Text write_what, paged_what, send_what;
 };
 
 // Peers are looked up by address on every write: hash the address in place
@@ -50,6 +55,19 @@ struct Member {
   WorkRequest tmpl;
   uint64_t size = 0;
 };
+
+struct Group {
+  std::vector<Member> members;
+  Text scatter_what, barrier_what;
+};
+
+// The work requests of one call, per worker, reused from call to call so
+// that posting allocates nothing once warm (one set per calling thread).
+std::vector<std::vector<WorkRequest>>& scratch(size_t domains) {
+  thread_local std::vector<std::vector<WorkRequest>> s;
+  if (s.size() < domains) s.resize(domains);
+  return s;
+}
 
 class FabricEngine final : public TransferEngine {
  public:
@@ -141,6 +159,10 @@ class FabricEngine final : public TransferEngine {
       p.dest.push_back(dest);
     }
     const PeerId id = static_cast<PeerId>(peers_.size());
+    const std::string who = "peer '" + address.name + "' (peer " + std::to_string(id) + ")";
+    p.write_what = text("write to " + who);
+    p.paged_what = text("paged_write to " + who);
+    p.send_what = text("send to " + who);
     peers_.push_back(std::move(p));
     peer_ids_.emplace(address, id);
     return id;
@@ -148,49 +170,60 @@ class FabricEngine final : public TransferEngine {
 
   GroupId add_peer_group(const std::vector<MemoryDescriptor>& members) override {
     if (members.empty()) throw InvalidArgument("TransferEngine add_peer_group: no members");
-    std::vector<Member> group;
+    Group group;
     for (size_t i = 0; i < members.size(); ++i) {
       const PeerId peer = add_peer(members[i].owner);
       Nic* d = domains_[i % domains_.size()].get();
-      group.push_back(Member{peer, make_template(peer, d, members[i], "add_peer_group"),
-                             members[i].size});
+      group.members.push_back(Member{peer, make_template(peer, d, members[i], "add_peer_group"),
+                                     members[i].size});
     }
     std::lock_guard<std::mutex> lock(peers_mu_);
+    const auto id = static_cast<GroupId>(groups_.size());
+    group.scatter_what = text("scatter (group " + std::to_string(id) + ")");
+    group.barrier_what = text("barrier (group " + std::to_string(id) + ")");
     groups_.push_back(std::move(group));
-    return static_cast<GroupId>(groups_.size() - 1);
+    return id;
   }
 
   TransferPtr write(const MemoryRegion& src, uint64_t src_offset, const MemoryDescriptor& dst,
                     uint64_t dst_offset, size_t len, std::optional<uint32_t> imm,
                     Callback cb) override {
     const PeerId peer = add_peer(dst.owner);
-    const std::string what = "write to " + peer_str(peer);
-    auto reg = registry_.check(src, src_offset, len, what);
-    check_range(dst.size, dst_offset, len, what, "destination");
+    const Text what = peer_text(peer, &Peer::write_what);
+    auto reg = registry_.check(src, src_offset, len, *what);
+    check_range(dst.size, dst_offset, len, *what, "destination");
     Nic* d = domains_[static_cast<size_t>(peer) % domains_.size()].get();
-    WorkRequest wr = make_template(peer, d, dst, what);
-    fill(wr, *reg, d, src_offset, dst_offset, len, imm);
+    auto& wrs = scratch(domains_.size())[0];
+    wrs.push_back(make_template(peer, d, dst, *what));
+    fill(wrs.back(), *reg, d, src_offset, dst_offset, len, imm);
     auto op = new_op(what, 1, std::move(cb));
-    wr.op = op;
-    std::vector<WorkRequest> wrs{wr};
-    worker_of(d->index()).submit(std::move(wrs));
+    wrs.back().op = op;
+    worker_of(d->index()).submit(wrs);
     return op;
   }
 
   TransferPtr paged_write(const MemoryRegion& src, const MemoryDescriptor& dst,
                           const PagedWrite& p, std::optional<uint32_t> imm, Callback cb) override {
     const PeerId peer = add_peer(dst.owner);
-    const std::string what = "paged_write to " + peer_str(peer);
+    const Text what_text = peer_text(peer, &Peer::paged_what);
+    const std::string& what = *what_text;
     if (p.src_pages.size() != p.dst_pages.size())
       throw InvalidArgument("TransferEngine " + what + ": " + std::to_string(p.src_pages.size()) +
                             " source pages but " + std::to_string(p.dst_pages.size()) +
                             " destination pages");
     auto reg = registry_.check(src, 0, 0, what);
-    std::vector<std::vector<WorkRequest>> per_domain(domains_.size());
+    auto& per_domain = scratch(domains_.size());
     // One template per domain used (pages are sharded across domains),
     // built at the domain's first page as before (same error order).
     std::vector<WorkRequest> tmpl;
-    auto op = new_op(what, static_cast<int>(std::max<size_t>(1, p.src_pages.size())), std::move(cb));
+    auto op = new_op(what_text, static_cast<int>(std::max<size_t>(1, p.src_pages.size())),
+                     std::move(cb));
+    struct Unsubmitted {  // a page that fails its check leaves nothing queued
+      std::vector<std::vector<WorkRequest>>& v;
+      ~Unsubmitted() {
+        for (auto& w : v) w.clear();
+      }
+    } unsubmitted{per_domain};
     for (size_t i = 0; i < p.src_pages.size(); ++i) {
       const uint64_t so = p.src_offset + p.src_pages[i] * p.src_stride;
       const uint64_t dof = p.dst_offset + p.dst_pages[i] * p.dst_stride;
@@ -202,14 +235,10 @@ class FabricEngine final : public TransferEngine {
       // Pages are sharded across domains (NICs).
       const size_t di = i % domains_.size();
       Nic* d = domains_[di].get();
-      if (di == tmpl.size()) {
-        tmpl.push_back(make_template(peer, d, dst, what));
-        per_domain[di].reserve(p.src_pages.size() / domains_.size() + 1);
-      }
-      WorkRequest wr = tmpl[di];
-      fill(wr, *reg, d, so, dof, p.page_bytes, imm);
-      wr.op = op;
-      per_domain[di].push_back(std::move(wr));
+      if (di == tmpl.size()) tmpl.push_back(make_template(peer, d, dst, what));
+      per_domain[di].push_back(tmpl[di]);
+      fill(per_domain[di].back(), *reg, d, so, dof, p.page_bytes, imm);
+      per_domain[di].back().op = op;
     }
     submit_all(per_domain);
     if (p.src_pages.empty()) op->complete_one();
@@ -218,11 +247,19 @@ class FabricEngine final : public TransferEngine {
 
   TransferPtr scatter(GroupId group, const MemoryRegion& src,
                       const std::vector<ScatterSlice>& slices, uint32_t imm, Callback cb) override {
-    const std::vector<Member>& members = group_at(group, "scatter");
-    const std::string what = "scatter (group " + std::to_string(group) + ")";
+    const Group& g = group_at(group, "scatter");
+    const std::vector<Member>& members = g.members;
+    const std::string& what = *g.scatter_what;
     auto reg = registry_.check(src, 0, 0, what);
-    auto op = new_op(what, static_cast<int>(std::max<size_t>(1, slices.size())), std::move(cb));
-    std::vector<std::vector<WorkRequest>> per_domain(domains_.size());
+    auto op =
+        new_op(g.scatter_what, static_cast<int>(std::max<size_t>(1, slices.size())), std::move(cb));
+    auto& per_domain = scratch(domains_.size());
+    struct Unsubmitted {  // a slice that fails its check leaves nothing queued
+      std::vector<std::vector<WorkRequest>>& v;
+      ~Unsubmitted() {
+        for (auto& w : v) w.clear();
+      }
+    } unsubmitted{per_domain};
     for (const auto& s : slices) {
       if (s.member >= members.size())
         throw InvalidArgument("TransferEngine " + what + ": member " + std::to_string(s.member) +
@@ -233,10 +270,10 @@ class FabricEngine final : public TransferEngine {
         check_range(reg->size, s.src_offset, s.len, w, "source");
         check_range(m.size, s.dst_offset, s.len, w, "destination");
       }
-      WorkRequest wr = m.tmpl;
-      fill(wr, *reg, wr.nic, s.src_offset, s.dst_offset, s.len, imm);
-      wr.op = op;
-      per_domain[wr.nic->index()].push_back(std::move(wr));
+      auto& wrs = per_domain[m.tmpl.nic->index()];
+      wrs.push_back(m.tmpl);
+      fill(wrs.back(), *reg, m.tmpl.nic, s.src_offset, s.dst_offset, s.len, imm);
+      wrs.back().op = op;
     }
     submit_all(per_domain);
     if (slices.empty()) op->complete_one();
@@ -244,16 +281,15 @@ class FabricEngine final : public TransferEngine {
   }
 
   TransferPtr barrier(GroupId group, uint32_t imm, Callback cb) override {
-    const std::vector<Member>& members = group_at(group, "barrier");
-    const std::string what = "barrier (group " + std::to_string(group) + ")";
-    auto op = new_op(what, static_cast<int>(members.size()), std::move(cb));
-    std::vector<std::vector<WorkRequest>> per_domain(domains_.size());
-    for (const Member& m : members) {
-      WorkRequest wr = m.tmpl;  // zero bytes, no local buffer
-      wr.has_imm = true;
-      wr.imm = imm;
-      wr.op = op;
-      per_domain[wr.nic->index()].push_back(std::move(wr));
+    const Group& g = group_at(group, "barrier");
+    auto op = new_op(g.barrier_what, static_cast<int>(g.members.size()), std::move(cb));
+    auto& per_domain = scratch(domains_.size());
+    for (const Member& m : g.members) {
+      auto& wrs = per_domain[m.tmpl.nic->index()];
+      wrs.push_back(m.tmpl);  // zero bytes, no local buffer
+      wrs.back().has_imm = true;
+      wrs.back().imm = imm;
+      wrs.back().op = op;
     }
     submit_all(per_domain);
     return op;
@@ -267,10 +303,10 @@ class FabricEngine final : public TransferEngine {
 
   TransferPtr send(PeerId peer, const MemoryRegion& src, uint64_t offset, size_t len,
                    Callback cb) override {
-    const std::string what = "send to " + peer_str(peer);  // throws for unknown peers
-    auto reg = registry_.check(src, offset, len, what);
+    const Text what = peer_text(peer, &Peer::send_what);  // throws for unknown peers
+    auto reg = registry_.check(src, offset, len, *what);
     if (len > options_.max_message_bytes)
-      throw InvalidArgument("TransferEngine " + what + ": " + std::to_string(len) +
+      throw InvalidArgument("TransferEngine " + *what + ": " + std::to_string(len) +
                             " bytes exceed max_message_bytes " +
                             std::to_string(options_.max_message_bytes));
     Nic* d = domains_[static_cast<size_t>(peer) % domains_.size()].get();
@@ -283,8 +319,9 @@ class FabricEngine final : public TransferEngine {
     wr.desc = reg->mrs[d->index()].desc;
     auto op = new_op(what, 1, std::move(cb));
     wr.op = op;
-    std::vector<WorkRequest> wrs{wr};
-    worker_of(d->index()).submit(std::move(wrs));
+    auto& wrs = scratch(domains_.size())[0];
+    wrs.push_back(std::move(wr));
+    worker_of(d->index()).submit(wrs);
     return op;
   }
 
@@ -293,11 +330,16 @@ class FabricEngine final : public TransferEngine {
  private:
   Worker& worker_of(int domain) { return *workers_[domain / options_.domains_per_worker]; }
 
-  std::string peer_str(PeerId peer) {
+  // One of the peer's operation names; InvalidArgument for an unknown peer.
+  Text peer_text(PeerId peer, Text Peer::*which) {
     std::lock_guard<std::mutex> lock(peers_mu_);
     if (peer < 0 || static_cast<size_t>(peer) >= peers_.size())
       throw InvalidArgument("TransferEngine: unknown peer " + std::to_string(peer) + " (" +
                             std::to_string(peers_.size()) + " peers added)");
+    return peers_[peer].*which;
+  }
+  std::string peer_str(PeerId peer) {
+    std::lock_guard<std::mutex> lock(peers_mu_);
     return "peer '" + peers_[peer].address.name + "' (peer " + std::to_string(peer) + ")";
   }
 
@@ -306,7 +348,7 @@ class FabricEngine final : public TransferEngine {
     return peers_[peer].dest[d->index()];
   }
 
-  const std::vector<Member>& group_at(GroupId g, const char* op) {
+  const Group& group_at(GroupId g, const char* op) {
     std::lock_guard<std::mutex> lock(peers_mu_);
     if (g < 0 || static_cast<size_t>(g) >= groups_.size())
       throw InvalidArgument(std::string("TransferEngine ") + op + ": unknown peer group " +
@@ -343,7 +385,7 @@ class FabricEngine final : public TransferEngine {
     wr.imm = imm.value_or(0);
   }
 
-  std::shared_ptr<OpState> new_op(const std::string& what, int wrs, Callback cb) {
+  std::shared_ptr<OpState> new_op(const Text& what, int wrs, Callback cb) {
     auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                        std::chrono::duration<double>(options_.timeout_s));
     auto op = std::make_shared<OpState>(what, wrs, deadline, std::move(cb), progress_);
@@ -351,8 +393,8 @@ class FabricEngine final : public TransferEngine {
   }
 
   void submit_all(std::vector<std::vector<WorkRequest>>& per_domain) {
-    for (size_t i = 0; i < per_domain.size(); ++i)
-      if (!per_domain[i].empty()) worker_of(static_cast<int>(i)).submit(std::move(per_domain[i]));
+    for (size_t i = 0; i < domains_.size(); ++i)
+      if (!per_domain[i].empty()) worker_of(static_cast<int>(i)).submit(per_domain[i]);
   }
 
   EngineOptions options_;
@@ -367,7 +409,7 @@ class FabricEngine final : public TransferEngine {
   std::unordered_map<EngineAddress, PeerId, AddressHash> peer_ids_;
   std::shared_ptr<ProgressHook> progress_;
   std::function<bool()> progress_fn_;
-  std::deque<std::vector<Member>> groups_;
+  std::deque<Group> groups_;
 };
 
 // InvalidArgument for options no transport accepts, before any NIC is opened.

@@ -150,7 +150,11 @@ static bool same_destination(const WorkRequest& a, const WorkRequest& b) {
   return a.nic == b.nic && a.dest == b.dest;
 }
 
-void Worker::submit(std::vector<WorkRequest>&& wrs) {
+void Worker::submit(std::vector<WorkRequest>& wrs) {
+  struct Consumed {  // every path leaves the caller's vector empty
+    std::vector<WorkRequest>& v;
+    ~Consumed() { v.clear(); }
+  } consumed{wrs};
   // Direct posting needs the endpoints (ep_mu_) and nothing queued before
   // this submission (incoming_, pending_), so that work requests are posted
   // in submission order. The worker thread itself (a callback submitting)
@@ -167,6 +171,7 @@ void Worker::submit(std::vector<WorkRequest>&& wrs) {
     }
     if (!ep.owns_lock() || stopped_ || !incoming_.empty() || !pending_.empty()) {
       for (auto& wr : wrs) incoming_.push_back(std::move(wr));
+      has_incoming_.store(true, std::memory_order_release);
       if (ep.owns_lock()) ep.unlock();
       wake_.notify_one();
       return;
@@ -196,18 +201,24 @@ bool Worker::progress() {
   if (!ep.owns_lock() || stopped_) return false;
   int work = 0;
   bool wake = false;
-  {  // work queued while the endpoints were busy: post it from here too
+  // Work queued while the endpoints were busy: post it from here too (a
+  // waiter's pass runs often, so it looks at the flag before taking mu_).
+  if (has_incoming_.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(mu_);
     while (!incoming_.empty()) {
       pending_.push_back(std::move(incoming_.front()));
       incoming_.pop_front();
     }
+    has_incoming_.store(false, std::memory_order_relaxed);
   }
   work += post_pending(false);
   work += poll_all(false, &wake);
   if (!pending_.empty() || !deferred_.empty() || !deferred_failed_.empty()) wake = true;
   ep.unlock();
-  if (wake) wake_.notify_one();
+  if (wake) {
+    needs_worker_.store(true, std::memory_order_release);
+    wake_.notify_one();
+  }
   return work > 0;
 }
 
@@ -265,18 +276,22 @@ void Worker::run_tasks() {
       pending_.push_back(std::move(incoming_.front()));
       incoming_.pop_front();
     }
+    has_incoming_.store(false, std::memory_order_relaxed);
   }
   for (auto& t : tasks) t();
 }
 
+// The request moves into the context and, when the transport does not take
+// it, back: no reference count changes hands on the hot path.
 PostStatus Worker::try_post(WorkRequest& wr, bool more) {
   Ctx* c = get_ctx();
-  c->wr = wr;
-  const PostStatus r = wr.nic->post(c->wr, c, more, &last_post_error_);
+  c->wr = std::move(wr);
+  const PostStatus r = c->wr.nic->post(c->wr, c, more, &last_post_error_);
   if (r == PostStatus::kPosted) {
     link(c);
     return r;
   }
+  wr = std::move(c->wr);
   put_ctx(c);
   return r;
 }
@@ -356,9 +371,19 @@ void Worker::loop() {
       // nobody waits for may be seen up to kHelpedSleep late.
       const bool waiting = options_.waiters && options_.waiters->load(std::memory_order_relaxed) > 0;
       const bool helped = user_posted_.exchange(false, std::memory_order_relaxed) || waiting;
-      if (options_.yield_when_idle && (idle > 200 || helped) && incoming_.empty() &&
-          tasks_.empty() && !queued)
+      const bool own_work = !incoming_.empty() || !tasks_.empty() || queued ||
+                            needs_worker_.exchange(false, std::memory_order_acq_rel);
+      if (options_.yield_when_idle && (idle > 200 || helped) && !own_work)
         wake_.wait_for(lock, waiting ? kHelpedSleep : kIdleSleep);
+      // Busy polling, but a user thread is waiting and polling the same
+      // queues: leave the endpoints to it rather than take turns on ep_mu_
+      // (it hands the worker what is the worker's: callbacks, errors,
+      // queued work).
+      if (!options_.yield_when_idle && waiting && !own_work) {
+        lock.unlock();
+        std::this_thread::yield();
+        continue;
+      }
     }
     std::lock_guard<std::mutex> ep(ep_mu_);
     run_tasks();

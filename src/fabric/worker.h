@@ -64,7 +64,9 @@ class Worker {
 
   // Posts from the calling thread when the endpoints are free and nothing
   // is queued before it; otherwise queues for the worker.
-  void submit(std::vector<WorkRequest>&& wrs);
+  // Takes the work requests out of `wrs` (left empty, its capacity kept for
+  // the caller's next call).
+  void submit(std::vector<WorkRequest>& wrs);
   // One non-blocking progress pass from a user thread (posts queued work,
   // reads completions); false when the worker holds the endpoints or there
   // was nothing to do.
@@ -106,6 +108,10 @@ class Worker {
   std::mutex mu_;
   std::condition_variable wake_;
   std::deque<WorkRequest> incoming_;
+  std::atomic<bool> has_incoming_{false};  // !incoming_.empty(), readable without mu_
+  // A user thread's progress pass left something to the worker (deferred
+  // callbacks or errors, queued work).
+  std::atomic<bool> needs_worker_{false};
   std::deque<std::function<void()>> tasks_;
   bool stop_ = false;
   // A user thread posted directly since the worker's last pass: it is
