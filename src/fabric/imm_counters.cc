@@ -13,6 +13,7 @@ void ImmCounters::add(uint32_t imm, uint64_t n) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     counts_[imm] += n;
+    generation_.fetch_add(1, std::memory_order_release);
   }
   cv_.notify_all();
 }
@@ -22,36 +23,61 @@ void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
   using Clock = std::chrono::steady_clock;
   const auto deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
-  std::unique_lock<std::mutex> lock(mu_);
-  bool ok = counts_[imm] >= count;
-  if (!ok && progress) {
+  // Under mu_: consume `count` arrivals if they are there.
+  const auto take = [&] {
+    uint64_t& c = counts_[imm];
+    if (c < count) return false;
+    c -= count;
+    return true;
+  };
+  // Read before the first look, so that an arrival after it shows as a new
+  // generation.
+  uint64_t seen = generation_.load(std::memory_order_acquire);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (take()) return;
+  }
+  if (progress) {
     // Poll like the workers (a short sleep after kSpinPolls passes without
     // work), driving progress from this thread instead of waiting for the
-    // worker to wake.
-    // The clock is read before sleeping and every 64 passes, not every pass.
-    for (int idle = 0, pass = 0; !ok; ++pass) {
+    // worker to wake. The counts are looked at (under mu_) only when some
+    // immediate arrived since the last look; the clock is read before
+    // sleeping and every 64 passes.
+    for (int idle = 0, pass = 0;; ++pass) {
       if (idle >= kSpinPolls || pass % 64 == 0) {
         const auto now = Clock::now();
         if (now >= deadline) break;
-        if (idle >= kSpinPolls)
-          ok = cv_.wait_until(lock, std::min(deadline, now + kIdleSleep),
-                              [&] { return counts_[imm] >= count; });
+        if (idle >= kSpinPolls) {
+          std::unique_lock<std::mutex> lock(mu_);
+          seen = generation_.load(std::memory_order_acquire);
+          if (cv_.wait_until(lock, std::min(deadline, now + kIdleSleep),
+                             [&] { return counts_[imm] >= count; })) {
+            counts_[imm] -= count;
+            return;
+          }
+        }
       }
-      if (ok) break;
-      lock.unlock();
       idle = progress() ? 0 : idle + 1;
-      lock.lock();
-      ok = counts_[imm] >= count;
+      const uint64_t g = generation_.load(std::memory_order_acquire);
+      if (g != seen) {
+        seen = g;
+        std::lock_guard<std::mutex> lock(mu_);
+        if (take()) return;
+      }
     }
-  } else if (!ok) {
-    ok = cv_.wait_until(lock, deadline, [&] { return counts_[imm] >= count; });
+  } else {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (cv_.wait_until(lock, deadline, [&] { return counts_[imm] >= count; })) {
+      counts_[imm] -= count;
+      return;
+    }
   }
-  if (!ok)
-    throw TimeoutError("TransferEngine wait_imm: immediate " + std::to_string(imm) +
-                       " arrived " + std::to_string(counts_[imm]) + " of " +
-                       std::to_string(count) + " times within " + std::to_string(timeout_s) +
-                       " s (a peer is missing or failed)");
-  counts_[imm] -= count;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (take()) return;  // arrived at the deadline
+  throw TimeoutError("TransferEngine wait_imm: immediate " + std::to_string(imm) + " arrived " +
+                     std::to_string(counts_[imm]) + " of " + std::to_string(count) +
+                     " times within " + std::to_string(timeout_s) +
+                     " s (a peer is missing or failed)");
 }
 
 uint64_t ImmCounters::get(uint32_t imm) const {

@@ -2,6 +2,7 @@
 // Workers add; user threads wait until a count is reached and consume it.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -25,6 +26,8 @@ class ImmCounters {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::unordered_map<uint32_t, uint64_t> counts_;
+  // Bumped by every add: a polling waiter looks at counts_ only when it moved.
+  std::atomic<uint64_t> generation_{0};
 };
 
 }  // namespace moelink::fabric

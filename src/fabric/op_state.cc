@@ -59,6 +59,16 @@ void OpState::fail(std::exception_ptr e) {
 
 // The callback runs before done() turns true, so a waiter sees its effects.
 void OpState::finish() {
+  if (!has_cb_) {  // the common case: one lock
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finishing_) return;
+      finishing_ = true;
+      done_.store(true, std::memory_order_release);
+    }
+    cv_.notify_all();
+    return;
+  }
   Callback cb;
   std::exception_ptr err;
   {

@@ -147,8 +147,10 @@ class FabricEngine final : public TransferEngine {
       throw InvalidArgument("TransferEngine add_peer: address of '" + address.name +
                             "' has no endpoints");
     std::lock_guard<std::mutex> lock(peers_mu_);
+    // Writes usually go to the peer of the last one: compare before hashing.
+    if (last_peer_ >= 0 && peers_[last_peer_].address == address) return last_peer_;
     auto it = peer_ids_.find(address);
-    if (it != peer_ids_.end()) return it->second;
+    if (it != peer_ids_.end()) return last_peer_ = it->second;
     Peer p;
     p.address = address;
     for (auto& d : domains_) {
@@ -165,7 +167,7 @@ class FabricEngine final : public TransferEngine {
     p.send_what = text("send to " + who);
     peers_.push_back(std::move(p));
     peer_ids_.emplace(address, id);
-    return id;
+    return last_peer_ = id;
   }
 
   GroupId add_peer_group(const std::vector<MemoryDescriptor>& members) override {
@@ -406,6 +408,7 @@ class FabricEngine final : public TransferEngine {
   std::vector<std::unique_ptr<Worker>> workers_;
   std::mutex peers_mu_;
   std::vector<Peer> peers_;
+  PeerId last_peer_ = -1;  // under peers_mu_: the peer add_peer found last
   std::unordered_map<EngineAddress, PeerId, AddressHash> peer_ids_;
   std::shared_ptr<ProgressHook> progress_;
   std::function<bool()> progress_fn_;

@@ -213,6 +213,7 @@ bool Worker::progress() {
   }
   work += post_pending(false);
   work += poll_all(false, &wake);
+  user_polled_.store(true, std::memory_order_relaxed);
   if (!pending_.empty() || !deferred_.empty() || !deferred_failed_.empty()) wake = true;
   ep.unlock();
   if (wake) {
@@ -373,8 +374,18 @@ void Worker::loop() {
       const bool helped = user_posted_.exchange(false, std::memory_order_relaxed) || waiting;
       const bool own_work = !incoming_.empty() || !tasks_.empty() || queued ||
                             needs_worker_.exchange(false, std::memory_order_acq_rel);
-      if (options_.yield_when_idle && (idle > 200 || helped) && !own_work)
+      if (options_.yield_when_idle && (idle > 200 || helped) && !own_work) {
         wake_.wait_for(lock, waiting ? kHelpedSleep : kIdleSleep);
+        // A user thread polled the queues since the last look and nothing
+        // is the worker's: skip the pass rather than take the endpoints from
+        // it (at least one pass every kHelpedSleep still reads what nobody
+        // waits for and checks deadlines).
+        const bool mine = !incoming_.empty() || !tasks_.empty() ||
+                          needs_worker_.load(std::memory_order_acquire);
+        if (!mine && user_polled_.exchange(false, std::memory_order_relaxed) &&
+            Clock::now() < forced_pass_)
+          continue;
+      }
       // Busy polling, but a user thread is waiting and polling the same
       // queues: leave the endpoints to it rather than take turns on ep_mu_
       // (it hands the worker what is the worker's: callbacks, errors,
@@ -386,6 +397,7 @@ void Worker::loop() {
       }
     }
     std::lock_guard<std::mutex> ep(ep_mu_);
+    forced_pass_ = Clock::now() + kHelpedSleep;
     run_tasks();
     int work = 0;
     for (Ctx* c : deferred_) {  // completed while a user thread polled

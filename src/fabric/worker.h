@@ -112,6 +112,9 @@ class Worker {
   // A user thread's progress pass left something to the worker (deferred
   // callbacks or errors, queued work).
   std::atomic<bool> needs_worker_{false};
+  // A user thread ran a progress pass since the worker last looked.
+  std::atomic<bool> user_polled_{false};
+  Clock::time_point forced_pass_{};  // worker thread: a pass is due by then
   std::deque<std::function<void()>> tasks_;
   bool stop_ = false;
   // A user thread posted directly since the worker's last pass: it is
