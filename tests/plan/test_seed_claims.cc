@@ -36,12 +36,15 @@ std::vector<int> every_batch() {
   return v;
 }
 // One H200 node (EP8, TP 1..8) or 16 H100 nodes (EP128), every batch 1..128.
-std::vector<SweepPoint> single_node_points(std::vector<int> tps = {1, 2, 4, 8}) {
+// gemm_memory > 0 replaces the H200 profile's GEMM memory efficiency.
+std::vector<SweepPoint> single_node_points(double gemm_memory = 0, std::vector<int> tps = {1, 2, 4, 8}) {
   SweepSpec spec;
   spec.eps = {8};
   spec.tps = tps;
   spec.batches = every_batch();
-  return sweep(input("deepseek-v3", "h200", "nvlink-seed", {8, 8, 1, 8}, 1), spec);
+  PlanInput in = input("deepseek-v3", "h200", "nvlink-seed", {8, 8, 1, 8}, 1);
+  if (gemm_memory > 0) in.gpu.eff.gemm_memory = gemm_memory;
+  return sweep(in, spec);
 }
 std::vector<SweepPoint> ep128_points() {
   SweepSpec spec;
@@ -58,8 +61,8 @@ SweepPoint best_at_speed(const std::vector<SweepPoint>& pts, double speed) {
 }
 }  // namespace
 
-// 50-80 tok/s: the issue's bound, [3, 8], at every point.
-// 40 tok/s: NOT reproduced (~2x); see the next test and docs/planner.md.
+// The issue's bound, [3, 8], at every speed 40..80 tok/s (H200 profile: the
+// measured GEMM memory efficiency; 40 tok/s depends on it, see the next test).
 TEST(PlanSeedClaims, EP128BeatsSingleNodeAtEqualSpeed) {
   auto single = single_node_points();
   auto ep128 = ep128_points();
@@ -73,13 +76,8 @@ TEST(PlanSeedClaims, EP128BeatsSingleNodeAtEqualSpeed) {
     EXPECT_NEAR(frontier_throughput_at(f2, speed) / b, 1.0, 0.1) << speed;
     const double ratio = b / a;
     std::printf("claim 2: %.0f tok/s: single %.0f, EP128 %.0f tok/s per node, %.2fx\n", speed, a, b, ratio);
-    if (speed >= 50) {
-      EXPECT_GE(ratio, 3.0) << "at " << speed << " tok/s";
-      EXPECT_LE(ratio, 8.0) << "at " << speed << " tok/s";
-    } else {
-      EXPECT_GE(ratio, 1.8) << "at " << speed << " tok/s (issue: 3x; see the next test)";
-      EXPECT_LE(ratio, 8.0) << "at " << speed << " tok/s";
-    }
+    EXPECT_GE(ratio, 3.0) << "at " << speed << " tok/s";
+    EXPECT_LE(ratio, 8.0) << "at " << speed << " tok/s";
   }
   // Seed: at 64 requests per GPU (TP1) the single node is slightly ahead of
   // EP128 in throughput per node (NVLink vs IB).
@@ -99,49 +97,87 @@ TEST(PlanSeedClaims, EP128BeatsSingleNodeAtEqualSpeed) {
   EXPECT_GT(frontier_throughput_at(f2, 60), frontier_throughput_at(f16, 60));
 }
 
-// Why 40 tok/s gives ~2x and not the seed's ~5x (docs/planner.md, "Departures").
-// These are the numbers the doc quotes; if the model changes and one of them
-// moves, update the doc with it.
-TEST(PlanSeedClaims, Claim2At40IsTheSingleNodeKnee) {
-  auto single = single_node_points();
+// 40 tok/s is the single H200 node's knee, so claim 2 there hinges on the
+// H200's GEMM memory efficiency (docs/planner.md, "Claim 2 at 40 tok/s"): with
+// the measured 0.66 (bench/results/2026-12-01_nvidia-h200_grouped-gemm-fp8.json)
+// the ratio is >= 3, with the 0.75 taken from the seed's H100 kernel it is ~2x.
+// These are the numbers the doc quotes; if one moves, update the doc with it.
+TEST(PlanSeedClaims, Claim2At40HingesOnH200GemmEfficiency) {
+  const PlanInput h200 = input("deepseek-v3", "h200", "nvlink-seed", {8, 8, 1, 8}, 1);
+  ASSERT_NEAR(h200.gpu.eff.gemm_memory, 0.66, 1e-9) << "the H200 profile's value is the measurement";
+  const double h100_eff = input("deepseek-v3", "h100", "ib-cx7", {128, 128, 1, 8}, 1).gpu.eff.gemm_memory;
+  ASSERT_NEAR(h100_eff, 0.75, 1e-9);
+
   auto ep128 = ep128_points();
-  const double a = throughput_at_speed(single, 40), b = throughput_at_speed(ep128, 40);
-  const double ratio = b / a;
-  EXPECT_GE(ratio, 1.8);
-  EXPECT_LE(ratio, 2.5) << "40 tok/s moved; docs/planner.md says ~2x";
+  const double b = throughput_at_speed(ep128, 40);
+  ASSERT_GT(b, 0);
+  auto measured = single_node_points();
+  auto borrowed = single_node_points(h100_eff);
+  const double a_measured = throughput_at_speed(measured, 40), a_borrowed = throughput_at_speed(borrowed, 40);
+  ASSERT_GT(a_measured, 0);
+  ASSERT_GT(a_borrowed, 0);
+  EXPECT_GE(b / a_measured, 3.0);
+  EXPECT_LE(b / a_measured, 4.5);
+  EXPECT_GE(b / a_borrowed, 1.8);
+  EXPECT_LT(b / a_borrowed, 2.5);
 
-  // The single node's best configuration at 40 tok/s is a DP layout (not DP1
-  // TP8), streams essentially all 32 local experts every step, and is far from
-  // its KV capacity: neither memory nor the layout choice caps it.
-  const SweepPoint s = best_at_speed(single, 40);
-  EXPECT_GT(s.layout.dp, 1);
-  PlanInput in = input("deepseek-v3", "h200", "nvlink-seed", s.layout, s.work.batch, s.work.overlap);
-  const StepResult r = simulate_step(in);
-  EXPECT_GE(r.shape.active_experts, 0.99 * r.shape.local_experts);
-  const MemoryReport mem = memory_report(in.model, in.gpu, in.layout, in.work);
-  ASSERT_TRUE(mem.fits());
-  EXPECT_LE(3 * s.work.batch, mem.max_batch);
-  double groupgemm = 0;
-  for (const auto& k : r.moe_layer.kernels)
-    if (k.cls == KernelClass::kGroupGemm) groupgemm += k.time_us;
-  EXPECT_GT(groupgemm, 0.5 * r.moe_layer.total_us);  // weight streaming dominates the layer
+  // Sensitivity (the doc's table): the ratio at 40 tok/s falls monotonically
+  // as the H200's GEMMs get more efficient; EP128 (H100) does not move.
+  double prev = 1e9;
+  for (double eff : {0.62, 0.647, 0.66, 0.694, 0.70, 0.75}) {
+    const double r = b / throughput_at_speed(single_node_points(eff), 40);
+    std::printf("claim 2 at 40 tok/s, H200 gemm_memory %.3f: %.2fx\n", eff, r);
+    EXPECT_LT(r, prev) << eff;
+    prev = r;
+  }
 
-  // The knee: the single node already reaches a third of EP128's 40 tok/s
-  // throughput a few percent above 40 tok/s, so 3x at 40 hinges on its step
-  // time being <10% slower than modelled around there.
-  double knee_speed = 0;
-  for (const auto& p : single)
-    if (p.throughput_node >= b / 3) knee_speed = std::max(knee_speed, p.output_tok_s);
-  EXPECT_GT(knee_speed, 40);
-  EXPECT_LT(knee_speed, 44);
+  // The knee: a 12% slower weight stream (0.75 -> 0.66) costs the single node
+  // far more throughput at 40 tok/s than at 60 tok/s, and the fastest single-node
+  // point reaching a third of EP128's 40 tok/s throughput lies within a few
+  // percent of 40 tok/s, below it with 0.66 and above it with 0.75.
+  const double loss40 = 1 - a_measured / a_borrowed;
+  const double loss60 = 1 - throughput_at_speed(measured, 60) / throughput_at_speed(borrowed, 60);
+  std::printf("single node, 0.75 -> 0.66: -%.0f%% at 40 tok/s, -%.0f%% at 60 tok/s\n", 100 * loss40, 100 * loss60);
+  EXPECT_GT(loss40, 0.35);
+  EXPECT_GT(loss40, 2 * loss60);
+  auto knee = [&](const std::vector<SweepPoint>& pts) {
+    double s = 0;
+    for (const auto& p : pts)
+      if (p.throughput_node >= b / 3) s = std::max(s, p.output_tok_s);
+    return s;
+  };
+  const double knee_measured = knee(measured), knee_borrowed = knee(borrowed);
+  std::printf("a third of EP128 at 40 tok/s: up to %.1f tok/s (0.66), %.1f tok/s (0.75)\n", knee_measured,
+              knee_borrowed);
+  EXPECT_GT(knee_measured, 37);
+  EXPECT_LT(knee_measured, 40);
+  EXPECT_GT(knee_borrowed, 40);
+  EXPECT_LT(knee_borrowed, 44);
 
-  // Restricting the single node to DP1 TP8 (the layout of the seed's batch-1
-  // discussion) would give >= 3x, but the seed sweeps TP 1, 2, 4, 8 on both
-  // sides and its frontier is the best over them.
-  const double tp8_only = throughput_at_speed(single_node_points({8}), 40);
-  ASSERT_GT(tp8_only, 0);
-  EXPECT_LT(tp8_only, a);
-  EXPECT_GE(b / tp8_only, 3.0);
+  // At either efficiency the single node's best configuration at 40 tok/s is a
+  // DP layout (not DP1 TP8), streams nearly all 32 local experts every step
+  // (GroupGEMM is most of the MoE layer) and is far from its KV capacity:
+  // neither memory nor the layout choice caps it.
+  for (double eff : {h200.gpu.eff.gemm_memory, h100_eff}) {
+    const SweepPoint s = best_at_speed(eff == h100_eff ? borrowed : measured, 40);
+    EXPECT_GT(s.layout.dp, 1) << eff;
+    PlanInput in = input("deepseek-v3", "h200", "nvlink-seed", s.layout, s.work.batch, s.work.overlap);
+    in.gpu.eff.gemm_memory = eff;
+    const StepResult r = simulate_step(in);
+    EXPECT_NEAR(r.output_tok_s, s.output_tok_s, 1e-9) << eff;
+    EXPECT_GE(r.shape.active_experts, 0.95 * r.shape.local_experts) << eff;
+    const MemoryReport mem = memory_report(in.model, in.gpu, in.layout, in.work);
+    ASSERT_TRUE(mem.fits()) << eff;
+    EXPECT_LE(3 * s.work.batch, mem.max_batch) << eff;
+    double groupgemm = 0;
+    for (const auto& k : r.moe_layer.kernels)
+      if (k.cls == KernelClass::kGroupGemm) groupgemm += k.time_us;
+    EXPECT_GT(groupgemm, 0.5 * r.moe_layer.total_us) << eff;
+    std::printf("single node at 40 tok/s, gemm_memory %.2f: EP%d DP%d TP%d batch %d, %.1f tok/s, %.0f tok/s per node, "
+                "%.1f of %.0f experts, GroupGEMM %.0f of %.0f us, max batch %d\n",
+                eff, s.layout.ep, s.layout.dp, s.layout.tp, s.work.batch, s.output_tok_s, s.throughput_node,
+                r.shape.active_experts, r.shape.local_experts, groupgemm, r.moe_layer.total_us, mem.max_batch);
+  }
 }
 
 // The seed's EP8 vs EP128 layer breakdown (H100, TP1, batch 128 per GPU, q2,
