@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <string>
 
 #include "fabric/op_state.h"
@@ -19,7 +20,8 @@ void ImmCounters::add(uint32_t imm, uint64_t n) {
 }
 
 void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
-                       const std::function<bool()>& progress) {
+                       const std::function<bool()>& progress, bool sleep_when_idle) {
+  const int spin = sleep_when_idle ? kSpinPolls : std::numeric_limits<int>::max();
   using Clock = std::chrono::steady_clock;
   const auto deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
@@ -44,10 +46,10 @@ void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
     // immediate arrived since the last look; the clock is read before
     // sleeping and every 64 passes.
     for (int idle = 0, pass = 0;; ++pass) {
-      if (idle >= kSpinPolls || pass % 64 == 0) {
+      if (idle >= spin || pass % 64 == 0) {
         const auto now = Clock::now();
         if (now >= deadline) break;
-        if (idle >= kSpinPolls) {
+        if (idle >= spin) {
           std::unique_lock<std::mutex> lock(mu_);
           seen = generation_.load(std::memory_order_acquire);
           if (cv_.wait_until(lock, std::min(deadline, now + kIdleSleep),

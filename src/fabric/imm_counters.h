@@ -18,8 +18,9 @@ class ImmCounters {
   // TimeoutError naming imm, the count wanted and the count seen.
   // With `progress`, the waiter calls it (one non-blocking progress pass)
   // kSpinPolls times before sleeping, then after every short sleep.
+  // `sleep_when_idle` false (a busy-polling engine): never sleep.
   void wait(uint32_t imm, uint64_t count, double timeout_s,
-            const std::function<bool()>& progress = {});
+            const std::function<bool()>& progress = {}, bool sleep_when_idle = true);
   uint64_t get(uint32_t imm) const;
 
  private:

@@ -2,6 +2,7 @@
 // and the range checks every operation runs before posting anything.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -22,6 +23,7 @@ struct Registration {
 
 class MemoryRegistry {
  public:
+  MemoryRegistry();
   uint64_t add(void* ptr, size_t size, std::vector<MemoryHandle> mrs);
   // Removes and returns the registration; InvalidArgument when unknown.
   std::shared_ptr<Registration> remove(uint64_t id, const std::string& op);
@@ -34,6 +36,9 @@ class MemoryRegistry {
  private:
   mutable std::mutex mu_;
   uint64_t next_id_ = 1;
+  // Changes with every add / remove (unique across registries): the
+  // per-thread cache in check() is valid only for the generation it saw.
+  std::atomic<uint64_t> generation_;
   std::map<uint64_t, std::shared_ptr<Registration>> regs_;
 };
 

@@ -1,6 +1,7 @@
 #include "fabric/op_state.h"
 
 #include <algorithm>
+#include <limits>
 
 namespace moelink::fabric {
 
@@ -14,23 +15,24 @@ void OpState::wait(double timeout_s) const {
   // kSpinPolls passes without, then sleep in short slices (woken early by
   // completion) with a pass after each: the workers' idle policy.
   ProgressHook::Waiting waiting(progress_.get());
-  if (progress_) {
+  const int spin = progress_ && progress_->busy() ? std::numeric_limits<int>::max() : kSpinPolls;
+  if (progress_ && spin == kSpinPolls) {
     for (int idle = 0; idle < kSpinPolls && !done();)
       idle = progress_->run() ? 0 : idle + 1;
   }
   std::unique_lock<std::mutex> lock(mu_);
   // The clock is read before sleeping and every 64 passes, not every pass.
-  for (int idle = kSpinPolls, pass = 0;; ++pass) {
+  for (int idle = spin == kSpinPolls ? kSpinPolls : 0, pass = 0;; ++pass) {
     if (done_.load()) break;
     if (!progress_) {
       if (Clock::now() >= until) break;
       cv_.wait_until(lock, until, [&] { return done_.load(); });
       continue;
     }
-    if (idle >= kSpinPolls || pass % 64 == 0) {
+    if (idle >= spin || pass % 64 == 0) {
       const auto now = Clock::now();
       if (now >= until) break;
-      if (idle >= kSpinPolls)
+      if (idle >= spin)
         cv_.wait_until(lock, std::min<Clock::time_point>(until, now + kIdleSleep),
                        [&] { return done_.load(); });
     }

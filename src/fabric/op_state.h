@@ -21,7 +21,11 @@ using Clock = std::chrono::steady_clock;
 // the engine is destroyed; operations may outlive it.
 class ProgressHook {
  public:
-  explicit ProgressHook(std::function<bool()> fn) : fn_(std::move(fn)) {}
+  // `busy`: the engine busy-polls (EngineOptions::yield_when_idle false), so
+  // waiters spin instead of sleeping between passes.
+  explicit ProgressHook(std::function<bool()> fn, bool busy = false)
+      : fn_(std::move(fn)), busy_(busy) {}
+  bool busy() const { return busy_; }
   // Threads currently waiting and driving progress; while there are any,
   // idle workers sleep instead of spinning (they would compete for the
   // same cores and the same endpoint lock).
@@ -51,11 +55,13 @@ class ProgressHook {
  private:
   std::mutex mu_;
   std::function<bool()> fn_;
+  const bool busy_;
   std::atomic<int> waiters_{0};
 };
 
 // Waiters poll this many times (progress passes) before sleeping, then
-// sleep at most this long between passes: the workers' idle policy.
+// sleep at most this long between passes: the workers' idle policy (in
+// yield mode; busy-polling engines' waiters never sleep).
 inline constexpr int kSpinPolls = 200;
 inline constexpr std::chrono::microseconds kIdleSleep{50};
 

@@ -76,11 +76,13 @@ class FabricEngine final : public TransferEngine {
       : options_(o), domains_(std::move(nics)) {
     address_.name = o.name;
     for (auto& d : domains_) address_.endpoints.push_back(d->endpoint());
-    progress_ = std::make_shared<ProgressHook>([this] {
-      bool any = false;
-      for (auto& w : workers_) any |= w->progress();
-      return any;
-    });
+    progress_ = std::make_shared<ProgressHook>(
+        [this] {
+          bool any = false;
+          for (auto& w : workers_) any |= w->progress();
+          return any;
+        },
+        /*busy=*/!o.yield_when_idle);
     progress_fn_ = [this] { return progress_->run(); };
     Worker::Options wo{o.yield_when_idle, &progress_->waiters()};
     for (int first = 0; first < o.num_domains; first += o.domains_per_worker) {
@@ -190,17 +192,16 @@ class FabricEngine final : public TransferEngine {
   TransferPtr write(const MemoryRegion& src, uint64_t src_offset, const MemoryDescriptor& dst,
                     uint64_t dst_offset, size_t len, std::optional<uint32_t> imm,
                     Callback cb) override {
-    const PeerId peer = add_peer(dst.owner);
-    const Text what = peer_text(peer, &Peer::write_what);
+    const Route r = route(dst.owner, &Peer::write_what);
+    const Text& what = r.what;
     auto reg = registry_.check(src, src_offset, len, *what);
     check_range(dst.size, dst_offset, len, *what, "destination");
-    Nic* d = domains_[static_cast<size_t>(peer) % domains_.size()].get();
     auto& wrs = scratch(domains_.size())[0];
-    wrs.push_back(make_template(peer, d, dst, *what));
-    fill(wrs.back(), *reg, d, src_offset, dst_offset, len, imm);
+    wrs.push_back(write_template(r, dst, *what));
+    fill(wrs.back(), *reg, r.nic, src_offset, dst_offset, len, imm);
     auto op = new_op(what, 1, std::move(cb));
     wrs.back().op = op;
-    worker_of(d->index()).submit(wrs);
+    worker_of(r.nic->index()).submit(wrs);
     return op;
   }
 
@@ -299,7 +300,8 @@ class FabricEngine final : public TransferEngine {
 
   void wait_imm(uint32_t imm, uint64_t count, double timeout_s) override {
     ProgressHook::Waiting waiting(progress_.get());
-    imms_.wait(imm, count, timeout_s < 0 ? options_.timeout_s : timeout_s, progress_fn_);
+    imms_.wait(imm, count, timeout_s < 0 ? options_.timeout_s : timeout_s, progress_fn_,
+               options_.yield_when_idle);
   }
   uint64_t imm_count(uint32_t imm) const override { return imms_.get(imm); }
 
@@ -332,6 +334,47 @@ class FabricEngine final : public TransferEngine {
  private:
   Worker& worker_of(int domain) { return *workers_[domain / options_.domains_per_worker]; }
 
+  // A write's peer, its operation name and its NIC (domain peer % domains)
+  // with the destination handle there, in one lock when the peer is known.
+  struct Route {
+    PeerId peer;
+    Text what;
+    Nic* nic;
+    uint64_t dest;
+  };
+  Route route(const EngineAddress& address, Text Peer::*which) {
+    for (int attempt = 0;; ++attempt) {
+      {
+        std::lock_guard<std::mutex> lock(peers_mu_);
+        PeerId id = -1;
+        if (last_peer_ >= 0 && peers_[last_peer_].address == address) {
+          id = last_peer_;
+        } else if (auto it = peer_ids_.find(address); it != peer_ids_.end()) {
+          id = last_peer_ = it->second;
+        }
+        if (id >= 0) {
+          Nic* d = domains_[static_cast<size_t>(id) % domains_.size()].get();
+          return Route{id, peers_[id].*which, d, peers_[id].dest[d->index()]};
+        }
+      }
+      if (attempt > 0) throw FabricError("TransferEngine: peer '" + address.name + "' vanished");
+      add_peer(address);  // a new peer: the slow path, then look again
+    }
+  }
+  // A write template for a route (make_template without another lookup).
+  WorkRequest write_template(const Route& r, const MemoryDescriptor& dst, const std::string& what) {
+    if (dst.keys.size() != dst.owner.endpoints.size() || dst.keys.size() != dst.remote_base.size())
+      throw InvalidArgument("TransferEngine " + what + ": malformed descriptor");
+    const size_t rd = static_cast<size_t>(r.nic->index()) % dst.keys.size();
+    WorkRequest wr;
+    wr.kind = Wr::Kind::kWrite;
+    wr.nic = r.nic;
+    wr.dest = r.dest;
+    wr.remote_addr = dst.remote_base[rd];
+    wr.remote_key = dst.keys[rd];
+    return wr;
+  }
+
   // One of the peer's operation names; InvalidArgument for an unknown peer.
   Text peer_text(PeerId peer, Text Peer::*which) {
     std::lock_guard<std::mutex> lock(peers_mu_);
@@ -361,16 +404,7 @@ class FabricEngine final : public TransferEngine {
   // The write template for (peer, local domain d, destination descriptor).
   WorkRequest make_template(PeerId peer, Nic* d, const MemoryDescriptor& dst,
                             const std::string& what) {
-    if (dst.keys.size() != dst.owner.endpoints.size() || dst.keys.size() != dst.remote_base.size())
-      throw InvalidArgument("TransferEngine " + what + ": malformed descriptor");
-    const size_t rd = static_cast<size_t>(d->index()) % dst.keys.size();
-    WorkRequest wr;
-    wr.kind = Wr::Kind::kWrite;
-    wr.nic = d;
-    wr.dest = peer_dest(peer, d);
-    wr.remote_addr = dst.remote_base[rd];
-    wr.remote_key = dst.keys[rd];
-    return wr;
+    return write_template(Route{peer, nullptr, d, peer_dest(peer, d)}, dst, what);
   }
 
   static bool in_range(uint64_t size, uint64_t offset, uint64_t len) {

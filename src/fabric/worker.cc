@@ -161,7 +161,12 @@ void Worker::submit(std::vector<WorkRequest>& wrs) {
   // always queues.
   std::unique_lock<std::mutex> ep(ep_mu_, std::defer_lock);
   if (!on_worker_thread()) (void)ep.try_lock();
-  {
+  // The common case needs no mu_: the endpoints are ours and nothing is
+  // queued or stopping (flags kept beside the state mu_ guards).
+  const bool direct = ep.owns_lock() && !stopped_ && pending_.empty() &&
+                      !has_incoming_.load(std::memory_order_acquire) &&
+                      !stopping_.load(std::memory_order_acquire);
+  if (!direct) {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) {
       for (auto& wr : wrs)
@@ -239,6 +244,7 @@ void Worker::stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    stopping_.store(true, std::memory_order_release);
   }
   wake_.notify_all();
   if (thread_.joinable()) thread_.join();

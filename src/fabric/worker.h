@@ -117,6 +117,7 @@ class Worker {
   Clock::time_point forced_pass_{};  // worker thread: a pass is due by then
   std::deque<std::function<void()>> tasks_;
   bool stop_ = false;
+  std::atomic<bool> stopping_{false};  // stop_, readable without mu_
   // A user thread posted directly since the worker's last pass: it is
   // active (and will wait and poll), so an idle worker sleeps instead of
   // spinning against it for cores and ep_mu_.
