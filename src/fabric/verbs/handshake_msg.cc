@@ -6,6 +6,24 @@
 
 namespace moelink::fabric::verbs {
 
+void write_ud_contact(BeWriter& o, const UdContact& c) {
+  o.u16(c.addr.lid);
+  o.bytes(c.addr.gid.data(), 16);
+  o.u8(c.addr.port);
+  o.u8(c.addr.gid_index);
+  o.u32(c.qpn);
+}
+
+UdContact read_ud_contact(BeReader& in) {
+  UdContact c;
+  c.addr.lid = in.u16();
+  in.bytes(c.addr.gid.data(), 16);
+  c.addr.port = in.u8();
+  c.addr.gid_index = in.u8();
+  c.qpn = in.u32();
+  return c;
+}
+
 const char* to_string(MsgType t) {
   switch (t) {
     case MsgType::kHello: return "HELLO";
@@ -26,11 +44,7 @@ std::vector<uint8_t> encode(const HandshakeMsg& m) {
   o.u64(m.to);
   o.u64(m.session);
   o.u64(m.echo_session);
-  o.u16(m.ud.addr.lid);
-  o.bytes(m.ud.addr.gid.data(), 16);
-  o.u8(m.ud.addr.port);
-  o.u8(m.ud.addr.gid_index);
-  o.u32(m.ud.qpn);
+  write_ud_contact(o, m.ud);
   o.u32(m.msg_qp.qpn);
   o.u32(m.msg_qp.psn);
   o.u32(m.write_qp.qpn);
@@ -67,11 +81,7 @@ std::optional<HandshakeMsg> decode(std::span<const uint8_t> bytes, std::string* 
   m.to = in.u64();
   m.session = in.u64();
   m.echo_session = in.u64();
-  m.ud.addr.lid = in.u16();
-  in.bytes(m.ud.addr.gid.data(), 16);
-  m.ud.addr.port = in.u8();
-  m.ud.addr.gid_index = in.u8();
-  m.ud.qpn = in.u32();
+  m.ud = read_ud_contact(in);
   m.msg_qp.qpn = in.u32();
   m.msg_qp.psn = in.u32();
   m.write_qp.qpn = in.u32();

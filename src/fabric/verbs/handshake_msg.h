@@ -31,6 +31,13 @@ struct UdContact {
   bool operator==(const UdContact&) const = default;
 };
 
+class BeWriter;
+class BeReader;
+// A UdContact on the wire (24 bytes: LID, GID, port, GID index, QPN), as
+// both the HELLO and the endpoint address carry it.
+void write_ud_contact(BeWriter& o, const UdContact& c);
+UdContact read_ud_contact(BeReader& in);
+
 struct QpEnd {
   uint32_t qpn = 0;
   uint32_t psn = 0;  // 24 bits

@@ -15,11 +15,7 @@ std::string encode_endpoint(const VerbsEndpoint& e) {
   o.u32(kEndpointMagic);
   o.u16(kEndpointVersion);
   o.u64(e.node);
-  o.u16(e.ud.addr.lid);
-  o.bytes(e.ud.addr.gid.data(), 16);
-  o.u8(e.ud.addr.port);
-  o.u8(e.ud.addr.gid_index);
-  o.u32(e.ud.qpn);
+  write_ud_contact(o, e.ud);
   return std::string(b.begin(), b.end());
 }
 
@@ -37,11 +33,7 @@ VerbsEndpoint decode_endpoint(const std::string& bytes, const std::string& peer_
                           std::to_string(kEndpointVersion));
   VerbsEndpoint e;
   e.node = in.u64();
-  e.ud.addr.lid = in.u16();
-  in.bytes(e.ud.addr.gid.data(), 16);
-  e.ud.addr.port = in.u8();
-  e.ud.addr.gid_index = in.u8();
-  e.ud.qpn = in.u32();
+  e.ud = read_ud_contact(in);
   if (e.node == 0) throw InvalidArgument(who + " has node id 0");
   return e;
 }
