@@ -302,7 +302,14 @@ void Proxy::dispatch(uint32_t epoch) {
   //    go once all have arrived (one device copy for GPU buffers).
   for (int s = 0; s < W; ++s)
     if (s != me && !wait_peer(ImmKind::kRoute, s, Phase::kDispatchRecv)) return;
-  buffers_.read_recv(headers_.data(), l_.private_offset(0), l_.private_stride, l_.header_bytes, W);
+  try {
+    buffers_.read_recv(headers_.data(), l_.private_offset(0), l_.private_stride, l_.header_bytes,
+                       W);
+  } catch (const std::exception& e) {  // a failed device copy: never out of the thread
+    fail(ErrorCode::kPeerLost, Phase::kDispatchRecv, -1,
+         std::string("reading the routing headers failed: ") + e.what());
+    return;
+  }
   for (int s = 0; s < W; ++s) {
     if (s == me) continue;
     const char* h = headers_.data() + s * l_.header_bytes;
