@@ -6,6 +6,9 @@
 #   steps: build test python sanitize bench internode (default: all)
 #   internode: moelink-bench with the internode backend beside nvlink, over
 #   libfabric's shm provider (GPUs of this machine treated as nodes).
+#   fabric (not in the default): moelink-fabric-bench, the TransferEngine
+#   against raw libfabric, yield-when-idle and busy-poll, pinned
+#   (MOELINK_FABRIC_BENCH_ARGS replaces the default arguments).
 # Needs .deps/ from tools/prepare_device_deps.sh (that machine has no package
 # registry) and carries it with the call.
 set -uo pipefail
@@ -73,5 +76,16 @@ if has internode; then
        ${MOELINK_INTERNODE_BENCH_ARGS:-})
   echo "${cmd[*]}"
   "${cmd[@]}" 2>&1 | tee "$OUT/bench-internode.log" | tail -45 || status=1
+fi
+if has fabric; then
+  for mode in yield busy-poll; do
+    echo "== moelink-fabric-bench ($mode)"
+    extra=(); [[ $mode == busy-poll ]] && extra=(--busy-poll)
+    cmd=(build-gpu/src/fabric/fabric_bench/moelink-fabric-bench
+         ${MOELINK_FABRIC_BENCH_ARGS:---provider shm,tcp --peers 2,4,8 --lat-iters 1000 --rate-iters 2000 --rounds 6 --pin}
+         "${extra[@]}" --json "$OUT/fabric-$mode.json")
+    echo "${cmd[*]}"
+    "${cmd[@]}" 2>&1 | tee "$OUT/fabric-$mode.log" | tail -22 || status=1
+  done
 fi
 exit $status

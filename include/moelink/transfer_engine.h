@@ -44,6 +44,12 @@ struct EngineOptions {
   // Workers sleep briefly when they have had nothing to do for a while,
   // instead of busy polling. Needed on machines with fewer cores than ranks.
   bool yield_when_idle = true;
+  // CPU of each worker thread: worker i (NIC group i) runs on CPU
+  // worker_cpus[i % size]; empty = not pinned. Every CPU must be one of
+  // the machine's and in the process's cpuset (else InvalidArgument). Pin
+  // the worker away from the threads that wait on the engine: a waiter
+  // polls the same queues.
+  std::vector<int> worker_cpus;
   // Every operation fails with TimeoutError when not complete by then.
   double timeout_s = 30.0;
   // Label shown in this engine's address; peers use it in error messages.

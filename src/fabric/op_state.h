@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "moelink/transfer_engine.h"
 
@@ -42,19 +43,30 @@ class ProgressHook {
     ProgressHook* h_;
   };
   // One non-blocking pass; false when another thread is in one, the engine
-  // is gone, or there was nothing to do.
+  // is gone, or there was nothing to do. A waiter runs this in a tight
+  // loop, so it takes no mutex: one compare-and-swap claims the pass.
   bool run() {
-    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
-    return lock.owns_lock() && fn_ && fn_();
+    int idle = kIdle;
+    if (!state_.compare_exchange_strong(idle, kInPass, std::memory_order_acquire)) return false;
+    struct Release {  // also when fn_ throws
+      std::atomic<int>& s;
+      ~Release() { s.store(kIdle, std::memory_order_release); }
+    } release{state_};
+    return fn_();
   }
+  // Waits for a pass in progress; later passes do nothing.
   void clear() {
-    std::lock_guard<std::mutex> lock(mu_);
-    fn_ = nullptr;
+    for (int seen = kIdle; !state_.compare_exchange_weak(seen, kCleared, std::memory_order_acq_rel);
+         seen = kIdle) {
+      if (seen == kCleared) return;
+      std::this_thread::yield();
+    }
   }
 
  private:
-  std::mutex mu_;
-  std::function<bool()> fn_;
+  static constexpr int kIdle = 0, kInPass = 1, kCleared = 2;
+  std::atomic<int> state_{kIdle};
+  const std::function<bool()> fn_;
   const bool busy_;
   std::atomic<int> waiters_{0};
 };

@@ -7,6 +7,8 @@
 #include "moelink/transfer_engine.h"
 
 #include <rdma/fabric.h>
+#include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <deque>
@@ -89,6 +91,8 @@ class FabricEngine final : public TransferEngine {
       std::vector<Nic*> group;
       for (int i = first; i < std::min(o.num_domains, first + o.domains_per_worker); ++i)
         group.push_back(domains_[i].get());
+      if (!o.worker_cpus.empty())
+        wo.cpu = o.worker_cpus[workers_.size() % o.worker_cpus.size()];
       workers_.push_back(std::make_unique<Worker>(group, imms_, messages_, wo));
     }
   }
@@ -459,6 +463,16 @@ void check_options(const EngineOptions& o) {
   if (o.timeout_s <= 0) throw InvalidArgument("TransferEngine: timeout_s must be > 0");
   if (o.recv_buffers < 1 || o.max_message_bytes < 1)
     throw InvalidArgument("TransferEngine: recv_buffers and max_message_bytes must be >= 1");
+  // Only the range is checked here: the calling thread may itself be
+  // pinned elsewhere, and whether a CPU is in the process's cpuset shows
+  // when the worker is pinned (Worker).
+  const long configured = sysconf(_SC_NPROCESSORS_CONF);
+  const int cpus = static_cast<int>(std::min<long>(configured > 0 ? configured : 1, CPU_SETSIZE));
+  for (size_t i = 0; i < o.worker_cpus.size(); ++i)
+    if (o.worker_cpus[i] < 0 || o.worker_cpus[i] >= cpus)
+      throw InvalidArgument("TransferEngine: worker_cpus[" + std::to_string(i) + "] = " +
+                            std::to_string(o.worker_cpus[i]) + " is outside 0.." +
+                            std::to_string(cpus - 1) + " (this machine's CPUs)");
 }
 
 }  // namespace

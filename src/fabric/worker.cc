@@ -5,7 +5,11 @@
 // immediate counts and received messages.
 #include "fabric/worker.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <future>
 
@@ -86,6 +90,18 @@ Worker::Worker(std::vector<Nic*> nics, ImmCounters& imms, MessageQueue& messages
   // The NICs posted their receive buffers when they were opened.
   thread_ = std::thread([this] { loop(); });
   thread_id_ = thread_.get_id();
+  if (options_.cpu >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(options_.cpu, &set);
+    const int rc = pthread_setaffinity_np(thread_.native_handle(), sizeof(set), &set);
+    if (rc != 0) {
+      stop();
+      throw InvalidArgument("TransferEngine: pinning a worker thread to CPU " +
+                            std::to_string(options_.cpu) + " (EngineOptions::worker_cpus) failed: " +
+                            std::strerror(rc) + (rc == EINVAL ? " (not in this process's cpuset)" : ""));
+    }
+  }
 }
 
 Worker::~Worker() {
@@ -194,7 +210,8 @@ void Worker::submit(std::vector<WorkRequest>& wrs) {
   const bool queued = i < wrs.size();
   for (; i < wrs.size(); ++i) pending_.push_back(std::move(wrs[i]));
   ep.unlock();
-  user_posted_.store(true, std::memory_order_relaxed);
+  if (!user_posted_.load(std::memory_order_relaxed))
+    user_posted_.store(true, std::memory_order_relaxed);
   // Completions are read by a waiter (progress) or by the worker's next pass
   // (at most one idle sleep away); queued work needs the worker now.
   if (queued) wake_.notify_one();
@@ -216,9 +233,12 @@ bool Worker::progress() {
     }
     has_incoming_.store(false, std::memory_order_relaxed);
   }
-  work += post_pending(false);
+  if (!pending_.empty()) work += post_pending(false);
   work += poll_all(false, &wake);
-  user_polled_.store(true, std::memory_order_relaxed);
+  // A waiter passes often: write the shared flag only when it changes, so
+  // that the cache line is not taken from the worker on every pass.
+  if (!user_polled_.load(std::memory_order_relaxed))
+    user_polled_.store(true, std::memory_order_relaxed);
   if (!pending_.empty() || !deferred_.empty() || !deferred_failed_.empty()) wake = true;
   ep.unlock();
   if (wake) {
@@ -368,41 +388,46 @@ void Worker::loop() {
   int idle = 0;
   bool queued = false;  // pending_ or deferred_ non-empty at the end of the last pass
   for (;;) {
+    bool own_work = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
       if (stop_) break;
       // While a user thread waits it polls the same completion queues and
       // wakes the worker for what is the worker's (callbacks, errors, queued
-      // work), so the worker sleeps longer then (fewer wake-ups competing
-      // for the cores). Cost: after the last waiter returns, a completion
-      // nobody waits for may be seen up to kHelpedSleep late.
+      // work), so the worker sleeps then, in both polling modes: a spinning
+      // worker would take a core from the waiter (or from another rank's
+      // process) and bounce the endpoint lock's cache line. Cost: after the
+      // last waiter returns, a completion nobody waits for may be seen up to
+      // kHelpedSleep late (yield mode) or kIdleSleep late (busy mode).
       const bool waiting = options_.waiters && options_.waiters->load(std::memory_order_relaxed) > 0;
       const bool helped = user_posted_.exchange(false, std::memory_order_relaxed) || waiting;
-      const bool own_work = !incoming_.empty() || !tasks_.empty() || queued ||
-                            needs_worker_.exchange(false, std::memory_order_acq_rel);
-      if (options_.yield_when_idle && (idle > 200 || helped) && !own_work) {
-        wake_.wait_for(lock, waiting ? kHelpedSleep : kIdleSleep);
+      own_work = !incoming_.empty() || !tasks_.empty() || queued ||
+                 needs_worker_.exchange(false, std::memory_order_acq_rel);
+      const bool sleep = options_.yield_when_idle ? (idle > 200 || helped) : waiting;
+      if (sleep && !own_work) {
+        wake_.wait_for(lock, waiting && options_.yield_when_idle ? kHelpedSleep : kIdleSleep);
+        own_work = !incoming_.empty() || !tasks_.empty() ||
+                   needs_worker_.load(std::memory_order_acquire);
         // A user thread polled the queues since the last look and nothing
         // is the worker's: skip the pass rather than take the endpoints from
         // it (at least one pass every kHelpedSleep still reads what nobody
         // waits for and checks deadlines).
-        const bool mine = !incoming_.empty() || !tasks_.empty() ||
-                          needs_worker_.load(std::memory_order_acquire);
-        if (!mine && user_polled_.exchange(false, std::memory_order_relaxed) &&
+        if (!own_work && user_polled_.exchange(false, std::memory_order_relaxed) &&
             Clock::now() < forced_pass_)
           continue;
       }
-      // Busy polling, but a user thread is waiting and polling the same
-      // queues: leave the endpoints to it rather than take turns on ep_mu_
-      // (it hands the worker what is the worker's: callbacks, errors,
-      // queued work).
-      if (!options_.yield_when_idle && waiting && !own_work) {
-        lock.unlock();
-        std::this_thread::yield();
-        continue;
-      }
     }
-    std::lock_guard<std::mutex> ep(ep_mu_);
+    // Without work of its own the worker only tries the endpoints: a user
+    // thread holding them is posting or polling (doing the pass for it),
+    // and blocking here would turn each of that thread's unlocks into a
+    // futex wake-up on its critical path.
+    std::unique_lock<std::mutex> ep(ep_mu_, std::defer_lock);
+    if (own_work || Clock::now() >= forced_pass_) {
+      ep.lock();
+    } else if (!ep.try_lock()) {
+      ++idle;
+      continue;
+    }
     forced_pass_ = Clock::now() + kHelpedSleep;
     run_tasks();
     int work = 0;

@@ -55,6 +55,7 @@ class Worker {
     // (yield mode: the worker then sleeps between passes instead of
     // spinning). May be null. Outlives the worker.
     const std::atomic<int>* waiters = nullptr;
+    int cpu = -1;  // pin the thread to this CPU (-1: not pinned)
   };
   Worker(std::vector<Nic*> nics, ImmCounters& imms, MessageQueue& messages,
          const Options& options);

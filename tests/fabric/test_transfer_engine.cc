@@ -1,5 +1,6 @@
 // TransferEngine across forked processes on the shm and tcp providers.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -8,6 +9,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <set>
 #include <numeric>
 #include <vector>
 
@@ -290,6 +293,69 @@ TEST_P(FabricTest, PeerDisappearsMidTransfer) {
     e.reset();
     // The shm provider leaves the vanished rank's region ("<pid>:<n>:<m>").
     if (prov == "shm") remove_shm_files_of(pids[1]);
+  }, kTimeout);
+}
+
+// The CPUs a thread of this process may run on, from
+// /proc/self/task/<tid>/status ("Cpus_allowed_list:\t3").
+std::string cpus_allowed(const std::string& tid) {
+  std::ifstream f("/proc/self/task/" + tid + "/status");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("Cpus_allowed_list:", 0) == 0) return line.substr(line.find_first_not_of(" \t", 18));
+  return "";
+}
+
+// worker_cpus pins each worker (here: one per domain) and the engine still
+// moves bytes; CPUs outside the process's set are refused by name.
+TEST_P(FabricTest, WorkerCpusPinTheWorkers) {
+  const std::string prov = provider();
+  run_ranks(2, [&](int rank, moelink::Bootstrap& b) {
+    cpu_set_t allowed;
+    CPU_ZERO(&allowed);
+    RANK_CHECK(sched_getaffinity(0, sizeof(allowed), &allowed) == 0);
+    std::vector<int> cpus;
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+    EngineOptions o;
+    o.provider = prov;
+    o.name = "rank" + std::to_string(rank);
+    o.recv_buffers = 16;
+    o.timeout_s = 30;
+    o.num_domains = 2;
+    o.domains_per_worker = 1;
+    o.worker_cpus = {cpus.back(), cpus.front()};
+    for (int bad : {-1, CPU_SETSIZE + 3}) {
+      EngineOptions w = o;
+      w.worker_cpus = {cpus.front(), bad};
+      moelink_test::expect_throw_naming<moelink::InvalidArgument>(
+          [&] { TransferEngine::create(w); }, {"worker_cpus[1]", std::to_string(bad), "outside 0.."});
+    }
+    auto e = TransferEngine::create(o);
+    // Threads pinned to one CPU: the two workers (this test runs unpinned).
+    std::multiset<std::string> pinned;
+    for (const auto& t : std::filesystem::directory_iterator("/proc/self/task")) {
+      const std::string list = cpus_allowed(t.path().filename().string());
+      if (list.find_first_of(",-") == std::string::npos && !list.empty()) pinned.insert(list);
+    }
+    if (cpus.size() > 1) {
+      RANK_CHECK(pinned.count(std::to_string(cpus.back())) == 1 &&
+                 pinned.count(std::to_string(cpus.front())) == 1)
+          << "expected one worker on CPU " << cpus.back() << " and one on CPU " << cpus.front();
+    }
+    std::vector<uint8_t> src(4096), dst(4096, 0);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = pattern(rank, i);
+    auto rs = e->register_memory(src.data(), src.size());
+    auto rd = e->register_memory(dst.data(), dst.size());
+    auto d = exchange_descriptors(b, *e, rd);
+    warm_up(*e, b, d);
+    e->write(rs, 0, d[1 - rank], 0, src.size(), 5u)->wait();
+    e->wait_imm(5, 1);
+    for (size_t i = 0; i < dst.size(); ++i)
+      if (dst[i] != pattern(1 - rank, i)) {
+        RANK_FAIL() << "byte " << i << " is wrong";
+        break;
+      }
+    b.barrier();
   }, kTimeout);
 }
 

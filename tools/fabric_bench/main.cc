@@ -9,6 +9,7 @@
 // and the same polling policy. Rank 0 reports its measurements to the parent
 // through a pipe; the parent prints a table and writes JSON.
 #include <fcntl.h>
+#include <sched.h>
 #include <poll.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -179,6 +180,22 @@ void rank_main(int rank, int world, int port, const RunOptions& o, const std::st
   buf.src.resize(l.src_bytes);
   buf.dst.resize(l.dst_bytes);
   for (size_t i = 0; i < buf.src.size(); ++i) buf.src[i] = pattern(rank, i);
+  int worker_cpu = -1;
+  if (o.pin) {
+    cpu_set_t allowed;
+    CPU_ZERO(&allowed);
+    if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0)
+      throw std::runtime_error("--pin: sched_getaffinity failed");
+    std::vector<int> cpus;
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+    cpu_set_t mine;
+    CPU_ZERO(&mine);
+    CPU_SET(cpus[static_cast<size_t>(rank) % cpus.size()], &mine);
+    if (sched_setaffinity(0, sizeof(mine), &mine) != 0)
+      throw std::runtime_error("--pin: sched_setaffinity failed");
+    worker_cpu = cpus[static_cast<size_t>(world + rank) % cpus.size()];
+  }
   std::map<std::string, OpSamples> res[2];  // 0 raw, 1 engine
   std::string names[2];
   bool hmem[2] = {false, false};
@@ -191,7 +208,7 @@ void rank_main(int rank, int world, int port, const RunOptions& o, const std::st
         hmem[0] = t.hmem();
         run_ops(t, *b, o, l, buf, res[0]);
       } else {
-        EngineTransport t(*b, buf, l, provider, o.yield_when_idle);
+        EngineTransport t(*b, buf, l, provider, o.yield_when_idle, worker_cpu);
         names[1] = t.provider_name();
         hmem[1] = t.hmem();
         run_ops(t, *b, o, l, buf, res[1]);
@@ -460,6 +477,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 100));
   app.add_flag("--busy-poll", busy_poll,
                "busy-poll (engine yield_when_idle=false, raw loop without sleeps)");
+  app.add_flag("--pin", o.pin,
+               "pin rank r to CPU r and its engine worker to CPU N+1+r (modulo the CPU set)");
   app.add_option("--json", json_path, "write the results as JSON to this file");
   app.add_option("--timeout", timeout_s, "seconds per (provider, peers) run before it is killed");
   app.add_option("--threshold", threshold, "overhead flagged OVER above this (0.10 = 10%)");
@@ -496,13 +515,18 @@ int main(int argc, char** argv) {
   jo["window"] = o.window;
   jo["rounds"] = o.rounds;
   jo["num_domains"] = 1;
+  jo["pin"] = o.pin ? "rank r's thread on CPU r, its engine worker on CPU (N+1)+r, modulo the "
+                      "process's CPU set"
+                    : "not pinned";
   doc["options"] = jo;
   const std::string polling =
       o.yield_when_idle
-          ? "yield-when-idle: engine EngineOptions::yield_when_idle=true (worker sleeps up to 50 us "
-            "per loop after 200 idle polls); raw loop does the same (200 idle polls, then "
-            "sleep_for(50 us) per poll)"
-          : "busy-poll: engine yield_when_idle=false, raw loop never sleeps";
+          ? "yield-when-idle: engine EngineOptions::yield_when_idle=true (waiters and worker sleep "
+            "up to 50 us per poll after 200 idle polls; the worker sleeps while a user thread "
+            "waits and polls); raw loop does the same (200 idle polls, then sleep_for(50 us) per "
+            "poll)"
+          : "busy-poll: engine yield_when_idle=false (waiters never sleep; the worker sleeps "
+            "while a user thread waits and polls), raw loop never sleeps";
   doc["polling"] = polling;
   const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   doc["note"] =

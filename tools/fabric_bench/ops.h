@@ -19,6 +19,9 @@ struct RunOptions {
   size_t scatter_bytes = 4096, pages = 32, page_bytes = 4096, pingpong_bytes = 8;
   int lat_iters = 200, rate_iters = 200, warmup = 20, window = 16, rounds = 2;
   bool yield_when_idle = true;
+  // Pin rank r's threads: the calling thread to CPU r, the engine's worker
+  // to CPU world + r (both modulo the process's CPU set).
+  bool pin = false;
 };
 
 // Rank 0's measurements of one op with one implementation.

@@ -27,8 +27,10 @@ Layout Layout::make(size_t peers, size_t scatter_bytes, size_t pages, size_t pag
 }
 
 EngineTransport::EngineTransport(moelink::Bootstrap& b, Buffers& buf, const Layout& l,
-                                 const std::string& provider, bool yield_when_idle) {
+                                 const std::string& provider, bool yield_when_idle,
+                                 int worker_cpu) {
   EngineOptions o;
+  if (worker_cpu >= 0) o.worker_cpus = {worker_cpu};
   o.provider = provider;
   o.name = "rank" + std::to_string(b.rank());
   o.num_domains = 1;

@@ -46,8 +46,9 @@ struct Buffers {
 
 class EngineTransport {
  public:
+  // worker_cpu: the CPU of the engine's worker thread (-1: not pinned).
   EngineTransport(moelink::Bootstrap& b, Buffers& buf, const Layout& layout,
-                  const std::string& provider, bool yield_when_idle);
+                  const std::string& provider, bool yield_when_idle, int worker_cpu);
   ~EngineTransport();
   std::string provider_name() const { return e_->provider(); }
   bool hmem() const { return e_->hmem(); }
