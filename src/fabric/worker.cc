@@ -17,6 +17,20 @@ namespace moelink::fabric {
 
 namespace {
 constexpr std::chrono::microseconds kHelpedSleep{1000};
+// Completion-queue reads a submitting thread tries when the provider
+// refuses a post for now, before leaving the rest to progress passes.
+constexpr int kPostRetries = 64;
+// try_lock attempts of a submitting thread (a progress pass is well under a
+// microsecond; this is a few).
+constexpr int kLockAttempts = 256;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 }  // namespace
 
 // A work request in flight: the transport's space (WrContext), the
@@ -171,15 +185,24 @@ void Worker::submit(std::vector<WorkRequest>& wrs) {
     std::vector<WorkRequest>& v;
     ~Consumed() { v.clear(); }
   } consumed{wrs};
-  // Direct posting needs the endpoints (ep_mu_) and nothing queued before
-  // this submission (incoming_, pending_), so that work requests are posted
-  // in submission order. The worker thread itself (a callback submitting)
-  // always queues.
+  // Direct posting needs the endpoints (ep_mu_) and nothing queued for the
+  // worker before this submission (incoming_), so that work requests are
+  // posted in submission order; work the provider refused for now
+  // (pending_) is posted first, from here. The worker thread itself (a
+  // callback submitting) always queues.
   std::unique_lock<std::mutex> ep(ep_mu_, std::defer_lock);
-  if (!on_worker_thread()) (void)ep.try_lock();
+  if (!on_worker_thread()) {
+    // The holder is usually in one short progress pass (the worker's, or a
+    // waiter's): wait that long rather than hand the work to the worker,
+    // which costs a wake-up. Bounded, never blocking: the worker may be
+    // running a callback, and a callback may wait for a lock the caller
+    // holds.
+    for (int attempt = 0; !ep.try_lock() && attempt < kLockAttempts; ++attempt)
+      cpu_relax();
+  }
   // The common case needs no mu_: the endpoints are ours and nothing is
   // queued or stopping (flags kept beside the state mu_ guards).
-  const bool direct = ep.owns_lock() && !stopped_ && pending_.empty() &&
+  const bool direct = ep.owns_lock() && !stopped_ &&
                       !has_incoming_.load(std::memory_order_acquire) &&
                       !stopping_.load(std::memory_order_acquire);
   if (!direct) {
@@ -190,7 +213,7 @@ void Worker::submit(std::vector<WorkRequest>& wrs) {
                                                         ": the engine is shutting down")));
       return;
     }
-    if (!ep.owns_lock() || stopped_ || !incoming_.empty() || !pending_.empty()) {
+    if (!ep.owns_lock() || stopped_ || !incoming_.empty()) {
       for (auto& wr : wrs) incoming_.push_back(std::move(wr));
       has_incoming_.store(true, std::memory_order_release);
       if (ep.owns_lock()) ep.unlock();
@@ -198,23 +221,43 @@ void Worker::submit(std::vector<WorkRequest>& wrs) {
       return;
     }
   }
-  size_t i = 0;
-  for (; i < wrs.size(); ++i) {
-    if (wrs[i].op->done()) continue;  // failed meanwhile
-    const bool more = i + 1 < wrs.size() && same_destination(wrs[i], wrs[i + 1]);
-    // Not posted (busy transport or an error): the worker retries and, on a
-    // hard error, fails the op on its thread (where callbacks run).
-    if (try_post(wrs[i], more) != PostStatus::kPosted) break;
+  bool wake = false;
+  if (!pending_.empty()) {
+    // Behind work the provider refused: queue after it, in order.
+    for (auto& wr : wrs) pending_.push_back(std::move(wr));
+    post_pending(false);
+  } else {
+    size_t i = 0;
+    for (; i < wrs.size(); ++i) {
+      if (wrs[i].op->done()) continue;  // failed meanwhile
+      const bool more = i + 1 < wrs.size() && same_destination(wrs[i], wrs[i + 1]);
+      PostStatus r = try_post(wrs[i], more);
+      // The provider's queue is full (-FI_EAGAIN): reading completions frees
+      // it, as a raw libfabric loop would do, before leaving it queued.
+      for (int retry = 0; r == PostStatus::kAgain && retry < kPostRetries; ++retry) {
+        poll_all(false, &wake);
+        r = try_post(wrs[i], more);
+      }
+      // Not posted (still busy, or an error): retried by the next progress
+      // pass; a hard error fails the op on the worker (where callbacks run).
+      if (r != PostStatus::kPosted) break;
+    }
+    flush_all();
+    for (; i < wrs.size(); ++i) pending_.push_back(std::move(wrs[i]));
   }
-  flush_all();
-  const bool queued = i < wrs.size();
-  for (; i < wrs.size(); ++i) pending_.push_back(std::move(wrs[i]));
+  const bool queued = !pending_.empty();
   ep.unlock();
   if (!user_posted_.load(std::memory_order_relaxed))
     user_posted_.store(true, std::memory_order_relaxed);
   // Completions are read by a waiter (progress) or by the worker's next pass
-  // (at most one idle sleep away); queued work needs the worker now.
-  if (queued) wake_.notify_one();
+  // (at most one idle sleep away). Work left queued or a deferred callback
+  // is the worker's; it is woken only when no user thread waits (a waiter's
+  // passes post the queue themselves, and a wake-up is a system call).
+  if (queued || wake) {
+    needs_worker_.store(true, std::memory_order_release);
+    if (!options_.waiters || options_.waiters->load(std::memory_order_relaxed) == 0)
+      wake_.notify_one();
+  }
 }
 
 bool Worker::progress() {
@@ -239,12 +282,15 @@ bool Worker::progress() {
   // that the cache line is not taken from the worker on every pass.
   if (!user_polled_.load(std::memory_order_relaxed))
     user_polled_.store(true, std::memory_order_relaxed);
-  if (!pending_.empty() || !deferred_.empty() || !deferred_failed_.empty()) wake = true;
+  // Callbacks and failures of ops with one run on the worker: wake it.
+  // Work the provider still refuses only needs a pass: this waiter's next
+  // one, or the worker's within one sleep (flagged, without a wake-up
+  // system call on every pass).
+  wake = wake || !deferred_.empty() || !deferred_failed_.empty();
+  const bool queued = !pending_.empty();
   ep.unlock();
-  if (wake) {
-    needs_worker_.store(true, std::memory_order_release);
-    wake_.notify_one();
-  }
+  if (wake || queued) needs_worker_.store(true, std::memory_order_release);
+  if (wake) wake_.notify_one();
   return work > 0;
 }
 
