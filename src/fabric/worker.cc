@@ -23,6 +23,8 @@ constexpr int kPostRetries = 64;
 // try_lock attempts of a submitting thread (a progress pass is well under a
 // microsecond; this is a few).
 constexpr int kLockAttempts = 256;
+// Destinations refusing posts in one pass before the pass stops posting.
+constexpr size_t kHeldDestinations = 4;
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -373,8 +375,10 @@ PostStatus Worker::try_post(WorkRequest& wr, bool more) {
 // refuses for now (-FI_EAGAIN) holds back only the later ones to the same
 // destination: a peer that stopped answering (tcp reconnecting to a process
 // that is gone) must not delay the writes to every other peer, which would
-// then time out waiting for this rank and blame it. On the worker a hard
-// posting error fails the op; a user thread leaves that to the worker.
+// then time out waiting for this rank and blame it. When kHeldDestinations
+// destinations refused, the endpoint itself is full and the pass stops. On
+// the worker a hard posting error fails the op; a user thread leaves that
+// to the worker.
 int Worker::post_pending(bool on_worker) {
   int posted = 0;
   std::vector<std::pair<const Nic*, uint64_t>> held;
@@ -402,6 +406,10 @@ int Worker::post_pending(bool on_worker) {
       it = pending_.erase(it);
     } else {
       held.push_back(dest);
+      // Several destinations refused in one pass: the endpoint's queue is
+      // full, not one peer's; the rest waits for the next pass (which
+      // keeps a long queue from being walked on every pass).
+      if (held.size() >= kHeldDestinations) break;
       ++it;
     }
   }
@@ -449,7 +457,10 @@ void Worker::loop() {
       const bool helped = user_posted_.exchange(false, std::memory_order_relaxed) || waiting;
       own_work = !incoming_.empty() || !tasks_.empty() || queued ||
                  needs_worker_.exchange(false, std::memory_order_acq_rel);
-      const bool sleep = options_.yield_when_idle ? (idle > 200 || helped) : waiting;
+      // Busy polling too: the endpoints are a user thread's while it posts
+      // or waits (two threads in one libfabric endpoint contend on its
+      // locks), so the worker polls only when no user thread is active.
+      const bool sleep = helped || (options_.yield_when_idle && idle > 200);
       if (sleep && !own_work) {
         wake_.wait_for(lock, waiting && options_.yield_when_idle ? kHelpedSleep : kIdleSleep);
         own_work = !incoming_.empty() || !tasks_.empty() ||
