@@ -19,6 +19,15 @@ void ImmCounters::add(uint32_t imm, uint64_t n) {
   cv_.notify_all();
 }
 
+void ImmCounters::add(const std::vector<std::pair<uint32_t, uint64_t>>& counts) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [imm, n] : counts) counts_[imm] += n;
+    generation_.fetch_add(1, std::memory_order_release);
+  }
+  cv_.notify_all();
+}
+
 void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
                        const std::function<bool()>& progress, bool sleep_when_idle) {
   const int spin = sleep_when_idle ? kSpinPolls : std::numeric_limits<int>::max();

@@ -222,7 +222,8 @@ class FabricEngine final : public TransferEngine {
     auto& per_domain = scratch(domains_.size());
     // One template per domain used (pages are sharded across domains),
     // built at the domain's first page as before (same error order).
-    std::vector<WorkRequest> tmpl;
+    thread_local std::vector<WorkRequest> tmpl;  // reused: no allocation once warm
+    tmpl.clear();
     auto op = new_op(what_text, static_cast<int>(std::max<size_t>(1, p.src_pages.size())),
                      std::move(cb));
     struct Unsubmitted {  // a page that fails its check leaves nothing queued

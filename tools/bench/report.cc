@@ -8,14 +8,19 @@
 
 namespace moelink_bench {
 
+// A commit passed in (MOELINK_GIT_COMMIT) wins over the build's: the device
+// tool's copy of the tree carries a stale .git.
 std::string git_commit() {
-  std::string c = MOELINK_BENCH_GIT_COMMIT;
-  if (!c.empty() && c != "unknown") return c;
   const char* e = std::getenv("MOELINK_GIT_COMMIT");
-  return e && *e ? e : "unknown";
+  if (e && *e) return e;
+  const std::string c = MOELINK_BENCH_GIT_COMMIT;
+  return c.empty() ? "unknown" : c;
 }
 
-bool git_dirty() { return MOELINK_BENCH_GIT_DIRTY != 0; }
+bool git_dirty() {
+  const char* e = std::getenv("MOELINK_GIT_COMMIT");
+  return !(e && *e) && MOELINK_BENCH_GIT_DIRTY != 0;
+}
 
 namespace {
 

@@ -397,6 +397,14 @@ void git_json(json& doc) {
       }
     }
   }
+  // A commit passed in wins: the device tool's copy of the tree carries a
+  // stale .git, so what the build recorded is not the tree's commit.
+  if (const char* env = std::getenv("MOELINK_GIT_COMMIT"); env && *env && source == "build" &&
+                                                           commit.rfind(env, 0) != 0) {
+    source = "env MOELINK_GIT_COMMIT (the build recorded " + commit + (dirty ? ", dirty)" : ")");
+    commit = env;
+    dirty = false;
+  }
   doc["git_commit"] = commit;
   doc["git_dirty"] = dirty;
   doc["git_commit_from"] = source;
