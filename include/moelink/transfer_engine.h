@@ -190,6 +190,19 @@ class TransferEngine {
   // engine's timeout).
   virtual void wait_imm(uint32_t imm, uint64_t count, double timeout_s = -1) = 0;
   virtual uint64_t imm_count(uint32_t imm) const = 0;
+  // Raises a flag instead of waiting: once `imm` has been received `count`
+  // times (arrivals already counted included), consumes them and stores
+  // `value` into *flag (an 8-byte aligned word; a release store). The
+  // thread that reads the completion stores it (a waiting thread or the
+  // worker, so in yield mode up to one idle sleep, 50 us, late when nobody
+  // waits). Meant for a GPU kernel polling pinned mapped host memory (or
+  // GDRCopy memory) for "the data has arrived" with host staging: the
+  // bytes are in place before the immediate is counted. Signals fire in
+  // the order they were asked for; do not also wait_imm on the same value.
+  // A signal still pending when the engine is destroyed never fires, so
+  // the poller needs its own timeout. InvalidArgument for a null or
+  // misaligned flag or count 0.
+  virtual void signal_on_imm(uint32_t imm, uint64_t count, uint64_t* flag, uint64_t value) = 0;
 
   // ---- two-sided messages (<= max_message_bytes, from a registration)
   virtual TransferPtr send(PeerId peer, const MemoryRegion& src, uint64_t offset, size_t len,

@@ -14,6 +14,7 @@ void ImmCounters::add(uint32_t imm, uint64_t n) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     counts_[imm] += n;
+    if (!signals_.empty()) fire_signals();
     generation_.fetch_add(1, std::memory_order_release);
   }
   cv_.notify_all();
@@ -23,9 +24,32 @@ void ImmCounters::add(const std::vector<std::pair<uint32_t, uint64_t>>& counts) 
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [imm, n] : counts) counts_[imm] += n;
+    if (!signals_.empty()) fire_signals();
     generation_.fetch_add(1, std::memory_order_release);
   }
   cv_.notify_all();
+}
+
+void ImmCounters::signal(uint32_t imm, uint64_t count, uint64_t* flag, uint64_t value) {
+  std::lock_guard<std::mutex> lock(mu_);
+  signals_.push_back(Signal{imm, count, flag, value});
+  fire_signals();
+}
+
+void ImmCounters::fire_signals() {
+  for (auto it = signals_.begin(); it != signals_.end();) {
+    uint64_t& c = counts_[it->imm];
+    if (c < it->count) {
+      ++it;
+      continue;
+    }
+    c -= it->count;
+    std::atomic_ref<uint64_t>(*it->flag).store(it->value, std::memory_order_release);
+    // A full fence drains write-combining buffers too (x86 mfence), so a
+    // flag in GDRCopy's BAR mapping becomes visible now rather than later.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    it = signals_.erase(it);
+  }
 }
 
 void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,

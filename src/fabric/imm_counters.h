@@ -26,6 +26,10 @@ class ImmCounters {
   void wait(uint32_t imm, uint64_t count, double timeout_s,
             const std::function<bool()>& progress = {}, bool sleep_when_idle = true);
   uint64_t get(uint32_t imm) const;
+  // Stores value into *flag once count(imm) >= count, consuming count
+  // (TransferEngine::signal_on_imm): at once if the arrivals are there,
+  // else in the add() that completes them.
+  void signal(uint32_t imm, uint64_t count, uint64_t* flag, uint64_t value);
 
  private:
   mutable std::mutex mu_;
@@ -33,6 +37,15 @@ class ImmCounters {
   std::unordered_map<uint32_t, uint64_t> counts_;
   // Bumped by every add: a polling waiter looks at counts_ only when it moved.
   std::atomic<uint64_t> generation_{0};
+  struct Signal {
+    uint32_t imm;
+    uint64_t count;
+    uint64_t* flag;
+    uint64_t value;
+  };
+  std::vector<Signal> signals_;  // under mu_, in the order asked for
+  // Under mu_: fires the signals whose counts are there.
+  void fire_signals();
 };
 
 }  // namespace moelink::fabric

@@ -310,6 +310,16 @@ class FabricEngine final : public TransferEngine {
   }
   uint64_t imm_count(uint32_t imm) const override { return imms_.get(imm); }
 
+  void signal_on_imm(uint32_t imm, uint64_t count, uint64_t* flag, uint64_t value) override {
+    const std::string what = "TransferEngine signal_on_imm (immediate " + std::to_string(imm) + ")";
+    if (!flag) throw InvalidArgument(what + ": flag is null");
+    if (reinterpret_cast<uintptr_t>(flag) % alignof(uint64_t) != 0)
+      throw InvalidArgument(what + ": flag " + std::to_string(reinterpret_cast<uintptr_t>(flag)) +
+                            " is not 8-byte aligned");
+    if (count == 0) throw InvalidArgument(what + ": count is 0 (must be >= 1)");
+    imms_.signal(imm, count, flag, value);
+  }
+
   TransferPtr send(PeerId peer, const MemoryRegion& src, uint64_t offset, size_t len,
                    Callback cb) override {
     const Text what = peer_text(peer, &Peer::send_what);  // throws for unknown peers

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <thread>
 #include <numeric>
 #include <vector>
 
@@ -293,6 +294,76 @@ TEST_P(FabricTest, PeerDisappearsMidTransfer) {
     e.reset();
     // The shm provider leaves the vanished rank's region ("<pid>:<n>:<m>").
     if (prov == "shm") remove_shm_files_of(pids[1]);
+  }, kTimeout);
+}
+
+// signal_on_imm raises its flag only once the last of `count` arrivals is
+// in (with the bytes in place), consumes them, fires at once for arrivals
+// already counted, and refuses bad flags and counts by name.
+TEST_P(FabricTest, SignalOnImmRaisesAFlag) {
+  const std::string prov = provider();
+  run_ranks(2, [&](int rank, moelink::Bootstrap& b) {
+    auto e = make_engine(prov, rank);
+    std::vector<uint8_t> src(3 * 4096), dst(3 * 4096, 0);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = pattern(rank, i);
+    auto rs = e->register_memory(src.data(), src.size());
+    auto rd = e->register_memory(dst.data(), dst.size());
+    auto d = exchange_descriptors(b, *e, rd);
+    warm_up(*e, b, d);
+    alignas(8) uint64_t flag = 0, early = 0;
+    auto read = [](uint64_t& f) { return std::atomic_ref<uint64_t>(f).load(std::memory_order_acquire); };
+    auto poll_until = [&](uint64_t& f, uint64_t want) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (read(f) != want && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      return read(f) == want;
+    };
+    if (rank == 1) {
+      e->signal_on_imm(9, 3, &flag, 42);
+      moelink_test::expect_throw_naming<moelink::InvalidArgument>(
+          [&] { e->signal_on_imm(9, 1, nullptr, 1); }, {"signal_on_imm", "flag is null"});
+      moelink_test::expect_throw_naming<moelink::InvalidArgument>(
+          [&] { e->signal_on_imm(9, 1, reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(&early) + 1), 1); },
+          {"signal_on_imm", "aligned"});
+      moelink_test::expect_throw_naming<moelink::InvalidArgument>(
+          [&] { e->signal_on_imm(9, 0, &flag, 1); }, {"count is 0"});
+    }
+    b.barrier();
+    if (rank == 0) {
+      e->write(rs, 0, d[1], 0, 4096, 9u)->wait();
+      e->write(rs, 4096, d[1], 4096, 4096, 9u)->wait();
+    }
+    b.barrier();
+    if (rank == 1) {
+      // Two of three arrived (wait until the engine counted them): no flag.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (e->imm_count(9) < 2 && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      RANK_CHECK(e->imm_count(9) == 2) << "the two writes were not counted";
+      RANK_CHECK(read(flag) == 0) << "flag raised after 2 of 3 arrivals";
+    }
+    b.barrier();
+    if (rank == 0) e->write(rs, 8192, d[1], 8192, 4096, 9u)->wait();
+    if (rank == 1) {
+      RANK_CHECK(poll_until(flag, 42)) << "flag not raised after the third arrival";
+      RANK_CHECK(e->imm_count(9) == 0) << "the signal did not consume its arrivals";
+      for (size_t i = 0; i < dst.size(); ++i)
+        if (dst[i] != pattern(0, i)) {
+          RANK_FAIL() << "byte " << i << " not in place when the flag was raised";
+          break;
+        }
+    }
+    b.barrier();
+    // Arrivals counted before the signal is asked for fire it at once.
+    if (rank == 0) e->write(rs, 0, d[1], 0, 8, 10u)->wait();
+    if (rank == 1) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (e->imm_count(10) < 1 && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      e->signal_on_imm(10, 1, &early, 7);
+      RANK_CHECK(read(early) == 7) << "a signal for arrivals already counted did not fire at once";
+    }
+    b.barrier();
   }, kTimeout);
 }
 
