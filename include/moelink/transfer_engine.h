@@ -31,9 +31,11 @@ namespace moelink::fabric {
 inline constexpr char kVerbsProvider[] = "ibverbs";
 
 struct EngineOptions {
-  // libfabric provider: "efa", "shm", "tcp" (tcp;ofi_rxm), "verbs"
-  // (verbs;ofi_rxm), or "" for the first of efa, shm, tcp that fi_getinfo
-  // offers; or kVerbsProvider ("ibverbs") for moelink's libibverbs transport.
+  // libfabric provider: "efa", "efa-direct" (EFA without the provider's
+  // RDM protocol layer; libfabric >= 2.1, never run), "shm", "tcp"
+  // (tcp;ofi_rxm), "verbs" (verbs;ofi_rxm), or "" for the first of efa,
+  // shm, tcp that fi_getinfo offers; or kVerbsProvider ("ibverbs") for
+  // moelink's libibverbs transport.
   std::string provider;
   // Number of NICs to use. When the provider offers fewer domains than
   // this (shm, tcp), the same domain is opened several times, which

@@ -44,10 +44,21 @@ ProviderInfo::~ProviderInfo() {
 
 namespace {
 
+// efa-direct: the EFA provider's fabric without its RDM protocol layer
+// (device RDMA only, no emulation), selected by fabric name; libfabric
+// offers it from 2.1 (the EFA installer's builds; Debian 12 has 1.17).
+constexpr char kEfaDirect[] = "efa-direct";
+constexpr uint32_t kEfaDirectVersion = FI_VERSION(2, 1);
+
 std::string prov_hint(const std::string& provider) {
   if (provider == "tcp") return "tcp;ofi_rxm";
   if (provider == "verbs") return "verbs;ofi_rxm";
+  if (provider == kEfaDirect) return "efa";
   return provider;
+}
+
+std::string runtime_version() {
+  return std::to_string(FI_MAJOR(fi_version())) + "." + std::to_string(FI_MINOR(fi_version()));
 }
 
 fi_info* getinfo(const std::string& provider, bool hmem) {
@@ -64,6 +75,7 @@ fi_info* getinfo(const std::string& provider, bool hmem) {
   hints->tx_attr->msg_order = FI_ORDER_NONE;
   hints->rx_attr->msg_order = FI_ORDER_NONE;
   if (!provider.empty()) hints->fabric_attr->prov_name = strdup(prov_hint(provider).c_str());
+  if (provider == kEfaDirect) hints->fabric_attr->name = strdup(kEfaDirect);
   fi_info* info = nullptr;
   const int rc = fi_getinfo(fi_version(), nullptr, nullptr, 0, hints, &info);
   fi_freeinfo(hints);
@@ -91,6 +103,10 @@ std::unique_ptr<ProviderInfo> query_provider(const std::string& provider) {
   const std::vector<std::string> candidates =
       provider.empty() ? std::vector<std::string>{"efa", "shm", "tcp"}
                        : std::vector<std::string>{provider};
+  if (provider == kEfaDirect && fi_version() < kEfaDirectVersion)
+    throw ProviderUnavailable("TransferEngine: provider 'efa-direct' needs libfabric >= 2.1; the "
+                              "loaded libfabric is " + runtime_version() +
+                              " (use 'efa', or the EFA installer's libfabric)");
   for (const auto& p : candidates) {
     for (bool hmem : {true, false}) {
       fi_info* list = getinfo(p, hmem);
@@ -103,6 +119,9 @@ std::unique_ptr<ProviderInfo> query_provider(const std::string& provider) {
       for (fi_info* i = list; i; i = i->next) {
         // "tcp" may also match e.g. "tcp" without rxm; keep the exact stack.
         if (want != i->fabric_attr->prov_name) continue;
+        // "efa" is the RDM protocol fabric; efa-direct only when asked for.
+        const bool direct = i->fabric_attr->name && std::string(i->fabric_attr->name) == kEfaDirect;
+        if (direct != (p == kEfaDirect)) continue;
         if (seen.insert(i->domain_attr->name).second) pi->domains.push_back(i);
       }
       if (pi->domains.empty()) continue;
@@ -112,15 +131,15 @@ std::unique_ptr<ProviderInfo> query_provider(const std::string& provider) {
   throw ProviderUnavailable("TransferEngine: libfabric provider '" +
                             (provider.empty() ? std::string("efa|shm|tcp") : provider) +
                             "' is not available with RDM endpoints, FI_MSG|FI_RMA and remote CQ "
-                            "data (libfabric " +
-                            std::to_string(FI_MAJOR(fi_version())) + "." +
-                            std::to_string(FI_MINOR(fi_version())) + ")");
+                            "data (libfabric " + runtime_version() + ")");
 }
 
 Domain::Domain(const fi_info* info, int index, const ReceiveConfig& rx) : index_(index) {
   info_ = fi_dupinfo(info);
   if (!info_) throw FabricError("fi_dupinfo failed");
   provider_ = info_->fabric_attr->prov_name;
+  if (info_->fabric_attr->name && std::string(info_->fabric_attr->name) == kEfaDirect)
+    provider_ = kEfaDirect;  // what the engine reports and checks
   const uint64_t mr_mode = info_->domain_attr->mr_mode;
   virt_addr_ = mr_mode & FI_MR_VIRT_ADDR;
   prov_key_ = mr_mode & FI_MR_PROV_KEY;
@@ -144,7 +163,7 @@ Domain::Domain(const fi_info* info, int index, const ReceiveConfig& rx) : index_
 #if MOELINK_FI_HEADERS_AT_LEAST(1, 18)
     // EFA: the provider must not call CUDA itself (NCCL-style deadlocks);
     // only where both the headers and the loaded library know the option.
-    if (hmem_ && fi_version() >= FI_VERSION(1, 18) && provider_ == "efa") {
+    if (hmem_ && fi_version() >= FI_VERSION(1, 18) && (provider_ == "efa" || provider_ == kEfaDirect)) {
       bool permitted = false;
       (void)fi_setopt(&ep_->fid, FI_OPT_ENDPOINT, FI_OPT_CUDA_API_PERMITTED, &permitted,
                       sizeof(permitted));

@@ -1,5 +1,6 @@
 // TransferEngine across forked processes on the shm and tcp providers.
 #include <gtest/gtest.h>
+#include <rdma/fabric.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -81,6 +82,21 @@ TEST(FabricProvider, UnknownProviderThrows) {
   run_processes(1, [](int, int) {
     moelink_test::expect_throw_naming<moelink::ProviderUnavailable>(
         [] { make_engine("no-such-provider", 0); }, {"no-such-provider"});
+  }, kTimeout);
+}
+
+// efa-direct needs libfabric >= 2.1 (and an EFA device): below that the
+// error says so; with it but without a device, the usual unavailability.
+TEST(FabricProvider, EfaDirectNamesWhatItNeeds) {
+  run_processes(1, [](int, int) {
+    const uint32_t v = fi_version();
+    if (v < FI_VERSION(2, 1)) {
+      moelink_test::expect_throw_naming<moelink::ProviderUnavailable>(
+          [] { make_engine("efa-direct", 0); }, {"efa-direct", ">= 2.1", "loaded libfabric"});
+    } else if (!moelink_test::fabric_provider_available("efa-direct")) {
+      moelink_test::expect_throw_naming<moelink::ProviderUnavailable>(
+          [] { make_engine("efa-direct", 0); }, {"efa-direct"});
+    }
   }, kTimeout);
 }
 
