@@ -56,8 +56,10 @@ void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
                        const std::function<bool()>& progress, bool sleep_when_idle) {
   const int spin = sleep_when_idle ? kSpinPolls : std::numeric_limits<int>::max();
   using Clock = std::chrono::steady_clock;
+  // The coarse clock (a few ms behind at most): deadlines of a wait are
+  // that much early at worst.
   const auto deadline =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+      coarse_now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   // Under mu_: consume `count` arrivals if they are there.
   const auto take = [&] {
     uint64_t& c = counts_[imm];
@@ -77,20 +79,20 @@ void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
     // work), driving progress from this thread instead of waiting for the
     // worker to wake. The counts are looked at (under mu_) only when some
     // immediate arrived since the last look; the clock is read before
-    // sleeping and every 64 passes.
+    // sleeping, and the coarse clock every 64 passes.
     for (int idle = 0, pass = 0;; ++pass) {
-      if (idle >= spin || pass % 64 == 0) {
+      if (idle >= spin) {
         const auto now = Clock::now();
         if (now >= deadline) break;
-        if (idle >= spin) {
-          std::unique_lock<std::mutex> lock(mu_);
-          seen = generation_.load(std::memory_order_acquire);
-          if (cv_.wait_until(lock, std::min(deadline, now + kIdleSleep),
-                             [&] { return counts_[imm] >= count; })) {
-            counts_[imm] -= count;
-            return;
-          }
+        std::unique_lock<std::mutex> lock(mu_);
+        seen = generation_.load(std::memory_order_acquire);
+        if (cv_.wait_until(lock, std::min(deadline, now + kIdleSleep),
+                           [&] { return counts_[imm] >= count; })) {
+          counts_[imm] -= count;
+          return;
         }
+      } else if (pass % 64 == 63 && coarse_now() >= deadline) {
+        break;
       }
       idle = progress() ? 0 : idle + 1;
       const uint64_t g = generation_.load(std::memory_order_acquire);

@@ -6,42 +6,42 @@
 namespace moelink::fabric {
 
 void OpState::wait(double timeout_s) const {
+  // error_ is written before done_ turns true (release): once done() reads
+  // true, error_ can be read without the lock.
+  if (done()) {
+    if (error_) std::rethrow_exception(error_);
+    return;
+  }
   // The worker fails the op at its deadline; wait a little past it.
   auto until = deadline_ + std::chrono::seconds(5);
   if (timeout_s >= 0)
-    until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+    until = coarse_now() + std::chrono::duration_cast<Clock::duration>(
                                std::chrono::duration<double>(timeout_s));
-  // Drive progress from this thread: poll while there is work and for
-  // kSpinPolls passes without, then sleep in short slices (woken early by
-  // completion) with a pass after each: the workers' idle policy.
-  ProgressHook::Waiting waiting(progress_.get());
-  const int spin = progress_ && progress_->busy() ? std::numeric_limits<int>::max() : kSpinPolls;
-  if (progress_ && spin == kSpinPolls) {
-    for (int idle = 0; idle < kSpinPolls && !done();)
-      idle = progress_->run() ? 0 : idle + 1;
-  }
-  std::unique_lock<std::mutex> lock(mu_);
-  // The clock is read before sleeping and every 64 passes, not every pass.
-  for (int idle = spin == kSpinPolls ? kSpinPolls : 0, pass = 0;; ++pass) {
-    if (done_.load()) break;
-    if (!progress_) {
-      if (Clock::now() >= until) break;
-      cv_.wait_until(lock, until, [&] { return done_.load(); });
-      continue;
-    }
-    if (idle >= spin || pass % 64 == 0) {
-      const auto now = Clock::now();
-      if (now >= until) break;
-      if (idle >= spin)
+  if (!progress_) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_until(lock, until, [&] { return done_.load(); });
+  } else {
+    // Drive progress from this thread: poll while there is work and for
+    // kSpinPolls passes without, then sleep in short slices (woken early
+    // by completion) with a pass after each: the workers' idle policy.
+    // Passes take no lock; the (coarse) clock is read every 64 of them.
+    ProgressHook::Waiting waiting(progress_.get());
+    const int spin = progress_->busy() ? std::numeric_limits<int>::max() : kSpinPolls;
+    for (int idle = 0, pass = 0; !done(); ++pass) {
+      if (idle >= spin) {
+        const auto now = Clock::now();
+        if (now >= until) break;
+        std::unique_lock<std::mutex> lock(mu_);
         cv_.wait_until(lock, std::min<Clock::time_point>(until, now + kIdleSleep),
                        [&] { return done_.load(); });
+        if (done_.load()) break;
+      } else if (pass % 64 == 63 && coarse_now() >= until) {
+        break;
+      }
+      idle = progress_->run() ? 0 : idle + 1;
     }
-    if (done_.load()) break;
-    lock.unlock();
-    idle = progress_->run() ? 0 : idle + 1;
-    lock.lock();
   }
-  if (!done_.load())
+  if (!done())
     throw TimeoutError("TransferEngine " + *what_ + ": not complete within the wait's timeout");
   if (error_) std::rethrow_exception(error_);
 }

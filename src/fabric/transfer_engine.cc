@@ -197,7 +197,7 @@ class FabricEngine final : public TransferEngine {
                     uint64_t dst_offset, size_t len, std::optional<uint32_t> imm,
                     Callback cb) override {
     const Route r = route(dst.owner, &Peer::write_what);
-    const Text& what = r.what;
+    const Text& what = *r.what;
     auto reg = registry_.check(src, src_offset, len, *what);
     check_range(dst.size, dst_offset, len, *what, "destination");
     auto& wrs = scratch(domains_.size())[0];
@@ -351,9 +351,10 @@ class FabricEngine final : public TransferEngine {
 
   // A write's peer, its operation name and its NIC (domain peer % domains)
   // with the destination handle there, in one lock when the peer is known.
+  // `what` points into peers_ (a deque: entries never move or go away).
   struct Route {
     PeerId peer;
-    Text what;
+    const Text* what;
     Nic* nic;
     uint64_t dest;
   };
@@ -369,7 +370,7 @@ class FabricEngine final : public TransferEngine {
         }
         if (id >= 0) {
           Nic* d = domains_[static_cast<size_t>(id) % domains_.size()].get();
-          return Route{id, peers_[id].*which, d, peers_[id].dest[d->index()]};
+          return Route{id, &(peers_[id].*which), d, peers_[id].dest[d->index()]};
         }
       }
       if (attempt > 0) throw FabricError("TransferEngine: peer '" + address.name + "' vanished");
@@ -437,7 +438,7 @@ class FabricEngine final : public TransferEngine {
   }
 
   std::shared_ptr<OpState> new_op(const Text& what, int wrs, Callback cb) {
-    auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+    auto deadline = coarse_now() + std::chrono::duration_cast<Clock::duration>(
                                        std::chrono::duration<double>(options_.timeout_s));
     auto op = std::make_shared<OpState>(what, wrs, deadline, std::move(cb), progress_);
     return op;
@@ -456,7 +457,7 @@ class FabricEngine final : public TransferEngine {
   MemoryRegistry registry_;
   std::vector<std::unique_ptr<Worker>> workers_;
   std::mutex peers_mu_;
-  std::vector<Peer> peers_;
+  std::deque<Peer> peers_;  // references stay valid as peers are added
   PeerId last_peer_ = -1;  // under peers_mu_: the peer add_peer found last
   std::unordered_map<EngineAddress, PeerId, AddressHash> peer_ids_;
   std::shared_ptr<ProgressHook> progress_;

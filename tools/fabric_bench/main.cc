@@ -37,6 +37,7 @@
 #include "git_commit.h"
 #include "moelink/bootstrap.h"
 #include "moelink/transfer_engine.h"
+#include "cpu_cost.h"
 #include "ops.h"
 #include "transports.h"
 
@@ -239,6 +240,44 @@ int pick_free_port() {
     throw std::runtime_error("no free TCP port on 127.0.0.1");
   close(s);
   return ntohs(a.sin_port);
+}
+
+// measure_cpu_cost in a child (the parent never initializes libfabric),
+// its JSON back through a pipe; throws with the child's failure.
+json cpu_cost_in_child(const std::string& provider, int iters, int reps) {
+  int fds[2];
+  if (pipe(fds) != 0) throw std::runtime_error("pipe failed");
+  std::fflush(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    close(fds[0]);
+    int rc = 0;
+    try {
+      const std::string s = measure_cpu_cost(provider, iters, reps).dump();
+      for (size_t off = 0; off < s.size();) {
+        const ssize_t w = ::write(fds[1], s.data() + off, s.size() - off);
+        if (w <= 0) break;
+        off += static_cast<size_t>(w);
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "moelink-fabric-bench: cpu cost (%s): %s\n", provider.c_str(), e.what());
+      rc = 1;
+    }
+    std::fflush(nullptr);
+    _exit(rc);
+  }
+  close(fds[1]);
+  std::string out;
+  char chunk[4096];
+  ssize_t got;
+  while ((got = ::read(fds[0], chunk, sizeof(chunk))) > 0) out.append(chunk, got);
+  close(fds[0]);
+  int status = 0;
+  if (pid < 0 || waitpid(pid, &status, 0) != pid || !WIFEXITED(status) ||
+      WEXITSTATUS(status) != 0 || out.empty())
+    throw std::runtime_error("the cpu-cost child failed");
+  return json::parse(out);
 }
 
 // Asked in a child: the parent never initializes libfabric (it forks).
@@ -485,6 +524,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 100));
   app.add_flag("--busy-poll", busy_poll,
                "busy-poll (engine yield_when_idle=false, raw loop without sleeps)");
+  int cost_iters = 20000;
+  app.add_option("--cpu-cost-iters", cost_iters,
+                 "per provider, the engine's software cost per write on one thread (two endpoints "
+                 "in one process) vs raw libfabric: iterations per repetition (0: skip)")
+      ->check(CLI::Range(0, 10000000));
   app.add_flag("--pin", o.pin,
                "pin rank r to CPU r and its engine worker to CPU N+1+r (modulo the CPU set)");
   app.add_option("--json", json_path, "write the results as JSON to this file");
@@ -581,6 +625,29 @@ int main(int argc, char** argv) {
     }
   }
   doc["runs"] = runs;
+  // The software cost, free of scheduling noise (one process, one thread).
+  if (cost_iters > 0) {
+    json costs = json::object();
+    for (const auto& prov : providers) {
+      if (!provider_available(prov)) continue;
+      try {
+        json c = cpu_cost_in_child(prov, cost_iters, 3);
+        std::printf(
+            "%-4s cpu cost per 8-byte write, one thread: post %.3f / %.3f us (%+.3f), round "
+            "%.3f / %.3f us (%+.3f)  (engine / raw)\n",
+            prov.c_str(), c["engine"]["post_us_p50"].get<double>(),
+            c["raw"]["post_us_p50"].get<double>(), c["engine_minus_raw_us"]["post"].get<double>(),
+            c["engine"]["round_us_p50"].get<double>(), c["raw"]["round_us_p50"].get<double>(),
+            c["engine_minus_raw_us"]["round"].get<double>());
+        costs[prov] = c;
+      } catch (const std::exception& e) {
+        std::printf("%s cpu cost: FAILED: %s\n", prov.c_str(), e.what());
+        costs[prov]["error"] = e.what();
+        ++failures;
+      }
+    }
+    doc["cpu_cost"] = costs;
+  }
   if (!json_path.empty()) {
     std::ofstream f(json_path);
     f << doc.dump(2) << "\n";

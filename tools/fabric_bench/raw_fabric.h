@@ -65,6 +65,17 @@ class RawFabric {
   void wait_ops(size_t n);
   // Waits until `imm` arrived n times, then consumes n.
   void wait_imm(uint32_t imm, uint64_t n);
+  // For a caller that drives two endpoints from one thread (cpu_cost.cc):
+  // one CQ read; writes without local completion; consume one `imm`.
+  int progress() { return poll(); }
+  uint64_t outstanding() const { return posted_ - completed_; }
+  bool take_imm(uint32_t imm) {
+    auto it = imms_.find(imm);
+    if (it == imms_.end() || it->second == 0) return false;
+    --it->second;
+    return true;
+  }
+  void forget_ops() { ops_.clear(); }
 
  private:
   int poll();

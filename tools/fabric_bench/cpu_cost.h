@@ -1,0 +1,18 @@
+// The engine's software cost per operation, without scheduling noise: two
+// endpoints in one process driven by one thread (no peer process, no
+// sleeps), the engine's write + wait_imm + wait against the same writes on
+// raw libfabric (RawFabric). Runs in a forked child (the parent never
+// initializes libfabric).
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace moelink_fabric_bench {
+
+// {"engine": {...}, "raw": {...}, "engine_minus_raw_us": {...}} with p50s in
+// us of `post` (the call that posts one 8-byte write with an immediate) and
+// `round` (post, the target's immediate counted, the local completion).
+nlohmann::ordered_json measure_cpu_cost(const std::string& provider, int iters, int reps);
+
+}  // namespace moelink_fabric_bench
