@@ -10,6 +10,7 @@
 // immediate counters (wait_imm) only.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -120,6 +121,24 @@ using TransferPtr = std::shared_ptr<Transfer>;
 // Called on the worker thread when the operation completes (null on
 // success). Keep it short; do not call back into the engine and wait.
 using Callback = std::function<void(std::exception_ptr)>;
+
+// Completion by atomic counters instead of a callback: pass
+// count_completions(done, failed) as an operation's Callback. The engine
+// recognizes it and, without running any callback (so the thread that
+// reads the completion, a waiter or the worker, finishes the operation
+// itself), adds 1 to `done` when the operation succeeds or to `failed`
+// when it fails, after done() turned true (release). Poll the counters, or
+// wait on the Transfer. The counters must outlive the operations.
+struct CompletionCounters {
+  std::atomic<uint64_t>* done = nullptr;
+  std::atomic<uint64_t>* failed = nullptr;
+  void operator()(std::exception_ptr e) const {  // the plain-callback fallback
+    (e ? failed : done)->fetch_add(1, std::memory_order_release);
+  }
+};
+inline Callback count_completions(std::atomic<uint64_t>& done, std::atomic<uint64_t>& failed) {
+  return CompletionCounters{&done, &failed};
+}
 
 // Paged write (KV cache): page i is page_bytes bytes from
 // src_offset + src_pages[i] * src_stride to dst_offset + dst_pages[i] * dst_stride.

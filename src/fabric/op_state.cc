@@ -62,13 +62,16 @@ void OpState::fail(std::exception_ptr e) {
 // The callback runs before done() turns true, so a waiter sees its effects.
 void OpState::finish() {
   if (!has_cb_) {  // the common case: one lock
+    bool failed = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (finishing_) return;
       finishing_ = true;
+      failed = static_cast<bool>(error_);
       done_.store(true, std::memory_order_release);
     }
     cv_.notify_all();
+    if (counters_.done) (failed ? counters_.failed : counters_.done)->fetch_add(1, std::memory_order_release);
     return;
   }
   Callback cb;

@@ -102,6 +102,7 @@ class OpState : public Transfer {
       : what_(std::move(what)),
         remaining_(work_requests),
         deadline_(deadline),
+        counters_(take_counters(cb)),
         cb_(std::move(cb)),
         has_cb_(static_cast<bool>(cb_)),
         progress_(std::move(progress)) {}
@@ -127,6 +128,17 @@ class OpState : public Transfer {
   const std::shared_ptr<const std::string> what_;
   std::atomic<int> remaining_;
   const Clock::time_point deadline_;
+  // count_completions(): the counters replace the callback (cb is left
+  // empty), so no completion needs the worker.
+  static CompletionCounters take_counters(Callback& cb) {
+    CompletionCounters c;
+    if (const auto* t = cb.target<CompletionCounters>()) {
+      c = *t;
+      cb = nullptr;
+    }
+    return c;
+  }
+  const CompletionCounters counters_;
   Callback cb_;
   const bool has_cb_;
   const std::shared_ptr<ProgressHook> progress_;

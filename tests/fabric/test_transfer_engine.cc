@@ -16,6 +16,7 @@
 #include <numeric>
 #include <vector>
 
+#include "fabric/op_state.h"
 #include "fabric_test_util.h"
 #include "rank_harness.h"
 
@@ -76,6 +77,32 @@ TEST(FabricDescriptor, SerializationRoundTrips) {
   EXPECT_EQ(EngineAddress::deserialize(a.data(), a.size()), d.owner);
   moelink_test::expect_throw_naming<moelink::InvalidArgument>(
       [&] { MemoryDescriptor::deserialize(bytes.data(), bytes.size() - 1); }, {"MemoryDescriptor"});
+}
+
+// count_completions() is recognized: its counters replace the callback
+// (nothing for the worker to run), and count after done() turned true.
+TEST(FabricOpState, CompletionCountersReplaceTheCallback) {
+  std::atomic<uint64_t> done{0}, failed{0};
+  auto what = std::make_shared<const std::string>("write to peer 'x'");
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  OpState ok(what, 2, deadline, count_completions(done, failed));
+  EXPECT_FALSE(ok.has_callback());
+  ok.complete_one();
+  EXPECT_FALSE(ok.done());
+  EXPECT_EQ(done.load(), 0u);
+  ok.complete_one();
+  EXPECT_TRUE(ok.done());
+  EXPECT_EQ(done.load(), 1u);
+  OpState bad(what, 1, deadline, count_completions(done, failed));
+  bad.fail(std::make_exception_ptr(moelink::FabricError("lost")));
+  bad.complete_one();  // a late completion changes nothing
+  EXPECT_TRUE(bad.done());
+  EXPECT_EQ(failed.load(), 1u);
+  EXPECT_EQ(done.load(), 1u);
+  EXPECT_THROW(bad.wait(-1), moelink::FabricError);
+  // An ordinary callback stays a callback.
+  OpState cb(what, 1, deadline, [](std::exception_ptr) {});
+  EXPECT_TRUE(cb.has_callback());
 }
 
 TEST(FabricProvider, UnknownProviderThrows) {
@@ -305,11 +332,56 @@ TEST_P(FabricTest, PeerDisappearsMidTransfer) {
       RANK_CHECK(failed) << "writes to a vanished peer did not fail";
     }
     RANK_CHECK(s < 30) << "failure took " << s << " s";
+    // A counted write to the vanished peer is counted as failed (shm may
+    // accept it: then as done).
+    std::atomic<uint64_t> done{0}, lost{0};
+    (void)e->write(r, 0, d[1], 0, 4096, 2u, count_completions(done, lost));
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (done.load() + lost.load() < 1 && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    RANK_CHECK(done.load() + lost.load() == 1) << "the counted write was never counted";
+    if (prov != "shm") {
+      RANK_CHECK(lost.load() == 1) << "the counted write to a vanished peer was not counted failed";
+    }
     moelink_test::expect_throw_naming<moelink::TimeoutError>([&] { e->wait_imm(1, 1, 0.2); },
                                                              {"wait_imm"});
     e.reset();
     // The shm provider leaves the vanished rank's region ("<pid>:<n>:<m>").
     if (prov == "shm") remove_shm_files_of(pids[1]);
+  }, kTimeout);
+}
+
+// count_completions: fire-and-forget writes (the Transfers dropped at
+// once) are counted as they complete, by whichever thread reads them.
+TEST_P(FabricTest, CompletionCountersCountWrites) {
+  const std::string prov = provider();
+  run_ranks(2, [&](int rank, moelink::Bootstrap& b) {
+    auto e = make_engine(prov, rank);
+    std::vector<uint8_t> src(64 * 256), dst(64 * 256, 0);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = pattern(rank, i);
+    auto rs = e->register_memory(src.data(), src.size());
+    auto rd = e->register_memory(dst.data(), dst.size());
+    auto d = exchange_descriptors(b, *e, rd);
+    warm_up(*e, b, d);
+    constexpr int kWrites = 64;
+    if (rank == 0) {
+      std::atomic<uint64_t> done{0}, failed{0};
+      for (int i = 0; i < kWrites; ++i)
+        (void)e->write(rs, i * 256, d[1], i * 256, 256, 12u, count_completions(done, failed));
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (done.load() + failed.load() < kWrites && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      RANK_CHECK(done.load() == kWrites && failed.load() == 0)
+          << "counted " << done.load() << " done and " << failed.load() << " failed of " << kWrites;
+    } else {
+      e->wait_imm(12, kWrites);
+      for (size_t i = 0; i < dst.size(); ++i)
+        if (dst[i] != pattern(0, i)) {
+          RANK_FAIL() << "byte " << i << " is wrong";
+          break;
+        }
+    }
+    b.barrier();
   }, kTimeout);
 }
 
