@@ -19,7 +19,7 @@ void OpState::wait(double timeout_s) const {
                                std::chrono::duration<double>(timeout_s));
   if (!progress_) {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_until(lock, until, [&] { return done_.load(); });
+    sleeper_cv().wait_until(lock, until, [&] { return done_.load(); });
   } else {
     // Drive progress from this thread: poll while there is work and for
     // kSpinPolls passes without, then sleep in short slices (woken early
@@ -32,7 +32,7 @@ void OpState::wait(double timeout_s) const {
         const auto now = Clock::now();
         if (now >= until) break;
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait_until(lock, std::min<Clock::time_point>(until, now + kIdleSleep),
+        sleeper_cv().wait_until(lock, std::min<Clock::time_point>(until, now + kIdleSleep),
                        [&] { return done_.load(); });
         if (done_.load()) break;
       } else if (pass % 64 == 63 && coarse_now() >= until) {
@@ -63,14 +63,16 @@ void OpState::fail(std::exception_ptr e) {
 void OpState::finish() {
   if (!has_cb_) {  // the common case: one lock
     bool failed = false;
+    std::condition_variable* sleeping = nullptr;  // a sleeper made it under mu_
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (finishing_) return;
       finishing_ = true;
       failed = static_cast<bool>(error_);
       done_.store(true, std::memory_order_release);
+      sleeping = cv_.get();
     }
-    cv_.notify_all();
+    if (sleeping) sleeping->notify_all();
     if (counters_.done) (failed ? counters_.failed : counters_.done)->fetch_add(1, std::memory_order_release);
     return;
   }
@@ -89,11 +91,13 @@ void OpState::finish() {
     } catch (...) {  // a throwing callback must not kill the worker
     }
   }
+  std::condition_variable* sleeping = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     done_.store(true, std::memory_order_release);
+    sleeping = cv_.get();
   }
-  cv_.notify_all();
+  if (sleeping) sleeping->notify_all();
 }
 
 }  // namespace moelink::fabric

@@ -143,7 +143,14 @@ class OpState : public Transfer {
   const bool has_cb_;
   const std::shared_ptr<ProgressHook> progress_;
   mutable std::mutex mu_;
-  mutable std::condition_variable cv_;
+  // Made by the first thread that sleeps on the op (under mu_): most
+  // operations are never slept on, and constructing and destroying a
+  // condition variable per operation shows in the cost per write.
+  mutable std::unique_ptr<std::condition_variable> cv_;
+  std::condition_variable& sleeper_cv() const {  // under mu_
+    if (!cv_) cv_ = std::make_unique<std::condition_variable>();
+    return *cv_;
+  }
   std::exception_ptr error_;
   bool finishing_ = false;  // under mu_
   std::atomic<bool> done_{false};

@@ -438,9 +438,7 @@ class FabricEngine final : public TransferEngine {
   }
 
   std::shared_ptr<OpState> new_op(const Text& what, int wrs, Callback cb) {
-    auto deadline = coarse_now() + std::chrono::duration_cast<Clock::duration>(
-                                       std::chrono::duration<double>(options_.timeout_s));
-    auto op = std::make_shared<OpState>(what, wrs, deadline, std::move(cb), progress_);
+    auto op = std::make_shared<OpState>(what, wrs, coarse_now() + timeout_, std::move(cb), progress_);
     return op;
   }
 
@@ -450,6 +448,9 @@ class FabricEngine final : public TransferEngine {
   }
 
   EngineOptions options_;
+  // options_.timeout_s as the clock's duration (converted once, not per op).
+  const Clock::duration timeout_ = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(options_.timeout_s));
   std::vector<std::unique_ptr<Nic>> domains_;  // one per domain (NIC)
   EngineAddress address_;
   ImmCounters imms_;
