@@ -172,6 +172,15 @@ json rank0_report(int n, const RunOptions& o, const std::map<std::string, OpSamp
   return run;
 }
 
+// A child's report to the parent, through its pipe.
+void write_all(int fd, const std::string& s) {
+  for (size_t off = 0; off < s.size();) {
+    const ssize_t w = ::write(fd, s.data() + off, s.size() - off);
+    if (w <= 0) throw std::runtime_error("writing the report to the parent failed");
+    off += static_cast<size_t>(w);
+  }
+}
+
 void rank_main(int rank, int world, int port, const RunOptions& o, const std::string& provider,
                int fd) {
   auto b = moelink::make_tcp_bootstrap(rank, world, "127.0.0.1", port, 60.0);
@@ -217,15 +226,7 @@ void rank_main(int rank, int world, int port, const RunOptions& o, const std::st
       b->barrier();
     }
   }
-  if (rank == 0) {
-    const std::string s = rank0_report(n, o, res, names, hmem).dump();
-    size_t off = 0;
-    while (off < s.size()) {
-      const ssize_t w = ::write(fd, s.data() + off, s.size() - off);
-      if (w <= 0) throw std::runtime_error("writing the report to the parent failed");
-      off += static_cast<size_t>(w);
-    }
-  }
+  if (rank == 0) write_all(fd, rank0_report(n, o, res, names, hmem).dump());
 }
 
 int pick_free_port() {
@@ -254,12 +255,7 @@ json cpu_cost_in_child(const std::string& provider, int iters, int reps) {
     close(fds[0]);
     int rc = 0;
     try {
-      const std::string s = measure_cpu_cost(provider, iters, reps).dump();
-      for (size_t off = 0; off < s.size();) {
-        const ssize_t w = ::write(fds[1], s.data() + off, s.size() - off);
-        if (w <= 0) break;
-        off += static_cast<size_t>(w);
-      }
+      write_all(fds[1], measure_cpu_cost(provider, iters, reps).dump());
     } catch (const std::exception& e) {
       std::fprintf(stderr, "moelink-fabric-bench: cpu cost (%s): %s\n", provider.c_str(), e.what());
       rc = 1;
