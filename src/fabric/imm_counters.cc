@@ -10,16 +10,6 @@
 
 namespace moelink::fabric {
 
-void ImmCounters::add(uint32_t imm, uint64_t n) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    counts_[imm] += n;
-    if (!signals_.empty()) fire_signals();
-    generation_.fetch_add(1, std::memory_order_release);
-  }
-  cv_.notify_all();
-}
-
 void ImmCounters::add(const std::vector<std::pair<uint32_t, uint64_t>>& counts) {
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -15,8 +15,8 @@ namespace moelink::fabric {
 
 class ImmCounters {
  public:
-  void add(uint32_t imm, uint64_t n = 1);
-  // Several (immediate, count) pairs under one lock, one wake-up.
+  // Adds (immediate, count) pairs: one poll's arrivals under one lock, one
+  // wake-up.
   void add(const std::vector<std::pair<uint32_t, uint64_t>>& counts);
   // Waits until count(imm) >= count, then subtracts count. Throws
   // TimeoutError naming imm, the count wanted and the count seen.

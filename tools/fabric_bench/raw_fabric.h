@@ -75,7 +75,6 @@ class RawFabric {
     --it->second;
     return true;
   }
-  void forget_ops() { ops_.clear(); }
 
  private:
   int poll();

@@ -54,6 +54,17 @@ VerbsNicOptions small_options() {
   return o;
 }
 
+// A two-sided send of len bytes at buf (registered: desc) to dest.
+Wr send_wr(uint64_t dest, char* buf, size_t len, void* desc) {
+  Wr w;
+  w.kind = Wr::Kind::kSend;
+  w.dest = dest;
+  w.buf = buf;
+  w.len = len;
+  w.desc = desc;
+  return w;
+}
+
 class VerbsNicTest : public testing::Test {
  protected:
   void SetUp() override { fabric.auto_progress = true; }
@@ -302,13 +313,8 @@ TEST_F(VerbsNicTest, MessagesAreCopiedOutAndReceivesRepostedRnrWaitsMeanwhile) {
   std::vector<WrContext> ctx(3);
   PostError err;
   for (int i = 0; i < 3; ++i) {
-    Wr w;
-    w.kind = Wr::Kind::kSend;
-    w.dest = ab;
     const int n = std::snprintf(msg.data() + 16 * i, 16, "message %d", i);
-    w.buf = msg.data() + 16 * i;
-    w.len = static_cast<size_t>(n);
-    w.desc = mr.desc;
+    const Wr w = send_wr(ab, msg.data() + 16 * i, static_cast<size_t>(n), mr.desc);
     ASSERT_EQ(a.nic->post(w, &ctx[i], false, &err), PostStatus::kPosted);
   }
   const uint64_t rnr_before = fabric.rnr_naks;
@@ -338,12 +344,7 @@ TEST_F(VerbsNicTest, RnrRetriesRunningOutFailTheSendNamingThePeer) {
   std::vector<WrContext> ctx(2);
   PostError err;
   for (int i = 0; i < 2; ++i) {
-    Wr w;
-    w.kind = Wr::Kind::kSend;
-    w.dest = ab;
-    w.buf = msg.data();
-    w.len = 8;
-    w.desc = mr.desc;
+    const Wr w = send_wr(ab, msg.data(), 8, mr.desc);
     ASSERT_EQ(a.nic->post(w, &ctx[i], false, &err), PostStatus::kPosted);
   }
   for (int i = 0; i < 10; ++i) a.poll();
