@@ -134,7 +134,7 @@ std::unique_ptr<ProviderInfo> query_provider(const std::string& provider) {
                             "data (libfabric " + runtime_version() + ")");
 }
 
-Domain::Domain(const fi_info* info, int index, const ReceiveConfig& rx) : index_(index) {
+Domain::Domain(const fi_info* info, int index, const ReceiveConfig& rx) : Nic(index) {
   info_ = fi_dupinfo(info);
   if (!info_) throw FabricError("fi_dupinfo failed");
   provider_ = info_->fabric_attr->prov_name;

@@ -40,7 +40,6 @@ class Domain final : public Nic {
   Domain(const Domain&) = delete;
   Domain& operator=(const Domain&) = delete;
 
-  int index() const override { return index_; }
   const std::string& provider() const override { return provider_; }
   const std::string& endpoint() const override { return name_; }
   bool hmem() const override { return hmem_; }
@@ -71,7 +70,6 @@ class Domain final : public Nic {
   bool register_dmabuf(void* ptr, size_t size, int device, uint64_t key, fid_mr** mr,
                        std::string* why);
 
-  int index_;
   std::string provider_;
   bool virt_addr_ = false, prov_key_ = false, mr_endpoint_ = false, mr_local_ = false;
   bool rx_cq_data_ = false;

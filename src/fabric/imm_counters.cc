@@ -10,36 +10,112 @@
 
 namespace moelink::fabric {
 
-void ImmCounters::add(const std::vector<std::pair<uint32_t, uint64_t>>& counts) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [imm, n] : counts) counts_[imm] += n;
-    if (!signals_.empty()) fire_signals();
-    generation_.fetch_add(1, std::memory_order_release);
+namespace {
+constexpr size_t kMask = ImmCounters::kSlots - 1;
+// Fibonacci hashing: immediates that differ in a few bits (a kind and a
+// rank) land in different slots.
+size_t slot_of(uint32_t imm) { return (uint64_t{imm} * 0x9E3779B97F4A7C15ull) >> 50 & kMask; }
+static_assert(ImmCounters::kSlots == size_t{1} << 14, "slot_of keeps 14 bits");
+}  // namespace
+
+ImmCounters::ImmCounters() : slots_(std::make_unique<Slot[]>(kSlots)) {}
+
+ImmCounters::Counter* ImmCounters::probe(uint32_t imm, size_t* empty) const {
+  const uint64_t key = uint64_t{imm} + 1;
+  // Slots are filled in probe order and never emptied: the first empty one
+  // ends the search. The table is at most 3/4 full, so one comes.
+  for (size_t i = slot_of(imm);; i = (i + 1) & kMask) {
+    const uint64_t k = slots_[i].key.load(std::memory_order_acquire);
+    if (k == key) return &slots_[i].count;
+    if (k == 0) {
+      if (empty) *empty = i;
+      return nullptr;
+    }
   }
-  cv_.notify_all();
+}
+
+ImmCounters::Counter* ImmCounters::find(uint32_t imm) const {
+  if (Counter* c = probe(imm, nullptr)) return c;
+  if (!overflowed_.load(std::memory_order_acquire)) return nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = overflow_.find(imm);
+  return it == overflow_.end() ? nullptr : const_cast<Counter*>(&it->second);
+}
+
+ImmCounters::Counter& ImmCounters::counter(uint32_t imm) {
+  if (Counter* c = find(imm)) return *c;
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t empty = 0;
+  if (Counter* c = probe(imm, &empty)) return *c;  // made since find() looked
+  if (auto it = overflow_.find(imm); it != overflow_.end()) return it->second;
+  if (used_ < kSlots / 4 * 3) {
+    ++used_;
+    slots_[empty].key.store(uint64_t{imm} + 1, std::memory_order_release);  // its count is 0
+    return slots_[empty].count;
+  }
+  Counter& c = overflow_[imm];
+  overflowed_.store(true, std::memory_order_release);
+  return c;
+}
+
+bool ImmCounters::take(Counter& c, uint64_t n) {
+  // seq_cst: the check after a sleeper counted itself (sleep_until) or a
+  // signal was queued (signal) must see an add that did not see them.
+  uint64_t v = c.load(std::memory_order_seq_cst);
+  while (v >= n)
+    if (c.compare_exchange_weak(v, v - n, std::memory_order_acq_rel, std::memory_order_acquire))
+      return true;
+  return false;
+}
+
+void ImmCounters::add(const std::vector<std::pair<uint32_t, uint64_t>>& counts) {
+  for (const auto& [imm, n] : counts) counter(imm).fetch_add(n, std::memory_order_seq_cst);
+  // seq_cst with signal() and sleep_until(): either this add sees the
+  // signal (or the sleeper), or that side sees the new count.
+  if (has_signals_.load(std::memory_order_seq_cst)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fire_signals();
+  }
+  if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+    // Through the mutex: a sleeper between its check and its wait holds
+    // it, so the notification cannot fall in between.
+    { std::lock_guard<std::mutex> lock(mu_); }
+    cv_.notify_all();
+  }
 }
 
 void ImmCounters::signal(uint32_t imm, uint64_t count, uint64_t* flag, uint64_t value) {
+  counter(imm);  // made before the signal is visible to add()
   std::lock_guard<std::mutex> lock(mu_);
   signals_.push_back(Signal{imm, count, flag, value});
+  has_signals_.store(true, std::memory_order_seq_cst);
   fire_signals();
 }
 
 void ImmCounters::fire_signals() {
   for (auto it = signals_.begin(); it != signals_.end();) {
-    uint64_t& c = counts_[it->imm];
-    if (c < it->count) {
+    // Not find(), which would take mu_ again; signal() made the counter.
+    Counter* c = probe(it->imm, nullptr);
+    if (!c) c = &overflow_.at(it->imm);
+    if (!take(*c, it->count)) {
       ++it;
       continue;
     }
-    c -= it->count;
     std::atomic_ref<uint64_t>(*it->flag).store(it->value, std::memory_order_release);
     // A full fence drains write-combining buffers too (x86 mfence), so a
     // flag in GDRCopy's BAR mapping becomes visible now rather than later.
     std::atomic_thread_fence(std::memory_order_seq_cst);
     it = signals_.erase(it);
   }
+  has_signals_.store(!signals_.empty(), std::memory_order_seq_cst);
+}
+
+bool ImmCounters::sleep_until(Counter& c, uint64_t n, std::chrono::steady_clock::time_point until) {
+  sleepers_.fetch_add(1, std::memory_order_seq_cst);
+  std::unique_lock<std::mutex> lock(mu_);
+  const bool took = cv_.wait_until(lock, until, [&] { return take(c, n); });
+  sleepers_.fetch_sub(1, std::memory_order_relaxed);
+  return took;
 }
 
 void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
@@ -50,67 +126,36 @@ void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
   // that much early at worst.
   const auto deadline =
       coarse_now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
-  // Under mu_: consume `count` arrivals if they are there.
-  const auto take = [&] {
-    uint64_t& c = counts_[imm];
-    if (c < count) return false;
-    c -= count;
-    return true;
-  };
-  // Read before the first look, so that an arrival after it shows as a new
-  // generation.
-  uint64_t seen = generation_.load(std::memory_order_acquire);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (take()) return;
-  }
+  Counter& c = counter(imm);
+  if (take(c, count)) return;
   if (progress) {
     // Poll like the workers (a short sleep after kSpinPolls passes without
     // work), driving progress from this thread instead of waiting for the
-    // worker to wake. The counts are looked at (under mu_) only when some
-    // immediate arrived since the last look; the clock is read before
-    // sleeping, and the coarse clock every 64 passes.
+    // worker to wake. The clock is read before sleeping, and the coarse
+    // clock every 64 passes.
     for (int idle = 0, pass = 0;; ++pass) {
       if (idle >= spin) {
         const auto now = Clock::now();
         if (now >= deadline) break;
-        std::unique_lock<std::mutex> lock(mu_);
-        seen = generation_.load(std::memory_order_acquire);
-        if (cv_.wait_until(lock, std::min(deadline, now + kIdleSleep),
-                           [&] { return counts_[imm] >= count; })) {
-          counts_[imm] -= count;
-          return;
-        }
+        if (sleep_until(c, count, std::min(deadline, now + kIdleSleep))) return;
       } else if (pass % 64 == 63 && coarse_now() >= deadline) {
         break;
       }
       idle = progress() ? 0 : idle + 1;
-      const uint64_t g = generation_.load(std::memory_order_acquire);
-      if (g != seen) {
-        seen = g;
-        std::lock_guard<std::mutex> lock(mu_);
-        if (take()) return;
-      }
+      if (take(c, count)) return;
     }
-  } else {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (cv_.wait_until(lock, deadline, [&] { return counts_[imm] >= count; })) {
-      counts_[imm] -= count;
-      return;
-    }
+  } else if (sleep_until(c, count, deadline)) {
+    return;
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  if (take()) return;  // arrived at the deadline
+  if (take(c, count)) return;  // arrived at the deadline
   throw TimeoutError("TransferEngine wait_imm: immediate " + std::to_string(imm) + " arrived " +
-                     std::to_string(counts_[imm]) + " of " + std::to_string(count) +
-                     " times within " + std::to_string(timeout_s) +
-                     " s (a peer is missing or failed)");
+                     std::to_string(c.load()) + " of " + std::to_string(count) + " times within " +
+                     std::to_string(timeout_s) + " s (a peer is missing or failed)");
 }
 
 uint64_t ImmCounters::get(uint32_t imm) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = counts_.find(imm);
-  return it == counts_.end() ? 0 : it->second;
+  const Counter* c = find(imm);
+  return c ? c->load(std::memory_order_acquire) : 0;
 }
 
 }  // namespace moelink::fabric

@@ -58,28 +58,31 @@ std::shared_ptr<Registration> MemoryRegistry::remove(uint64_t id, const std::str
   return r;
 }
 
-std::shared_ptr<const Registration> MemoryRegistry::check(const MemoryRegion& region,
-                                                          uint64_t offset, uint64_t len,
-                                                          const std::string& op) const {
-  std::shared_ptr<const Registration> r;
+const Registration& MemoryRegistry::check(const MemoryRegion& region, uint64_t offset,
+                                          uint64_t len, const std::string& op) const {
   const uint64_t gen = generation_.load(std::memory_order_acquire);
-  if (t_last.registry == this && t_last.generation == gen && t_last.id == region.id) {
-    r = t_last.reg;
-  } else {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = regs_.find(region.id);
-    if (it != regs_.end()) r = it->second;
+  if (!(t_last.registry == this && t_last.generation == gen && t_last.id == region.id)) {
+    std::shared_ptr<const Registration> r;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = regs_.find(region.id);
+      if (it != regs_.end()) r = it->second;
+    }
     // Cached with the generation read before the lookup: a change since
     // then makes the next check look again.
-    if (r) t_last = LastChecked{this, gen, region.id, r};
+    if (r)
+      t_last = LastChecked{this, gen, region.id, std::move(r)};
+    else
+      t_last = LastChecked{};
   }
+  const Registration* r = t_last.reg.get();
   if (!r || r->ptr != region.ptr)
     throw InvalidArgument("TransferEngine " + op + ": source memory " +
                           std::to_string(reinterpret_cast<uintptr_t>(region.ptr)) +
                           " (region " + std::to_string(region.id) +
                           ") is not registered with this engine");
   check_range(r->size, offset, len, op, "source");
-  return r;
+  return *r;
 }
 
 std::vector<std::shared_ptr<Registration>> MemoryRegistry::take_all() {

@@ -28,9 +28,12 @@ class MemoryRegistry {
   // Removes and returns the registration; InvalidArgument when unknown.
   std::shared_ptr<Registration> remove(uint64_t id, const std::string& op);
   // InvalidArgument naming `op` when the region is not registered (or was
-  // deregistered) or [offset, offset + len) is outside it.
-  std::shared_ptr<const Registration> check(const MemoryRegion& region, uint64_t offset,
-                                            uint64_t len, const std::string& op) const;
+  // deregistered) or [offset, offset + len) is outside it. The reference
+  // is the calling thread's cached entry: valid until this thread's next
+  // check (one per operation), even if another thread deregisters the
+  // region meanwhile. No reference count changes hands.
+  const Registration& check(const MemoryRegion& region, uint64_t offset, uint64_t len,
+                            const std::string& op) const;
   std::vector<std::shared_ptr<Registration>> take_all();
 
  private:

@@ -18,8 +18,7 @@ void OpState::wait(double timeout_s) const {
     until = coarse_now() + std::chrono::duration_cast<Clock::duration>(
                                std::chrono::duration<double>(timeout_s));
   if (!progress_) {
-    std::unique_lock<std::mutex> lock(mu_);
-    sleeper_cv().wait_until(lock, until, [&] { return done_.load(); });
+    sleep_until(until);
   } else {
     // Drive progress from this thread: poll while there is work and for
     // kSpinPolls passes without, then sleep in short slices (woken early
@@ -31,10 +30,8 @@ void OpState::wait(double timeout_s) const {
       if (idle >= spin) {
         const auto now = Clock::now();
         if (now >= until) break;
-        std::unique_lock<std::mutex> lock(mu_);
-        sleeper_cv().wait_until(lock, std::min<Clock::time_point>(until, now + kIdleSleep),
-                       [&] { return done_.load(); });
-        if (done_.load()) break;
+        sleep_until(std::min<Clock::time_point>(until, now + kIdleSleep));
+        if (done()) break;
       } else if (pass % 64 == 63 && coarse_now() >= until) {
         break;
       }
@@ -46,58 +43,39 @@ void OpState::wait(double timeout_s) const {
   if (error_) std::rethrow_exception(error_);
 }
 
-void OpState::complete_one() {
-  if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) finish();
-}
-
-void OpState::fail(std::exception_ptr e) {
+void OpState::sleep_until(Clock::time_point until) const {
+  // seq_cst with finish(): it sees this sleeper, or this sees done_.
+  sleepers_.fetch_add(1, std::memory_order_seq_cst);
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (finishing_ || error_) return;
-    error_ = e;
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_) cv_ = std::make_unique<std::condition_variable>();
+    cv_->wait_until(lock, until, [&] { return done_.load(std::memory_order_seq_cst); });
   }
-  finish();
+  sleepers_.fetch_sub(1, std::memory_order_relaxed);
 }
 
 // The callback runs before done() turns true, so a waiter sees its effects.
 void OpState::finish() {
-  if (!has_cb_) {  // the common case: one lock
-    bool failed = false;
-    std::condition_variable* sleeping = nullptr;  // a sleeper made it under mu_
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (finishing_) return;
-      finishing_ = true;
-      failed = static_cast<bool>(error_);
-      done_.store(true, std::memory_order_release);
-      sleeping = cv_.get();
-    }
-    if (sleeping) sleeping->notify_all();
-    if (counters_.done) (failed ? counters_.failed : counters_.done)->fetch_add(1, std::memory_order_release);
-    return;
-  }
-  Callback cb;
-  std::exception_ptr err;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (finishing_) return;
-    finishing_ = true;
-    cb = std::move(cb_);
-    err = error_;
-  }
-  if (cb) {
+  if (has_cb_) {
+    // Moved out: what it captured is released once it ran, not when the
+    // last reference to the op goes.
+    const Callback cb = std::move(cb_);
     try {
-      cb(err);
+      cb(error_);
     } catch (...) {  // a throwing callback must not kill the worker
     }
   }
-  std::condition_variable* sleeping = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    done_.store(true, std::memory_order_release);
-    sleeping = cv_.get();
+  done_.store(true, std::memory_order_seq_cst);
+  if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+    std::condition_variable* cv = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);  // a sleeper is waiting, or about to
+      cv = cv_.get();
+    }
+    if (cv) cv->notify_all();
   }
-  if (sleeping) sleeping->notify_all();
+  if (counters_.done)
+    (error_ ? counters_.failed : counters_.done)->fetch_add(1, std::memory_order_release);
 }
 
 }  // namespace moelink::fabric

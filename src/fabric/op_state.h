@@ -112,18 +112,32 @@ class OpState : public Transfer {
   bool has_callback() const { return has_cb_; }
 
   bool done() const override { return done_.load(std::memory_order_acquire); }
-  std::exception_ptr error() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return error_;
-  }
+  // error_ is written once, before done_ turns true.
+  std::exception_ptr error() const override { return done() ? error_ : nullptr; }
   void wait(double timeout_s) const override;
 
   // One work request finished; completes the op at the last one.
-  void complete_one();
-  // Fails the op (first error wins); later completions are ignored.
-  void fail(std::exception_ptr e);
+  // Callers hold a reference: the op outlives the call.
+  void complete_one() {
+    if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1 && claim()) finish();
+  }
+  // Fails the op unless it already finished or failed (the first outcome
+  // wins; later completions are ignored).
+  void fail(std::exception_ptr e) {
+    if (!claim()) return;
+    error_ = std::move(e);
+    finish();
+  }
 
  private:
+  // The one thread that finishes the op (success or failure) claims it:
+  // one compare-and-swap, no lock on the hot path.
+  bool claim() {
+    bool expected = false;
+    return finishing_.compare_exchange_strong(expected, true, std::memory_order_acq_rel);
+  }
+  // After claim(): the callback (or counters), done_, and a wake-up for a
+  // thread asleep in wait().
   void finish();
   const std::shared_ptr<const std::string> what_;
   std::atomic<int> remaining_;
@@ -142,17 +156,17 @@ class OpState : public Transfer {
   Callback cb_;
   const bool has_cb_;
   const std::shared_ptr<ProgressHook> progress_;
+  // Sleepers in wait(): they sleep under mu_ on cv_, which the first one
+  // makes (most operations are never slept on, and constructing and
+  // destroying a condition variable per operation shows in the cost per
+  // write). finish() takes mu_ only when sleepers_ says there is one.
+  mutable std::atomic<int> sleepers_{0};
   mutable std::mutex mu_;
-  // Made by the first thread that sleeps on the op (under mu_): most
-  // operations are never slept on, and constructing and destroying a
-  // condition variable per operation shows in the cost per write.
   mutable std::unique_ptr<std::condition_variable> cv_;
-  std::condition_variable& sleeper_cv() const {  // under mu_
-    if (!cv_) cv_ = std::make_unique<std::condition_variable>();
-    return *cv_;
-  }
-  std::exception_ptr error_;
-  bool finishing_ = false;  // under mu_
+  // Sleeps until done or `until`.
+  void sleep_until(Clock::time_point until) const;
+  std::exception_ptr error_;  // written by the claimer, before done_
+  std::atomic<bool> finishing_{false};
   std::atomic<bool> done_{false};
 };
 

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <functional>
 #include <unordered_map>
@@ -65,6 +66,11 @@ struct Group {
 
 // The work requests of one call, per worker, reused from call to call so
 // that posting allocates nothing once warm (one set per calling thread).
+uint64_t next_engine_serial() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
 std::vector<std::vector<WorkRequest>>& scratch(size_t domains) {
   thread_local std::vector<std::vector<WorkRequest>> s;
   if (s.size() < domains) s.resize(domains);
@@ -137,13 +143,13 @@ class FabricEngine final : public TransferEngine {
   }
 
   MemoryDescriptor descriptor(const MemoryRegion& region) const override {
-    auto r = registry_.check(region, 0, 0, "descriptor");
+    const Registration& r = registry_.check(region, 0, 0, "descriptor");
     MemoryDescriptor d;
     d.owner = address_;
-    d.size = r->size;
+    d.size = r.size;
     for (size_t i = 0; i < domains_.size(); ++i) {
-      d.remote_base.push_back(r->mrs[i].remote_base);
-      d.keys.push_back(r->mrs[i].key);
+      d.remote_base.push_back(r.mrs[i].remote_base);
+      d.keys.push_back(r.mrs[i].key);
     }
     return d;
   }
@@ -198,11 +204,11 @@ class FabricEngine final : public TransferEngine {
                     Callback cb) override {
     const Route r = route(dst.owner, &Peer::write_what);
     const Text& what = *r.what;
-    auto reg = registry_.check(src, src_offset, len, *what);
+    const Registration& reg = registry_.check(src, src_offset, len, *what);
     check_range(dst.size, dst_offset, len, *what, "destination");
     auto& wrs = scratch(domains_.size())[0];
     wrs.push_back(write_template(r, dst, *what));
-    fill(wrs.back(), *reg, r.nic, src_offset, dst_offset, len, imm);
+    fill(wrs.back(), reg, r.nic, src_offset, dst_offset, len, imm);
     auto op = new_op(what, 1, std::move(cb));
     wrs.back().op = op;
     worker_of(r.nic->index()).submit(wrs);
@@ -211,14 +217,14 @@ class FabricEngine final : public TransferEngine {
 
   TransferPtr paged_write(const MemoryRegion& src, const MemoryDescriptor& dst,
                           const PagedWrite& p, std::optional<uint32_t> imm, Callback cb) override {
-    const PeerId peer = add_peer(dst.owner);
-    const Text what_text = peer_text(peer, &Peer::paged_what);
+    const Route r = route(dst.owner, &Peer::paged_what);
+    const Text& what_text = *r.what;
     const std::string& what = *what_text;
     if (p.src_pages.size() != p.dst_pages.size())
       throw InvalidArgument("TransferEngine " + what + ": " + std::to_string(p.src_pages.size()) +
                             " source pages but " + std::to_string(p.dst_pages.size()) +
                             " destination pages");
-    auto reg = registry_.check(src, 0, 0, what);
+    const Registration& reg = registry_.check(src, 0, 0, what);
     auto& per_domain = scratch(domains_.size());
     // One template per domain used (pages are sharded across domains),
     // built at the domain's first page as before (same error order).
@@ -235,17 +241,18 @@ class FabricEngine final : public TransferEngine {
     for (size_t i = 0; i < p.src_pages.size(); ++i) {
       const uint64_t so = p.src_offset + p.src_pages[i] * p.src_stride;
       const uint64_t dof = p.dst_offset + p.dst_pages[i] * p.dst_stride;
-      if (!in_range(reg->size, so, p.page_bytes) || !in_range(dst.size, dof, p.page_bytes)) {
+      if (!in_range(reg.size, so, p.page_bytes) || !in_range(dst.size, dof, p.page_bytes)) {
         const std::string page = what + " (page " + std::to_string(i) + ")";
-        check_range(reg->size, so, p.page_bytes, page, "source");
+        check_range(reg.size, so, p.page_bytes, page, "source");
         check_range(dst.size, dof, p.page_bytes, page, "destination");
       }
       // Pages are sharded across domains (NICs).
       const size_t di = i % domains_.size();
       Nic* d = domains_[di].get();
-      if (di == tmpl.size()) tmpl.push_back(make_template(peer, d, dst, what));
+      if (di == tmpl.size())
+        tmpl.push_back(write_template(Route{r.peer, r.p, nullptr, d, r.p->dest[di]}, dst, what));
       per_domain[di].push_back(tmpl[di]);
-      fill(per_domain[di].back(), *reg, d, so, dof, p.page_bytes, imm);
+      fill(per_domain[di].back(), reg, d, so, dof, p.page_bytes, imm);
       per_domain[di].back().op = op;
     }
     submit_all(per_domain);
@@ -258,7 +265,7 @@ class FabricEngine final : public TransferEngine {
     const Group& g = group_at(group, "scatter");
     const std::vector<Member>& members = g.members;
     const std::string& what = *g.scatter_what;
-    auto reg = registry_.check(src, 0, 0, what);
+    const Registration& reg = registry_.check(src, 0, 0, what);
     auto op =
         new_op(g.scatter_what, static_cast<int>(std::max<size_t>(1, slices.size())), std::move(cb));
     auto& per_domain = scratch(domains_.size());
@@ -273,14 +280,14 @@ class FabricEngine final : public TransferEngine {
         throw InvalidArgument("TransferEngine " + what + ": member " + std::to_string(s.member) +
                               " of a " + std::to_string(members.size()) + "-member group");
       const Member& m = members[s.member];
-      if (!in_range(reg->size, s.src_offset, s.len) || !in_range(m.size, s.dst_offset, s.len)) {
+      if (!in_range(reg.size, s.src_offset, s.len) || !in_range(m.size, s.dst_offset, s.len)) {
         const std::string w = "scatter to " + peer_str(m.peer);
-        check_range(reg->size, s.src_offset, s.len, w, "source");
+        check_range(reg.size, s.src_offset, s.len, w, "source");
         check_range(m.size, s.dst_offset, s.len, w, "destination");
       }
       auto& wrs = per_domain[m.tmpl.nic->index()];
       wrs.push_back(m.tmpl);
-      fill(wrs.back(), *reg, m.tmpl.nic, s.src_offset, s.dst_offset, s.len, imm);
+      fill(wrs.back(), reg, m.tmpl.nic, s.src_offset, s.dst_offset, s.len, imm);
       wrs.back().op = op;
     }
     submit_all(per_domain);
@@ -323,7 +330,7 @@ class FabricEngine final : public TransferEngine {
   TransferPtr send(PeerId peer, const MemoryRegion& src, uint64_t offset, size_t len,
                    Callback cb) override {
     const Text what = peer_text(peer, &Peer::send_what);  // throws for unknown peers
-    auto reg = registry_.check(src, offset, len, *what);
+    const Registration& reg = registry_.check(src, offset, len, *what);
     if (len > options_.max_message_bytes)
       throw InvalidArgument("TransferEngine " + *what + ": " + std::to_string(len) +
                             " bytes exceed max_message_bytes " +
@@ -333,9 +340,9 @@ class FabricEngine final : public TransferEngine {
     wr.kind = Wr::Kind::kSend;
     wr.nic = d;
     wr.dest = peer_dest(peer, d);
-    wr.buf = static_cast<char*>(reg->ptr) + offset;
+    wr.buf = static_cast<char*>(reg.ptr) + offset;
     wr.len = len;
-    wr.desc = reg->mrs[d->index()].desc;
+    wr.desc = reg.mrs[d->index()].desc;
     auto op = new_op(what, 1, std::move(cb));
     wr.op = op;
     auto& wrs = scratch(domains_.size())[0];
@@ -354,28 +361,43 @@ class FabricEngine final : public TransferEngine {
   // `what` points into peers_ (a deque: entries never move or go away).
   struct Route {
     PeerId peer;
+    const Peer* p;
     const Text* what;
     Nic* nic;
     uint64_t dest;
   };
   Route route(const EngineAddress& address, Text Peer::*which) {
-    for (int attempt = 0;; ++attempt) {
-      {
-        std::lock_guard<std::mutex> lock(peers_mu_);
-        PeerId id = -1;
-        if (last_peer_ >= 0 && peers_[last_peer_].address == address) {
-          id = last_peer_;
-        } else if (auto it = peer_ids_.find(address); it != peer_ids_.end()) {
-          id = last_peer_ = it->second;
+    const Peer* p = nullptr;
+    PeerId id = -1;
+    // The peer this thread wrote to last on this engine: Peer entries never
+    // change once added and never move (a deque), so no lock is needed.
+    thread_local struct {
+      uint64_t engine = 0;
+      const Peer* peer = nullptr;
+      PeerId id = -1;
+    } last;
+    if (last.engine == serial_ && last.peer->address == address) {
+      p = last.peer;
+      id = last.id;
+    } else {
+      for (int attempt = 0; !p; ++attempt) {
+        {
+          std::lock_guard<std::mutex> lock(peers_mu_);
+          if (last_peer_ >= 0 && peers_[last_peer_].address == address) {
+            id = last_peer_;
+          } else if (auto it = peer_ids_.find(address); it != peer_ids_.end()) {
+            id = last_peer_ = it->second;
+          }
+          if (id >= 0) p = &peers_[id];
         }
-        if (id >= 0) {
-          Nic* d = domains_[static_cast<size_t>(id) % domains_.size()].get();
-          return Route{id, &(peers_[id].*which), d, peers_[id].dest[d->index()]};
-        }
+        if (p) break;
+        if (attempt > 0) throw FabricError("TransferEngine: peer '" + address.name + "' vanished");
+        add_peer(address);  // a new peer: the slow path, then look again
       }
-      if (attempt > 0) throw FabricError("TransferEngine: peer '" + address.name + "' vanished");
-      add_peer(address);  // a new peer: the slow path, then look again
+      last = {serial_, p, id};
     }
+    Nic* d = domains_[static_cast<size_t>(id) % domains_.size()].get();
+    return Route{id, p, &(p->*which), d, p->dest[d->index()]};
   }
   // A write template for a route (make_template without another lookup).
   WorkRequest write_template(const Route& r, const MemoryDescriptor& dst, const std::string& what) {
@@ -420,7 +442,7 @@ class FabricEngine final : public TransferEngine {
   // The write template for (peer, local domain d, destination descriptor).
   WorkRequest make_template(PeerId peer, Nic* d, const MemoryDescriptor& dst,
                             const std::string& what) {
-    return write_template(Route{peer, nullptr, d, peer_dest(peer, d)}, dst, what);
+    return write_template(Route{peer, nullptr, nullptr, d, peer_dest(peer, d)}, dst, what);
   }
 
   static bool in_range(uint64_t size, uint64_t offset, uint64_t len) {
@@ -448,6 +470,8 @@ class FabricEngine final : public TransferEngine {
   }
 
   EngineOptions options_;
+  // Unique across engines (a thread's cached route names its engine by it).
+  const uint64_t serial_ = next_engine_serial();
   // options_.timeout_s as the clock's duration (converted once, not per op).
   const Clock::duration timeout_ = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(options_.timeout_s));

@@ -84,7 +84,9 @@ class Nic {
  public:
   virtual ~Nic() = default;
 
-  virtual int index() const = 0;                    // domain index in the engine
+  // Domain index in the engine: not virtual, the hot path asks it several
+  // times per work request.
+  int index() const { return index_; }
   virtual const std::string& provider() const = 0;  // "tcp;ofi_rxm", "ibverbs", ...
   virtual const std::string& endpoint() const = 0;  // bytes for EngineAddress::endpoints
   virtual bool hmem() const = 0;                    // CUDA memory can be registered
@@ -114,6 +116,10 @@ class Nic {
   // ---- teardown: no completion arrives afterwards; outstanding work
   // requests are abandoned (their contexts stay the worker's to free).
   virtual void close_endpoint() = 0;
+
+ protected:
+  explicit Nic(int index) : index_(index) {}
+  const int index_;
 };
 
 }  // namespace moelink::fabric

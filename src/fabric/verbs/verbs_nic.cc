@@ -72,7 +72,7 @@ struct VerbsNic::Peer {
 };
 
 VerbsNic::VerbsNic(std::unique_ptr<Device> device, int index, const VerbsNicOptions& options)
-    : index_(index), options_(options), device_(std::move(device)) {
+    : Nic(index), options_(options), device_(std::move(device)) {
   const std::string where = "TransferEngine domain " + std::to_string(index) + " (ibverbs)";
   if (!device_) throw InvalidArgument(where + ": no device");
   if (options_.rx.recv_buffers < 1 || options_.rx.max_message_bytes < 1 ||

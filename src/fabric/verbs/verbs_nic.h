@@ -71,7 +71,6 @@ class VerbsNic final : public Nic {
   VerbsNic(const VerbsNic&) = delete;
   VerbsNic& operator=(const VerbsNic&) = delete;
 
-  int index() const override { return index_; }
   const std::string& provider() const override { return provider_; }
   const std::string& endpoint() const override { return endpoint_; }
   bool hmem() const override { return false; }
@@ -106,7 +105,6 @@ class VerbsNic final : public Nic {
   void break_peer(Peer& p, const std::string& why, bool timeout = false);
   std::string who(const Peer& p) const;
 
-  int index_;
   VerbsNicOptions options_;
   std::string provider_ = "ibverbs";
   uint64_t node_id_ = 0;
