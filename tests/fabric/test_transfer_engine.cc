@@ -105,6 +105,40 @@ TEST(FabricOpState, CompletionCountersReplaceTheCallback) {
   EXPECT_TRUE(cb.has_callback());
 }
 
+// A thread asleep in wait() (no progress hook: it only sleeps) is woken by
+// the completion on another thread, and the error shows only once done.
+TEST(FabricOpState, SleepersWakeAtCompletion) {
+  auto what = std::make_shared<const std::string>("write to peer 'x'");
+  for (int round = 0; round < 200; ++round) {
+    const bool failing = round % 2 == 1;
+    OpState op(what, 2, Clock::now() + std::chrono::seconds(30), {});
+    std::atomic<bool> woke{false};
+    double slept_s = 0;
+    std::thread sleeper([&] {
+      const auto t0 = Clock::now();
+      try {
+        op.wait(20.0);
+      } catch (const moelink::FabricError&) {
+      }
+      slept_s = std::chrono::duration<double>(Clock::now() - t0).count();
+      woke = true;
+    });
+    op.complete_one();
+    if (round % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    EXPECT_FALSE(op.done());
+    EXPECT_EQ(op.error(), nullptr);
+    if (failing)
+      op.fail(std::make_exception_ptr(moelink::FabricError("lost")));
+    else
+      op.complete_one();
+    sleeper.join();
+    EXPECT_TRUE(woke.load());
+    ASSERT_LT(slept_s, 10.0) << "round " << round << ": the sleeper missed its wake-up";
+    EXPECT_TRUE(op.done());
+    EXPECT_EQ(op.error() != nullptr, failing);
+  }
+}
+
 TEST(FabricProvider, UnknownProviderThrows) {
   run_processes(1, [](int, int) {
     moelink_test::expect_throw_naming<moelink::ProviderUnavailable>(
