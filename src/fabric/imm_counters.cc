@@ -119,7 +119,7 @@ bool ImmCounters::sleep_until(Counter& c, uint64_t n, std::chrono::steady_clock:
 }
 
 void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
-                       const std::function<bool()>& progress, bool sleep_when_idle) {
+                       const std::function<Pass()>& progress, bool sleep_when_idle) {
   const int spin = sleep_when_idle ? kSpinPolls : std::numeric_limits<int>::max();
   using Clock = std::chrono::steady_clock;
   // The coarse clock (a few ms behind at most): deadlines of a wait are
@@ -133,15 +133,16 @@ void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
     // work), driving progress from this thread instead of waiting for the
     // worker to wake. The clock is read before sleeping, and the coarse
     // clock every 64 passes.
-    for (int idle = 0, pass = 0;; ++pass) {
-      if (idle >= spin) {
+    IdlePasses idle;
+    for (int pass = 0;; ++pass) {
+      if (idle.idle() >= spin) {
         const auto now = Clock::now();
         if (now >= deadline) break;
         if (sleep_until(c, count, std::min(deadline, now + kIdleSleep))) return;
       } else if (pass % 64 == 63 && coarse_now() >= deadline) {
         break;
       }
-      idle = progress() ? 0 : idle + 1;
+      idle.after(progress());
       if (take(c, count)) return;
     }
   } else if (sleep_until(c, count, deadline)) {

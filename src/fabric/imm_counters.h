@@ -20,6 +20,8 @@
 #include <utility>
 #include <vector>
 
+#include "fabric/op_state.h"  // Pass
+
 namespace moelink::fabric {
 
 class ImmCounters {
@@ -33,7 +35,7 @@ class ImmCounters {
   // kSpinPolls times before sleeping, then after every short sleep.
   // `sleep_when_idle` false (a busy-polling engine): never sleep.
   void wait(uint32_t imm, uint64_t count, double timeout_s,
-            const std::function<bool()>& progress = {}, bool sleep_when_idle = true);
+            const std::function<Pass()>& progress = {}, bool sleep_when_idle = true);
   uint64_t get(uint32_t imm) const;
   // Stores value into *flag once count(imm) >= count, consuming count
   // (TransferEngine::signal_on_imm): at once if the arrivals are there,

@@ -6,8 +6,8 @@
 namespace moelink::fabric {
 
 void OpState::wait(double timeout_s) const {
-  // error_ is written before done_ turns true (release): once done() reads
-  // true, error_ can be read without the lock.
+  // error_ is written before kDone is set (release): once done() reads
+  // true, error_ can be read without a lock.
   if (done()) {
     if (error_) std::rethrow_exception(error_);
     return;
@@ -26,8 +26,9 @@ void OpState::wait(double timeout_s) const {
     // Passes take no lock; the (coarse) clock is read every 64 of them.
     ProgressHook::Waiting waiting(progress_.get());
     const int spin = progress_->busy() ? std::numeric_limits<int>::max() : kSpinPolls;
-    for (int idle = 0, pass = 0; !done(); ++pass) {
-      if (idle >= spin) {
+    IdlePasses idle;
+    for (int pass = 0; !done(); ++pass) {
+      if (idle.idle() >= spin) {
         const auto now = Clock::now();
         if (now >= until) break;
         sleep_until(std::min<Clock::time_point>(until, now + kIdleSleep));
@@ -35,7 +36,7 @@ void OpState::wait(double timeout_s) const {
       } else if (pass % 64 == 63 && coarse_now() >= until) {
         break;
       }
-      idle = progress_->run() ? 0 : idle + 1;
+      idle.after(progress_->run());
     }
   }
   if (!done())
@@ -44,14 +45,17 @@ void OpState::wait(double timeout_s) const {
 }
 
 void OpState::sleep_until(Clock::time_point until) const {
-  // seq_cst with finish(): it sees this sleeper, or this sees done_.
-  sleepers_.fetch_add(1, std::memory_order_seq_cst);
+  // One word with finish(): it sees this sleeper, or this sees kDone.
+  if (done_sleepers_.fetch_add(1, std::memory_order_acq_rel) & kDone) {
+    done_sleepers_.fetch_sub(1, std::memory_order_relaxed);
+    return;
+  }
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (!cv_) cv_ = std::make_unique<std::condition_variable>();
-    cv_->wait_until(lock, until, [&] { return done_.load(std::memory_order_seq_cst); });
+    cv_->wait_until(lock, until, [&] { return done(); });
   }
-  sleepers_.fetch_sub(1, std::memory_order_relaxed);
+  done_sleepers_.fetch_sub(1, std::memory_order_relaxed);
 }
 
 // The callback runs before done() turns true, so a waiter sees its effects.
@@ -65,8 +69,7 @@ void OpState::finish() {
     } catch (...) {  // a throwing callback must not kill the worker
     }
   }
-  done_.store(true, std::memory_order_seq_cst);
-  if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+  if (done_sleepers_.fetch_or(kDone, std::memory_order_acq_rel) != 0) {
     std::condition_variable* cv = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);  // a sleeper is waiting, or about to

@@ -5,8 +5,10 @@
 #include <time.h>
 
 #include <atomic>
+#include <cstdint>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -32,6 +34,23 @@ inline Clock::time_point coarse_now() {
   return Clock::now();
 }
 
+// A spin-wait hint to the core (lets the other hyperthread run, and keeps a
+// spinning thread from hammering a cache line another thread holds).
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// What one progress pass found.
+enum class Pass {
+  kWork,  // completions read or work posted
+  kIdle,  // nothing to do
+  kBusy,  // another thread holds the endpoints (its pass does the work)
+};
+
 // Lets a waiting user thread drive the engine's progress itself (read
 // completions) instead of sleeping until the worker wakes it. Cleared when
 // the engine is destroyed; operations may outlive it.
@@ -39,9 +58,17 @@ class ProgressHook {
  public:
   // `busy`: the engine busy-polls (EngineOptions::yield_when_idle false), so
   // waiters spin instead of sleeping between passes.
-  explicit ProgressHook(std::function<bool()> fn, bool busy = false)
+  explicit ProgressHook(std::function<Pass()> fn, bool busy = false)
       : fn_(std::move(fn)), busy_(busy) {}
   bool busy() const { return busy_; }
+  // A stable copy of s: the names of the engine's operations (peers',
+  // groups') for error messages. Kept here because operations may outlive
+  // the engine and hold this hook until they go: an operation points at
+  // its name without a reference count of its own.
+  const std::string* name(std::string s) {
+    std::lock_guard<std::mutex> lock(names_mu_);
+    return &names_.emplace_back(std::move(s));
+  }
   // Threads currently waiting and driving progress; while there are any,
   // idle workers sleep instead of spinning (they would compete for the
   // same cores and the same endpoint lock).
@@ -57,12 +84,13 @@ class ProgressHook {
     Waiting& operator=(const Waiting&) = delete;
     ProgressHook* h_;
   };
-  // One non-blocking pass; false when another thread is in one, the engine
-  // is gone, or there was nothing to do. A waiter runs this in a tight
-  // loop, so it takes no mutex: one compare-and-swap claims the pass.
-  bool run() {
+  // One non-blocking pass: kBusy when another thread is in one, kIdle when
+  // the engine is gone. A waiter runs this in a tight loop, so it takes no
+  // mutex: one compare-and-swap claims the pass.
+  Pass run() {
     int idle = kIdle;
-    if (!state_.compare_exchange_strong(idle, kInPass, std::memory_order_acquire)) return false;
+    if (!state_.compare_exchange_strong(idle, kInPass, std::memory_order_acquire))
+      return idle == kCleared ? Pass::kIdle : Pass::kBusy;
     struct Release {  // also when fn_ throws
       std::atomic<int>& s;
       ~Release() { s.store(kIdle, std::memory_order_release); }
@@ -81,9 +109,11 @@ class ProgressHook {
  private:
   static constexpr int kIdle = 0, kInPass = 1, kCleared = 2;
   std::atomic<int> state_{kIdle};
-  const std::function<bool()> fn_;
+  const std::function<Pass()> fn_;
   const bool busy_;
   std::atomic<int> waiters_{0};
+  std::mutex names_mu_;
+  std::deque<std::string> names_;  // a deque: entries never move
 };
 
 // Waiters poll this many times (progress passes) before sleeping, then
@@ -92,14 +122,40 @@ class ProgressHook {
 inline constexpr int kSpinPolls = 200;
 inline constexpr std::chrono::microseconds kIdleSleep{50};
 
+// A waiter's count of idle passes. A pass that found the endpoints busy
+// (the worker's or another thread's pass in progress) is not idle: that
+// pass is reading completions. Counted as idle only one in kBusyPerIdle,
+// so that a waiter neither sleeps kIdleSleep behind a short pass of the
+// worker (which, at one in every kHelpedSleep, made wait loops sleep
+// often) nor spins forever behind a long callback.
+class IdlePasses {
+ public:
+  static constexpr int kBusyPerIdle = 32;
+  void after(Pass p) {
+    if (p == Pass::kWork) {
+      idle_ = busy_ = 0;
+    } else if (p == Pass::kIdle) {
+      ++idle_;
+    } else {
+      cpu_relax();  // before trying the holder's lock again
+      if (++busy_ % kBusyPerIdle == 0) ++idle_;
+    }
+  }
+  int idle() const { return idle_; }
+
+ private:
+  int idle_ = 0, busy_ = 0;
+};
+
 class OpState : public Transfer {
  public:
   // `what` names the operation and peer for error messages: built once per
-  // peer or group by the engine and shared, so no operation formats text
-  // unless it fails.
-  OpState(std::shared_ptr<const std::string> what, int work_requests, Clock::time_point deadline,
-          Callback cb, std::shared_ptr<ProgressHook> progress = nullptr)
-      : what_(std::move(what)),
+  // peer or group by the engine (ProgressHook::name), so no operation
+  // formats text unless it fails. It must outlive the op: `progress`
+  // holds it, or the caller does.
+  OpState(const std::string* what, int work_requests, Clock::time_point deadline, Callback cb,
+          std::shared_ptr<ProgressHook> progress = nullptr)
+      : what_(what),
         remaining_(work_requests),
         deadline_(deadline),
         counters_(take_counters(cb)),
@@ -111,36 +167,42 @@ class OpState : public Transfer {
   Clock::time_point deadline() const { return deadline_; }
   bool has_callback() const { return has_cb_; }
 
-  bool done() const override { return done_.load(std::memory_order_acquire); }
-  // error_ is written once, before done_ turns true.
+  bool done() const override { return (done_sleepers_.load(std::memory_order_acquire) & kDone) != 0; }
+  // error_ is written once, before done() turns true.
   std::exception_ptr error() const override { return done() ? error_ : nullptr; }
   void wait(double timeout_s) const override;
 
   // One work request finished; completes the op at the last one.
   // Callers hold a reference: the op outlives the call.
   void complete_one() {
-    if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1 && claim()) finish();
+    if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) finish();
   }
   // Fails the op unless it already finished or failed (the first outcome
   // wins; later completions are ignored).
   void fail(std::exception_ptr e) {
-    if (!claim()) return;
+    // Claimed by swapping the outstanding count for kFailed: no later
+    // completion then brings it to 0, and at 0 the op is the last
+    // completion's to finish.
+    int64_t left = remaining_.load(std::memory_order_acquire);
+    do {
+      if (left <= 0) return;
+    } while (!remaining_.compare_exchange_weak(left, kFailed, std::memory_order_acq_rel));
     error_ = std::move(e);
     finish();
   }
 
  private:
-  // The one thread that finishes the op (success or failure) claims it:
-  // one compare-and-swap, no lock on the hot path.
-  bool claim() {
-    bool expected = false;
-    return finishing_.compare_exchange_strong(expected, true, std::memory_order_acq_rel);
-  }
-  // After claim(): the callback (or counters), done_, and a wake-up for a
-  // thread asleep in wait().
+  // Far below any count of work requests: completions after a failure
+  // never bring remaining_ back to 0.
+  static constexpr int64_t kFailed = INT64_MIN / 2;
+  // Once, by the thread that claimed the outcome (the last completion, or
+  // fail): the callback (or counters), done, and a wake-up for threads
+  // asleep in wait().
   void finish();
-  const std::shared_ptr<const std::string> what_;
-  std::atomic<int> remaining_;
+  const std::string* const what_;
+  // Work requests not complete; the success path's claim is the decrement
+  // to 0, failure's the swap to kFailed (one atomic each, no lock).
+  std::atomic<int64_t> remaining_;
   const Clock::time_point deadline_;
   // count_completions(): the counters replace the callback (cb is left
   // empty), so no completion needs the worker.
@@ -156,18 +218,19 @@ class OpState : public Transfer {
   Callback cb_;
   const bool has_cb_;
   const std::shared_ptr<ProgressHook> progress_;
-  // Sleepers in wait(): they sleep under mu_ on cv_, which the first one
-  // makes (most operations are never slept on, and constructing and
-  // destroying a condition variable per operation shows in the cost per
-  // write). finish() takes mu_ only when sleepers_ says there is one.
-  mutable std::atomic<int> sleepers_{0};
+  // kDone | threads asleep in wait(), in one word: finish() sets kDone and
+  // learns whether anyone sleeps in one atomic. Sleepers sleep under mu_
+  // on cv_, which the first one makes (most operations are never slept
+  // on, and constructing and destroying a condition variable per
+  // operation shows in the cost per write); finish() takes mu_ only when
+  // there is one.
+  static constexpr uint32_t kDone = 1u << 31;
+  mutable std::atomic<uint32_t> done_sleepers_{0};
   mutable std::mutex mu_;
   mutable std::unique_ptr<std::condition_variable> cv_;
   // Sleeps until done or `until`.
   void sleep_until(Clock::time_point until) const;
-  std::exception_ptr error_;  // written by the claimer, before done_
-  std::atomic<bool> finishing_{false};
-  std::atomic<bool> done_{false};
+  std::exception_ptr error_;  // written by the claimer, before kDone
 };
 
 }  // namespace moelink::fabric

@@ -31,8 +31,8 @@ namespace moelink::fabric {
 
 namespace {
 
-using Text = std::shared_ptr<const std::string>;
-Text text(std::string s) { return std::make_shared<const std::string>(std::move(s)); }
+// An operation's name (ProgressHook::name): stable while any op lives.
+using Text = const std::string*;
 
 struct Peer {
   EngineAddress address;
@@ -86,9 +86,12 @@ class FabricEngine final : public TransferEngine {
     for (auto& d : domains_) address_.endpoints.push_back(d->endpoint());
     progress_ = std::make_shared<ProgressHook>(
         [this] {
-          bool any = false;
-          for (auto& w : workers_) any |= w->progress();
-          return any;
+          Pass found = Pass::kIdle;
+          for (auto& w : workers_) {
+            const Pass p = w->progress();
+            if (p == Pass::kWork || found == Pass::kIdle) found = p;
+          }
+          return found;
         },
         /*busy=*/!o.yield_when_idle);
     progress_fn_ = [this] { return progress_->run(); };
@@ -174,9 +177,9 @@ class FabricEngine final : public TransferEngine {
     }
     const PeerId id = static_cast<PeerId>(peers_.size());
     const std::string who = "peer '" + address.name + "' (peer " + std::to_string(id) + ")";
-    p.write_what = text("write to " + who);
-    p.paged_what = text("paged_write to " + who);
-    p.send_what = text("send to " + who);
+    p.write_what = progress_->name("write to " + who);
+    p.paged_what = progress_->name("paged_write to " + who);
+    p.send_what = progress_->name("send to " + who);
     peers_.push_back(std::move(p));
     peer_ids_.emplace(address, id);
     return last_peer_ = id;
@@ -193,8 +196,8 @@ class FabricEngine final : public TransferEngine {
     }
     std::lock_guard<std::mutex> lock(peers_mu_);
     const auto id = static_cast<GroupId>(groups_.size());
-    group.scatter_what = text("scatter (group " + std::to_string(id) + ")");
-    group.barrier_what = text("barrier (group " + std::to_string(id) + ")");
+    group.scatter_what = progress_->name("scatter (group " + std::to_string(id) + ")");
+    group.barrier_what = progress_->name("barrier (group " + std::to_string(id) + ")");
     groups_.push_back(std::move(group));
     return id;
   }
@@ -486,7 +489,7 @@ class FabricEngine final : public TransferEngine {
   PeerId last_peer_ = -1;  // under peers_mu_: the peer add_peer found last
   std::unordered_map<EngineAddress, PeerId, AddressHash> peer_ids_;
   std::shared_ptr<ProgressHook> progress_;
-  std::function<bool()> progress_fn_;
+  std::function<Pass()> progress_fn_;
   std::deque<Group> groups_;
 };
 

@@ -16,7 +16,12 @@
 namespace moelink::fabric {
 
 namespace {
+// The worker's sleep while a user thread waits (and polls for it).
 constexpr std::chrono::microseconds kHelpedSleep{1000};
+// While user threads poll, the worker takes the endpoints at most this
+// often (deadlines; completions nobody waits for): a pass of the worker
+// holds the endpoints, and every one of them stalls an active user thread.
+constexpr std::chrono::milliseconds kForcedPass{10};
 // Completion-queue reads a submitting thread tries when the provider
 // refuses a post for now, before leaving the rest to progress passes.
 constexpr int kPostRetries = 64;
@@ -25,14 +30,6 @@ constexpr int kPostRetries = 64;
 constexpr int kLockAttempts = 256;
 // Destinations refusing posts in one pass before the pass stops posting.
 constexpr size_t kHeldDestinations = 4;
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 }  // namespace
 
 // A work request in flight: the transport's space (WrContext), the
@@ -160,11 +157,16 @@ void Worker::put_ctx(Ctx* c) {
   free_ctxs_.push_back(c);
 }
 
+// Appended: the list runs from the oldest post to the newest, so deadlines
+// (creation + the engine's one timeout) grow along it (check_deadlines).
 void Worker::link(Ctx* c) {
-  c->prev = nullptr;
-  c->next = inflight_;
-  if (inflight_) inflight_->prev = c;
-  inflight_ = c;
+  c->next = nullptr;
+  c->prev = inflight_last_;
+  if (inflight_last_)
+    inflight_last_->next = c;
+  else
+    inflight_ = c;
+  inflight_last_ = c;
 }
 
 void Worker::unlink(Ctx* c) {
@@ -172,7 +174,10 @@ void Worker::unlink(Ctx* c) {
     c->prev->next = c->next;
   else
     inflight_ = c->next;
-  if (c->next) c->next->prev = c->prev;
+  if (c->next)
+    c->next->prev = c->prev;
+  else
+    inflight_last_ = c->prev;
   c->prev = c->next = nullptr;
 }
 
@@ -268,25 +273,26 @@ void Worker::submit(std::vector<WorkRequest>& wrs) {
     flush_all();
     for (; i < wrs.size(); ++i) pending_.push_back(std::move(wrs[i]));
   }
-  const bool queued = !pending_.empty();
   ep.unlock();
   if (!user_posted_.load(std::memory_order_relaxed))
     user_posted_.store(true, std::memory_order_relaxed);
-  // Completions are read by a waiter (progress) or by the worker's next pass
-  // (at most one idle sleep away). Work left queued or a deferred callback
-  // is the worker's; it is woken only when no user thread waits (a waiter's
-  // passes post the queue themselves, and a wake-up is a system call).
-  if (queued || wake) {
+  // Completions, and work the provider refused for now, are a waiter's
+  // (progress) or the worker's next pass (at most one idle sleep away): no
+  // wake-up for them, as this thread is active and a wake-up is a system
+  // call. A deferred callback is the worker's; it is woken for one only
+  // when no user thread waits.
+  if (wake) {
     needs_worker_.store(true, std::memory_order_release);
     if (!options_.waiters || options_.waiters->load(std::memory_order_relaxed) == 0)
       wake_.notify_one();
   }
 }
 
-bool Worker::progress() {
-  if (on_worker_thread()) return false;
+Pass Worker::progress() {
+  if (on_worker_thread()) return Pass::kIdle;
   std::unique_lock<std::mutex> ep(ep_mu_, std::try_to_lock);
-  if (!ep.owns_lock() || stopped_) return false;
+  if (!ep.owns_lock()) return Pass::kBusy;
+  if (stopped_) return Pass::kIdle;
   int work = 0;
   bool wake = false;
   // Work queued while the endpoints were busy: post it from here too (a
@@ -307,14 +313,14 @@ bool Worker::progress() {
     user_polled_.store(true, std::memory_order_relaxed);
   // Callbacks and failures of ops with one run on the worker: wake it.
   // Work the provider still refuses only needs a pass: this waiter's next
-  // one, or the worker's within one sleep (flagged, without a wake-up
-  // system call on every pass).
+  // one, or the worker's.
   wake = wake || !deferred_.empty() || !deferred_failed_.empty();
-  const bool queued = !pending_.empty();
   ep.unlock();
-  if (wake || queued) needs_worker_.store(true, std::memory_order_release);
-  if (wake) wake_.notify_one();
-  return work > 0;
+  if (wake) {
+    needs_worker_.store(true, std::memory_order_release);
+    wake_.notify_one();
+  }
+  return work > 0 ? Pass::kWork : Pass::kIdle;
 }
 
 void Worker::call(const std::function<void()>& fn) {
@@ -442,9 +448,15 @@ void Worker::check_deadlines() {
   const auto now = Clock::now();
   if (now < next_deadline_check_) return;
   next_deadline_check_ = now + std::chrono::milliseconds(2);
+  // Oldest first, up to the first op still within its deadline: the ones
+  // after it were posted later, so their deadlines are later too (up to
+  // the few that waited in pending_ while later ones went out; those are
+  // caught at most their wait late). One look, not a walk over every work
+  // request in flight, on each check.
   for (Ctx* c = inflight_; c; c = c->next) {
     const auto& op = c->wr.op;
-    if (!op->done() && now > op->deadline())
+    if (now <= op->deadline()) break;
+    if (!op->done())
       op->fail(std::make_exception_ptr(TimeoutError(
           "TransferEngine " + op->what() +
           ": not complete within the engine timeout (the peer is unreachable or gone)")));
@@ -461,7 +473,6 @@ void Worker::check_deadlines() {
 
 void Worker::loop() {
   int idle = 0;
-  bool queued = false;  // pending_ or deferred_ non-empty at the end of the last pass
   for (;;) {
     bool own_work = false;
     {
@@ -475,8 +486,9 @@ void Worker::loop() {
       // last waiter returns, a completion nobody waits for may be seen up to
       // kHelpedSleep late (yield mode) or kIdleSleep late (busy mode).
       const bool waiting = options_.waiters && options_.waiters->load(std::memory_order_relaxed) > 0;
-      const bool helped = user_posted_.exchange(false, std::memory_order_relaxed) || waiting;
-      own_work = !incoming_.empty() || !tasks_.empty() || queued ||
+      const bool helped = user_posted_.exchange(false, std::memory_order_relaxed) ||
+                          user_polled_.exchange(false, std::memory_order_relaxed) || waiting;
+      own_work = !incoming_.empty() || !tasks_.empty() ||
                  needs_worker_.exchange(false, std::memory_order_acq_rel);
       // Busy polling too: the endpoints are a user thread's while it posts
       // or waits (two threads in one libfabric endpoint contend on its
@@ -488,25 +500,27 @@ void Worker::loop() {
                    needs_worker_.load(std::memory_order_acquire);
         // A user thread polled the queues since the last look and nothing
         // is the worker's: skip the pass rather than take the endpoints from
-        // it (at least one pass every kHelpedSleep still reads what nobody
-        // waits for and checks deadlines).
+        // it (one pass every kForcedPass still reads what nobody waits for
+        // and checks deadlines).
         if (!own_work && user_polled_.exchange(false, std::memory_order_relaxed) &&
             Clock::now() < forced_pass_)
           continue;
       }
     }
-    // Without work of its own the worker only tries the endpoints: a user
-    // thread holding them is posting or polling (doing the pass for it),
-    // and blocking here would turn each of that thread's unlocks into a
-    // futex wake-up on its critical path.
+    // Without work of its own (tasks, queued requests, callbacks) the worker
+    // only tries the endpoints, also for a forced pass: a user thread
+    // holding them is posting or polling (doing the pass for it), and
+    // blocking here would turn that thread's unlocks into futex wake-ups on
+    // its critical path. Work the provider refused (pending_) is not the
+    // worker's own: an active user thread posts it in its own passes.
     std::unique_lock<std::mutex> ep(ep_mu_, std::defer_lock);
-    if (own_work || Clock::now() >= forced_pass_) {
+    if (own_work) {
       ep.lock();
     } else if (!ep.try_lock()) {
       ++idle;
       continue;
     }
-    forced_pass_ = Clock::now() + kHelpedSleep;
+    forced_pass_ = Clock::now() + kForcedPass;
     run_tasks();
     int work = 0;
     for (Ctx* c : deferred_) {  // completed while a user thread polled
@@ -525,7 +539,6 @@ void Worker::loop() {
     bool unused = false;
     work += poll_all(true, &unused);
     check_deadlines();
-    queued = !pending_.empty() || !deferred_.empty() || !deferred_failed_.empty();
     idle = work ? 0 : idle + 1;
   }
 }

@@ -69,9 +69,8 @@ class Worker {
   // the caller's next call).
   void submit(std::vector<WorkRequest>& wrs);
   // One non-blocking progress pass from a user thread (posts queued work,
-  // reads completions); false when the worker holds the endpoints or there
-  // was nothing to do.
-  bool progress();
+  // reads completions); kBusy when another thread holds the endpoints.
+  Pass progress();
   // Runs fn on the worker thread and waits; rethrows what fn threw.
   void call(const std::function<void()>& fn);
   // Stops the thread. Afterwards close the endpoints, then release().
@@ -110,8 +109,8 @@ class Worker {
   std::condition_variable wake_;
   std::deque<WorkRequest> incoming_;
   std::atomic<bool> has_incoming_{false};  // !incoming_.empty(), readable without mu_
-  // A user thread's progress pass left something to the worker (deferred
-  // callbacks or errors, queued work).
+  // A user thread's pass left something to the worker (deferred callbacks
+  // or errors).
   std::atomic<bool> needs_worker_{false};
   // A user thread ran a progress pass since the worker last looked.
   std::atomic<bool> user_polled_{false};
@@ -129,7 +128,10 @@ class Worker {
   bool stopped_ = false;
   PostError last_post_error_;
   std::deque<WorkRequest> pending_;
-  Ctx* inflight_ = nullptr;        // intrusive doubly linked list
+  // In-flight work requests, an intrusive doubly linked list in posting
+  // order (oldest first).
+  Ctx* inflight_ = nullptr;
+  Ctx* inflight_last_ = nullptr;
   std::vector<Ctx*> free_ctxs_;    // pool of contexts
   std::vector<Ctx*> deferred_;     // completed on a user thread, callback pending
   std::vector<std::pair<Ctx*, std::string>> deferred_failed_;  // failed there, likewise

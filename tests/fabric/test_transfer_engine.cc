@@ -83,7 +83,8 @@ TEST(FabricDescriptor, SerializationRoundTrips) {
 // (nothing for the worker to run), and count after done() turned true.
 TEST(FabricOpState, CompletionCountersReplaceTheCallback) {
   std::atomic<uint64_t> done{0}, failed{0};
-  auto what = std::make_shared<const std::string>("write to peer 'x'");
+  const std::string name = "write to peer 'x'";
+  const std::string* what = &name;
   const auto deadline = Clock::now() + std::chrono::seconds(5);
   OpState ok(what, 2, deadline, count_completions(done, failed));
   EXPECT_FALSE(ok.has_callback());
@@ -108,7 +109,8 @@ TEST(FabricOpState, CompletionCountersReplaceTheCallback) {
 // A thread asleep in wait() (no progress hook: it only sleeps) is woken by
 // the completion on another thread, and the error shows only once done.
 TEST(FabricOpState, SleepersWakeAtCompletion) {
-  auto what = std::make_shared<const std::string>("write to peer 'x'");
+  const std::string name = "write to peer 'x'";
+  const std::string* what = &name;
   for (int round = 0; round < 200; ++round) {
     const bool failing = round % 2 == 1;
     OpState op(what, 2, Clock::now() + std::chrono::seconds(30), {});

@@ -1,0 +1,136 @@
+// The worker's policies, on the real engine over fake NICs (no provider):
+// deadlines over a NIC that never completes anything, and work a NIC
+// refuses for a while posted by the worker when no user thread is there.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fabric/engine_factory.h"
+#include "fabric/transport.h"
+#include "moelink/errors.h"
+
+namespace {
+
+using namespace moelink::fabric;
+using Clock = std::chrono::steady_clock;
+
+class BlackHoleNic final : public Nic {
+ public:
+  explicit BlackHoleNic(int index) : Nic(index) {}
+  const std::string& provider() const override { return name_; }
+  const std::string& endpoint() const override { return name_; }
+  bool hmem() const override { return false; }
+  MemoryHandle register_memory(void* ptr, size_t, MemoryKind, int) override {
+    MemoryHandle h;
+    h.key = 1;
+    h.remote_base = reinterpret_cast<uint64_t>(ptr);
+    return h;
+  }
+  void deregister_memory(const MemoryHandle&) override {}
+  uint64_t insert_peer(const std::string&, const std::string&) override { return 0; }
+  PostStatus post(const Wr&, WrContext*, bool, PostError*) override { return PostStatus::kPosted; }
+  void flush() override {}
+  int poll(CompletionSink&) override { return 0; }
+  void close_endpoint() override {}
+
+ private:
+  const std::string name_ = "black-hole";
+};
+
+// Refuses the first `refusals` posts (kAgain, as a full provider queue
+// does), then accepts; poll() completes what was accepted.
+class SlowNic final : public Nic {
+ public:
+  SlowNic(int index, int refusals) : Nic(index), refusals_(refusals) {}
+  const std::string& provider() const override { return name_; }
+  const std::string& endpoint() const override { return name_; }
+  bool hmem() const override { return false; }
+  MemoryHandle register_memory(void* ptr, size_t, MemoryKind, int) override {
+    MemoryHandle h;
+    h.key = 1;
+    h.remote_base = reinterpret_cast<uint64_t>(ptr);
+    return h;
+  }
+  void deregister_memory(const MemoryHandle&) override {}
+  uint64_t insert_peer(const std::string&, const std::string&) override { return 0; }
+  PostStatus post(const Wr&, WrContext* ctx, bool, PostError*) override {
+    if (refusals_ > 0) {
+      --refusals_;
+      return PostStatus::kAgain;
+    }
+    accepted_.push_back(ctx);
+    return PostStatus::kPosted;
+  }
+  void flush() override {}
+  int poll(CompletionSink& sink) override {
+    const int n = static_cast<int>(accepted_.size());
+    for (WrContext* c : accepted_) sink.wr_done(c);
+    accepted_.clear();
+    return n;
+  }
+  void close_endpoint() override {}
+
+ private:
+  int refusals_;
+  std::deque<WrContext*> accepted_;
+  const std::string name_ = "slow";
+};
+
+// A write the NIC refuses more often than a submitting thread retries is
+// left queued; with no user thread waiting or polling, the worker posts it
+// and completes it (counted, no waiter).
+TEST(FabricWorker, RefusedWorkIsPostedWithoutAUserThread) {
+  EngineOptions o;
+  o.name = "self";
+  o.timeout_s = 10.0;
+  auto e = create_engine_on(o, [](int i) { return std::make_unique<SlowNic>(i, 1000); });
+  std::vector<char> buf(4096);
+  const MemoryRegion r = e->register_memory(buf.data(), buf.size());
+  const MemoryDescriptor d = e->descriptor(r);
+  std::atomic<uint64_t> done{0}, failed{0};
+  (void)e->write(r, 0, d, 0, 64, 1u, count_completions(done, failed));
+  const auto until = Clock::now() + std::chrono::seconds(5);
+  while (done.load() == 0 && failed.load() == 0 && Clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(done.load(), 1u) << "the refused write was never posted and completed";
+  EXPECT_EQ(failed.load(), 0u);
+}
+
+TEST(FabricWorker, EachOperationTimesOutAtItsOwnDeadline) {
+  EngineOptions o;
+  o.name = "self";
+  o.timeout_s = 0.4;
+  auto e = create_engine_on(o, [](int i) { return std::make_unique<BlackHoleNic>(i); });
+  std::vector<char> buf(4096);
+  const MemoryRegion r = e->register_memory(buf.data(), buf.size());
+  const MemoryDescriptor d = e->descriptor(r);
+  // Three writes 150 ms apart, then one more right away: all in flight,
+  // none ever completing.
+  std::vector<TransferPtr> ops;
+  std::vector<Clock::time_point> posted;
+  for (int i = 0; i < 3; ++i) {
+    posted.push_back(Clock::now());
+    ops.push_back(e->write(r, 0, d, 0, 64, 1u));
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  }
+  for (size_t i = 0; i < ops.size(); ++i) {
+    try {
+      ops[i]->wait(5.0);
+      FAIL() << "write " << i << " completed on a NIC that completes nothing";
+    } catch (const moelink::TimeoutError& err) {
+      const double after = std::chrono::duration<double>(Clock::now() - posted[i]).count();
+      EXPECT_NE(std::string(err.what()).find("engine timeout"), std::string::npos) << err.what();
+      // At its own deadline: not before it, and not held back until a
+      // later op's (each is 150 ms after the one before: 0.7 s and more).
+      EXPECT_GE(after, 0.38) << "write " << i;
+      EXPECT_LT(after, 0.6) << "write " << i;
+    }
+  }
+}
+
+}  // namespace
