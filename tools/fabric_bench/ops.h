@@ -22,6 +22,9 @@ struct RunOptions {
   // Pin rank r's threads: the calling thread to CPU r, the engine's worker
   // to CPU world + r (both modulo the process's CPU set).
   bool pin = false;
+  // With pin: the worker on its rank's own CPU instead of CPU world + r
+  // (then the engine uses exactly the CPUs the raw loop uses).
+  bool worker_on_rank_cpu = false;
 };
 
 // Rank 0's measurements of one op with one implementation.
