@@ -7,8 +7,8 @@
 #   internode: moelink-bench with the internode backend beside nvlink, over
 #   libfabric's shm provider (GPUs of this machine treated as nodes).
 #   fabric (not in the default): moelink-fabric-bench, the TransferEngine
-#   against raw libfabric, yield-when-idle and busy-poll, pinned (each
-#   worker on its rank's CPU)
+#   against raw libfabric, yield-when-idle and busy-poll, pinned (rank r on
+#   CPU r, its worker on CPU N+1+r)
 #   (MOELINK_FABRIC_BENCH_ARGS replaces the default arguments).
 # Needs .deps/ from tools/prepare_device_deps.sh (that machine has no package
 # registry) and carries it with the call.
@@ -83,7 +83,7 @@ if has fabric; then
     echo "== moelink-fabric-bench ($mode)"
     extra=(); [[ $mode == busy-poll ]] && extra=(--busy-poll)
     cmd=(build-gpu/src/fabric/fabric_bench/moelink-fabric-bench
-         ${MOELINK_FABRIC_BENCH_ARGS:---provider shm,tcp --peers 2,4,8 --lat-iters 1000 --rate-iters 2000 --rounds 6 --pin --pin-worker-with-rank}
+         ${MOELINK_FABRIC_BENCH_ARGS:---provider shm,tcp --peers 2,4,8 --lat-iters 1000 --rate-iters 2000 --rounds 6 --pin}
          "${extra[@]}" --json "$OUT/fabric-$mode.json")
     echo "${cmd[*]}"
     "${cmd[@]}" 2>&1 | tee "$OUT/fabric-$mode.log" | tail -22 || status=1

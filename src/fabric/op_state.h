@@ -127,10 +127,15 @@ inline constexpr std::chrono::microseconds kIdleSleep{50};
 // pass is reading completions. Counted as idle only one in kBusyPerIdle,
 // so that a waiter neither sleeps kIdleSleep behind a short pass of the
 // worker (which, at one in every kHelpedSleep, made wait loops sleep
-// often) nor spins forever behind a long callback.
+// often) nor spins forever behind a long callback. Every kBusyPerYield
+// busy passes in a row it yields the CPU: the holder may have been
+// preempted on this very CPU (a worker pinned beside a busy-polling
+// thread), and would otherwise wait for the end of the spinner's time
+// slice, milliseconds.
 class IdlePasses {
  public:
   static constexpr int kBusyPerIdle = 32;
+  static constexpr int kBusyPerYield = 1024;
   void after(Pass p) {
     if (p == Pass::kWork) {
       idle_ = busy_ = 0;
@@ -139,6 +144,7 @@ class IdlePasses {
     } else {
       cpu_relax();  // before trying the holder's lock again
       if (++busy_ % kBusyPerIdle == 0) ++idle_;
+      if (busy_ % kBusyPerYield == 0) std::this_thread::yield();
     }
   }
   int idle() const { return idle_; }
