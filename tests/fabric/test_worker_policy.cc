@@ -19,9 +19,10 @@ namespace {
 using namespace moelink::fabric;
 using Clock = std::chrono::steady_clock;
 
-class BlackHoleNic final : public Nic {
+// What both fake NICs share: memory and peers are bookkeeping only.
+class FakeNic : public Nic {
  public:
-  explicit BlackHoleNic(int index) : Nic(index) {}
+  explicit FakeNic(int index) : Nic(index) {}
   const std::string& provider() const override { return name_; }
   const std::string& endpoint() const override { return name_; }
   bool hmem() const override { return false; }
@@ -33,31 +34,26 @@ class BlackHoleNic final : public Nic {
   }
   void deregister_memory(const MemoryHandle&) override {}
   uint64_t insert_peer(const std::string&, const std::string&) override { return 0; }
-  PostStatus post(const Wr&, WrContext*, bool, PostError*) override { return PostStatus::kPosted; }
   void flush() override {}
-  int poll(CompletionSink&) override { return 0; }
   void close_endpoint() override {}
 
  private:
-  const std::string name_ = "black-hole";
+  const std::string name_ = "fake";
+};
+
+// Accepts every work request and never completes one.
+class BlackHoleNic final : public FakeNic {
+ public:
+  using FakeNic::FakeNic;
+  PostStatus post(const Wr&, WrContext*, bool, PostError*) override { return PostStatus::kPosted; }
+  int poll(CompletionSink&) override { return 0; }
 };
 
 // Refuses the first `refusals` posts (kAgain, as a full provider queue
 // does), then accepts; poll() completes what was accepted.
-class SlowNic final : public Nic {
+class SlowNic final : public FakeNic {
  public:
-  SlowNic(int index, int refusals) : Nic(index), refusals_(refusals) {}
-  const std::string& provider() const override { return name_; }
-  const std::string& endpoint() const override { return name_; }
-  bool hmem() const override { return false; }
-  MemoryHandle register_memory(void* ptr, size_t, MemoryKind, int) override {
-    MemoryHandle h;
-    h.key = 1;
-    h.remote_base = reinterpret_cast<uint64_t>(ptr);
-    return h;
-  }
-  void deregister_memory(const MemoryHandle&) override {}
-  uint64_t insert_peer(const std::string&, const std::string&) override { return 0; }
+  SlowNic(int index, int refusals) : FakeNic(index), refusals_(refusals) {}
   PostStatus post(const Wr&, WrContext* ctx, bool, PostError*) override {
     if (refusals_ > 0) {
       --refusals_;
@@ -66,19 +62,16 @@ class SlowNic final : public Nic {
     accepted_.push_back(ctx);
     return PostStatus::kPosted;
   }
-  void flush() override {}
   int poll(CompletionSink& sink) override {
     const int n = static_cast<int>(accepted_.size());
     for (WrContext* c : accepted_) sink.wr_done(c);
     accepted_.clear();
     return n;
   }
-  void close_endpoint() override {}
 
  private:
   int refusals_;
   std::deque<WrContext*> accepted_;
-  const std::string name_ = "slow";
 };
 
 // A write the NIC refuses more often than a submitting thread retries is
