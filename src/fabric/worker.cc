@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstring>
 #include <future>
+#include <utility>
 
 namespace moelink::fabric {
 
@@ -254,6 +255,7 @@ void Worker::submit(std::vector<WorkRequest>& wrs) {
     // Behind work the provider refused: queue after it, in order.
     for (auto& wr : wrs) pending_.push_back(std::move(wr));
     post_pending(false);
+    wake = std::exchange(post_failed_, false);
   } else {
     size_t i = 0;
     for (; i < wrs.size(); ++i) {
@@ -267,7 +269,9 @@ void Worker::submit(std::vector<WorkRequest>& wrs) {
         r = try_post(wrs[i], more);
       }
       // Not posted (still busy, or an error): retried by the next progress
-      // pass; a hard error fails the op on the worker (where callbacks run).
+      // pass; a hard error fails the op on the worker (where callbacks
+      // run), woken for it.
+      if (r == PostStatus::kFailed) wake = true;
       if (r != PostStatus::kPosted) break;
     }
     flush_all();
@@ -314,7 +318,8 @@ Pass Worker::progress() {
   // Callbacks and failures of ops with one run on the worker: wake it.
   // Work the provider still refuses only needs a pass: this waiter's next
   // one, or the worker's.
-  wake = wake || !deferred_.empty() || !deferred_failed_.empty();
+  wake = wake || !deferred_.empty() || !deferred_failed_.empty() || post_failed_;
+  post_failed_ = false;
   ep.unlock();
   if (wake) {
     needs_worker_.store(true, std::memory_order_release);
@@ -432,6 +437,7 @@ int Worker::post_pending(bool on_worker) {
                                             : std::make_exception_ptr(FabricError(why)));
       it = pending_.erase(it);
     } else {
+      if (r == PostStatus::kFailed) post_failed_ = true;  // the worker's to report
       held.push_back(dest);
       // Several destinations refused in one pass: the endpoint's queue is
       // full, not one peer's; the rest waits for the next pass (which

@@ -128,6 +128,9 @@ class Worker {
   bool stopped_ = false;
   PostError last_post_error_;
   std::deque<WorkRequest> pending_;
+  // A user thread's pass met a hard posting error in pending_ (the worker
+  // fails the op, where callbacks run; it is woken for that).
+  bool post_failed_ = false;
   // In-flight work requests, an intrusive doubly linked list in posting
   // order (oldest first).
   Ctx* inflight_ = nullptr;
