@@ -9,6 +9,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <future>
@@ -413,15 +414,20 @@ PostStatus Worker::try_post(WorkRequest& wr, bool more) {
 // to the worker.
 int Worker::post_pending(bool on_worker) {
   int posted = 0;
-  std::vector<std::pair<const Nic*, uint64_t>> held;
+  std::array<std::pair<const Nic*, uint64_t>, kHeldDestinations> held;
+  size_t n_held = 0;
   for (auto it = pending_.begin(); it != pending_.end();) {
-    if (it->op->done()) {  // failed meanwhile
-      it = pending_.erase(it);
+    // Behind a refused request to the same destination: stepped over
+    // reading the queue entry only (a deep queue to one destination is
+    // walked on every pass; the operation's state, elsewhere in memory, is
+    // looked at only for requests the pass may post).
+    const std::pair<const Nic*, uint64_t> dest{it->nic, it->dest};
+    if (std::find(held.begin(), held.begin() + n_held, dest) != held.begin() + n_held) {
+      ++it;
       continue;
     }
-    const std::pair<const Nic*, uint64_t> dest{it->nic, it->dest};
-    if (std::find(held.begin(), held.end(), dest) != held.end()) {
-      ++it;
+    if (it->op->done()) {  // failed meanwhile
+      it = pending_.erase(it);
       continue;
     }
     const auto next = std::next(it);
@@ -438,11 +444,11 @@ int Worker::post_pending(bool on_worker) {
       it = pending_.erase(it);
     } else {
       if (r == PostStatus::kFailed) post_failed_ = true;  // the worker's to report
-      held.push_back(dest);
+      held[n_held++] = dest;
       // Several destinations refused in one pass: the endpoint's queue is
       // full, not one peer's; the rest waits for the next pass (which
       // keeps a long queue from being walked on every pass).
-      if (held.size() >= kHeldDestinations) break;
+      if (n_held >= kHeldDestinations) break;
       ++it;
     }
   }

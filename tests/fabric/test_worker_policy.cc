@@ -132,6 +132,59 @@ TEST(FabricWorker, RefusedWorkIsPostedWithoutAUserThread) {
   EXPECT_EQ(failed.load(), 0u);
 }
 
+// Two destinations: "stuck" refuses every post for now (kAgain, as tcp
+// reconnecting to a process that is gone), any other accepts; poll()
+// completes what was accepted.
+class OneStuckPeerNic final : public FakeNic {
+ public:
+  using FakeNic::FakeNic;
+  uint64_t insert_peer(const std::string& endpoint, const std::string&) override {
+    return endpoint == "stuck" ? 0 : 1;
+  }
+  PostStatus post(const Wr& wr, WrContext* ctx, bool, PostError*) override {
+    if (wr.dest == 0) return PostStatus::kAgain;
+    accepted_.push_back(ctx);
+    return PostStatus::kPosted;
+  }
+  int poll(CompletionSink& sink) override {
+    const int n = static_cast<int>(accepted_.size());
+    for (WrContext* c : accepted_) sink.wr_done(c);
+    accepted_.clear();
+    return n;
+  }
+
+ private:
+  std::deque<WrContext*> accepted_;
+};
+
+// A destination that refuses holds back only its own queued requests: a
+// write to another peer, queued behind hundreds to the stuck one, goes out
+// and completes at once.
+TEST(FabricWorker, AStuckPeerHoldsBackOnlyItsOwnWrites) {
+  EngineOptions o;
+  o.name = "self";
+  o.timeout_s = 10.0;
+  auto e = create_engine_on(o, [](int i) { return std::make_unique<OneStuckPeerNic>(i); });
+  std::vector<char> buf(4096);
+  const MemoryRegion r = e->register_memory(buf.data(), buf.size());
+  auto peer = [](const char* name, const char* endpoint) {
+    MemoryDescriptor d;
+    d.owner.name = name;
+    d.owner.endpoints = {endpoint};
+    d.size = 4096;
+    d.remote_base = {0};
+    d.keys = {1};
+    return d;
+  };
+  const MemoryDescriptor stuck = peer("stuck", "stuck"), fine = peer("fine", "fine");
+  std::vector<TransferPtr> held;
+  for (int i = 0; i < 300; ++i) held.push_back(e->write(r, 0, stuck, 0, 64, 1u));
+  const auto t0 = Clock::now();
+  e->write(r, 0, fine, 0, 64, 2u)->wait(5.0);
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 1.0);
+  for (const auto& t : held) EXPECT_FALSE(t->done());
+}
+
 TEST(FabricWorker, EachOperationTimesOutAtItsOwnDeadline) {
   EngineOptions o;
   o.name = "self";
