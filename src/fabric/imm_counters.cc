@@ -122,36 +122,48 @@ void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
                        const std::function<Pass()>& progress, bool sleep_when_idle) {
   const int spin = sleep_when_idle ? kSpinPolls : std::numeric_limits<int>::max();
   using Clock = std::chrono::steady_clock;
-  // The coarse clock (a few ms behind at most): deadlines of a wait are
-  // that much early at worst.
-  const auto deadline =
-      coarse_now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   Counter& c = counter(imm);
   if (take(c, count)) return;
+  // The coarse clock (a few ms behind at most): deadlines of a wait are
+  // that much early at worst.
+  const auto timeout =
+      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   if (progress) {
     // Poll like the workers (a short sleep after kSpinPolls passes without
     // work), driving progress from this thread instead of waiting for the
     // worker to wake. The clock is read before sleeping, and the coarse
-    // clock every 64 passes.
+    // clock every 64 passes; the deadline is set at the first of them, so
+    // a wait that ends within 63 passes reads no clock (it is that many
+    // passes, microseconds, late at worst).
     IdlePasses idle;
+    Clock::time_point deadline{};
+    const auto deadline_now = [&] {
+      if (deadline == Clock::time_point{}) deadline = coarse_now() + timeout;
+      return deadline;
+    };
     for (int pass = 0;; ++pass) {
       if (idle.idle() >= spin) {
         const auto now = Clock::now();
-        if (now >= deadline) break;
+        if (now >= deadline_now()) break;
         if (sleep_until(c, count, std::min(deadline, now + kIdleSleep))) return;
-      } else if (pass % 64 == 63 && coarse_now() >= deadline) {
+      } else if (pass % 64 == 63 && coarse_now() >= deadline_now()) {
         break;
       }
       idle.after(progress());
       if (take(c, count)) return;
     }
-  } else if (sleep_until(c, count, deadline)) {
+  } else if (sleep_until(c, count, coarse_now() + timeout)) {
     return;
   }
   if (take(c, count)) return;  // arrived at the deadline
   throw TimeoutError("TransferEngine wait_imm: immediate " + std::to_string(imm) + " arrived " +
                      std::to_string(c.load()) + " of " + std::to_string(count) + " times within " +
                      std::to_string(timeout_s) + " s (a peer is missing or failed)");
+}
+
+bool ImmCounters::try_take(uint32_t imm, uint64_t count) {
+  Counter* c = find(imm);
+  return c && take(*c, count);
 }
 
 uint64_t ImmCounters::get(uint32_t imm) const {

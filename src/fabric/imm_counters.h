@@ -36,6 +36,8 @@ class ImmCounters {
   // `sleep_when_idle` false (a busy-polling engine): never sleep.
   void wait(uint32_t imm, uint64_t count, double timeout_s,
             const std::function<Pass()>& progress = {}, bool sleep_when_idle = true);
+  // Consumes count arrivals if they are there (wait's first look).
+  bool try_take(uint32_t imm, uint64_t count);
   uint64_t get(uint32_t imm) const;
   // Stores value into *flag once count(imm) >= count, consuming count
   // (TransferEngine::signal_on_imm): at once if the arrivals are there,
