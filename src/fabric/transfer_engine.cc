@@ -64,13 +64,13 @@ struct Group {
   Text scatter_what, barrier_what;
 };
 
-// The work requests of one call, per worker, reused from call to call so
-// that posting allocates nothing once warm (one set per calling thread).
 uint64_t next_engine_serial() {
   static std::atomic<uint64_t> next{1};
   return next.fetch_add(1, std::memory_order_relaxed);
 }
 
+// The work requests of one call, per worker, reused from call to call so
+// that posting allocates nothing once warm (one set per calling thread).
 std::vector<std::vector<WorkRequest>>& scratch(size_t domains) {
   thread_local std::vector<std::vector<WorkRequest>> s;
   if (s.size() < domains) s.resize(domains);
