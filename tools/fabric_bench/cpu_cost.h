@@ -10,9 +10,11 @@
 
 namespace moelink_fabric_bench {
 
-// {"engine": {...}, "raw": {...}, "engine_minus_raw_us": {...}} with p50s in
-// us of `post` (the call that posts one 8-byte write with an immediate) and
-// `round` (post, the target's immediate counted, the local completion).
+// {"engine": {...}, "raw": {...}, "engine_minus_raw_us": {...},
+// "engine_over_raw": {"stream": ...}} with p50s in us of `post` (the call
+// that posts one 8-byte write with an immediate) and `round` (post, the
+// target's immediate counted, the local completion), and the us per write
+// of a windowed paged-write stream (a second thread drives the target).
 nlohmann::ordered_json measure_cpu_cost(const std::string& provider, int iters, int reps);
 
 }  // namespace moelink_fabric_bench
