@@ -1,8 +1,9 @@
 // The engine's software cost per operation, without scheduling noise: two
 // endpoints in one process driven by one thread (no peer process, no
 // sleeps), the engine's write + wait_imm + wait against the same writes on
-// raw libfabric (RawFabric). Runs in a forked child (the parent never
-// initializes libfabric).
+// raw libfabric (RawFabric); then a windowed stream of paged writes, with a
+// second thread driving the target. Runs in a forked child (the parent
+// never initializes libfabric).
 #pragma once
 
 #include <nlohmann/json.hpp>
