@@ -525,10 +525,12 @@ int main(int argc, char** argv) {
                  "per provider, the engine's software cost per write on one thread (two endpoints "
                  "in one process) vs raw libfabric: iterations per repetition (0: skip)")
       ->check(CLI::Range(0, 10000000));
-  app.add_flag("--pin", o.pin,
-               "pin rank r to CPU r and its engine worker to CPU N+1+r (modulo the CPU set)");
+  CLI::Option* pin = app.add_flag(
+      "--pin", o.pin, "pin rank r to CPU r and its engine worker to CPU N+1+r (modulo the CPU set)");
   app.add_flag("--pin-worker-with-rank", o.worker_on_rank_cpu,
-               "with --pin: the engine worker on its rank's CPU (the CPUs the raw loop uses)");
+               "with --pin: the engine worker on its rank's CPU (the CPUs the raw loop uses; "
+               "stalls busy-polling threads, see docs/transfer_engine.md)")
+      ->needs(pin);
   app.add_option("--json", json_path, "write the results as JSON to this file");
   app.add_option("--timeout", timeout_s, "seconds per (provider, peers) run before it is killed");
   app.add_option("--threshold", threshold, "overhead flagged OVER above this (0.10 = 10%)");
