@@ -1,6 +1,8 @@
 // The worker's policies, on the real engine over fake NICs (no provider):
-// deadlines over a NIC that never completes anything, and work a NIC
-// refuses for a while posted by the worker when no user thread is there.
+// hard posting errors reported at once, work a NIC refuses for a while
+// posted by the worker when no user thread is there, a stuck destination
+// holding back only its own writes, and deadlines over a NIC that never
+// completes anything.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -19,7 +21,7 @@ namespace {
 using namespace moelink::fabric;
 using Clock = std::chrono::steady_clock;
 
-// What both fake NICs share: memory and peers are bookkeeping only.
+// What the fake NICs share: memory and peers are bookkeeping only.
 class FakeNic : public Nic {
  public:
   explicit FakeNic(int index) : Nic(index) {}
