@@ -51,16 +51,30 @@ class BlackHoleNic final : public FakeNic {
   int poll(CompletionSink&) override { return 0; }
 };
 
-// Refuses the first `refusals` posts (kAgain, as a full provider queue
-// does), then accepts; poll() completes what was accepted.
-class SlowNic final : public FakeNic {
+// The real engine (one domain, one worker) over fake NIC T, and a 4 KB
+// registered buffer.
+struct FakeEngine {
+  std::vector<char> buf = std::vector<char>(4096);  // outlives the engine
+  std::unique_ptr<TransferEngine> engine;
+  MemoryRegion region;
+  template <class T, class... Args>
+  static FakeEngine make(double timeout_s, Args... args) {
+    EngineOptions o;
+    o.name = "self";
+    o.timeout_s = timeout_s;
+    FakeEngine f;
+    f.engine = create_engine_on(o, [&](int i) { return std::make_unique<T>(i, args...); });
+    f.region = f.engine->register_memory(f.buf.data(), f.buf.size());
+    return f;
+  }
+};
+
+// Accepts what refuse() lets through; poll() completes what was accepted.
+class CompletingNic : public FakeNic {
  public:
-  SlowNic(int index, int refusals) : FakeNic(index), refusals_(refusals) {}
-  PostStatus post(const Wr&, WrContext* ctx, bool, PostError*) override {
-    if (refusals_ > 0) {
-      --refusals_;
-      return PostStatus::kAgain;
-    }
+  using FakeNic::FakeNic;
+  PostStatus post(const Wr& wr, WrContext* ctx, bool, PostError*) override {
+    if (refuse(wr)) return PostStatus::kAgain;
     accepted_.push_back(ctx);
     return PostStatus::kPosted;
   }
@@ -71,9 +85,26 @@ class SlowNic final : public FakeNic {
     return n;
   }
 
+ protected:
+  // True: kAgain for this work request (the provider's queue full for now).
+  virtual bool refuse(const Wr& wr) = 0;
+
  private:
-  int refusals_;
   std::deque<WrContext*> accepted_;
+};
+
+// Refuses the first `refusals` posts, as a full provider queue does.
+class SlowNic final : public CompletingNic {
+ public:
+  SlowNic(int index, int refusals) : CompletingNic(index), refusals_(refusals) {}
+
+ private:
+  bool refuse(const Wr&) override {
+    if (refusals_ == 0) return false;
+    --refusals_;
+    return true;
+  }
+  int refusals_;
 };
 
 // Refuses every post for good (a hard error, as a provider's -FI_EINVAL).
@@ -91,12 +122,9 @@ class FailingNic final : public FakeNic {
 // callbacks run): it is woken for it, so the waiter learns at once, not at
 // the worker's next forced pass.
 TEST(FabricWorker, HardPostingErrorsFailTheOperationAtOnce) {
-  EngineOptions o;
-  o.name = "self";
-  o.timeout_s = 10.0;
-  auto e = create_engine_on(o, [](int i) { return std::make_unique<FailingNic>(i); });
-  std::vector<char> buf(4096);
-  const MemoryRegion r = e->register_memory(buf.data(), buf.size());
+  FakeEngine f = FakeEngine::make<FailingNic>(10.0);
+  TransferEngine* e = f.engine.get();
+  const MemoryRegion& r = f.region;
   const MemoryDescriptor d = e->descriptor(r);
   const auto t0 = Clock::now();
   for (int i = 0; i < 50; ++i) {
@@ -118,12 +146,9 @@ TEST(FabricWorker, HardPostingErrorsFailTheOperationAtOnce) {
 // left queued; with no user thread waiting or polling, the worker posts it
 // and completes it (counted, no waiter).
 TEST(FabricWorker, RefusedWorkIsPostedWithoutAUserThread) {
-  EngineOptions o;
-  o.name = "self";
-  o.timeout_s = 10.0;
-  auto e = create_engine_on(o, [](int i) { return std::make_unique<SlowNic>(i, 1000); });
-  std::vector<char> buf(4096);
-  const MemoryRegion r = e->register_memory(buf.data(), buf.size());
+  FakeEngine f = FakeEngine::make<SlowNic>(10.0, 1000);
+  TransferEngine* e = f.engine.get();
+  const MemoryRegion& r = f.region;
   const MemoryDescriptor d = e->descriptor(r);
   std::atomic<uint64_t> done{0}, failed{0};
   (void)e->write(r, 0, d, 0, 64, 1u, count_completions(done, failed));
@@ -135,40 +160,25 @@ TEST(FabricWorker, RefusedWorkIsPostedWithoutAUserThread) {
 }
 
 // Two destinations: "stuck" refuses every post for now (kAgain, as tcp
-// reconnecting to a process that is gone), any other accepts; poll()
-// completes what was accepted.
-class OneStuckPeerNic final : public FakeNic {
+// reconnecting to a process that is gone), any other accepts.
+class OneStuckPeerNic final : public CompletingNic {
  public:
-  using FakeNic::FakeNic;
+  using CompletingNic::CompletingNic;
   uint64_t insert_peer(const std::string& endpoint, const std::string&) override {
     return endpoint == "stuck" ? 0 : 1;
   }
-  PostStatus post(const Wr& wr, WrContext* ctx, bool, PostError*) override {
-    if (wr.dest == 0) return PostStatus::kAgain;
-    accepted_.push_back(ctx);
-    return PostStatus::kPosted;
-  }
-  int poll(CompletionSink& sink) override {
-    const int n = static_cast<int>(accepted_.size());
-    for (WrContext* c : accepted_) sink.wr_done(c);
-    accepted_.clear();
-    return n;
-  }
 
  private:
-  std::deque<WrContext*> accepted_;
+  bool refuse(const Wr& wr) override { return wr.dest == 0; }
 };
 
 // A destination that refuses holds back only its own queued requests: a
 // write to another peer, queued behind hundreds to the stuck one, goes out
 // and completes at once.
 TEST(FabricWorker, AStuckPeerHoldsBackOnlyItsOwnWrites) {
-  EngineOptions o;
-  o.name = "self";
-  o.timeout_s = 10.0;
-  auto e = create_engine_on(o, [](int i) { return std::make_unique<OneStuckPeerNic>(i); });
-  std::vector<char> buf(4096);
-  const MemoryRegion r = e->register_memory(buf.data(), buf.size());
+  FakeEngine f = FakeEngine::make<OneStuckPeerNic>(10.0);
+  TransferEngine* e = f.engine.get();
+  const MemoryRegion& r = f.region;
   auto peer = [](const char* name, const char* endpoint) {
     MemoryDescriptor d;
     d.owner.name = name;
@@ -188,12 +198,9 @@ TEST(FabricWorker, AStuckPeerHoldsBackOnlyItsOwnWrites) {
 }
 
 TEST(FabricWorker, EachOperationTimesOutAtItsOwnDeadline) {
-  EngineOptions o;
-  o.name = "self";
-  o.timeout_s = 0.4;
-  auto e = create_engine_on(o, [](int i) { return std::make_unique<BlackHoleNic>(i); });
-  std::vector<char> buf(4096);
-  const MemoryRegion r = e->register_memory(buf.data(), buf.size());
+  FakeEngine f = FakeEngine::make<BlackHoleNic>(0.4);
+  TransferEngine* e = f.engine.get();
+  const MemoryRegion& r = f.region;
   const MemoryDescriptor d = e->descriptor(r);
   // Three writes 150 ms apart, then one more right away: all in flight,
   // none ever completing.
