@@ -47,46 +47,54 @@ json summary(const Samples& s) {
 
 constexpr uint32_t kImm = 11;
 
+// `iters` rounds of post() then complete(token), timed: post = post()
+// alone, round = both. The token (the engine's Transfer) is dropped after
+// the round's clock is read, so its destruction is not timed, for either.
 // out null: a warm-up (tcp connects), not recorded.
-void engine_rep(TransferEngine& a, TransferEngine& b, const MemoryRegion& src,
-                const MemoryDescriptor& dst, int iters, Samples* out) {
-  std::vector<double> post, round;
+template <class Post, class Complete>
+void time_rounds(int iters, Samples* out, Post post, Complete complete) {
+  std::vector<double> posts, rounds;
   for (int i = 0; i < iters; ++i) {
     const double t0 = now_us();
-    auto op = a.write(src, 0, dst, 0, 8, kImm);
+    auto token = post();
     const double t1 = now_us();
-    b.wait_imm(kImm, 1);
-    op->wait();
+    complete(token);
     const double t2 = now_us();
-    post.push_back(t1 - t0);
-    round.push_back(t2 - t0);
+    posts.push_back(t1 - t0);
+    rounds.push_back(t2 - t0);
   }
   if (!out) return;
-  out->post.push_back(p50(post));
-  out->round.push_back(p50(round));
+  out->post.push_back(p50(posts));
+  out->round.push_back(p50(rounds));
+}
+
+void engine_rep(TransferEngine& a, TransferEngine& b, const MemoryRegion& src,
+                const MemoryDescriptor& dst, int iters, Samples* out) {
+  time_rounds(
+      iters, out, [&] { return a.write(src, 0, dst, 0, 8, kImm); },
+      [&](const TransferPtr& op) {
+        b.wait_imm(kImm, 1);
+        op->wait();
+      });
 }
 
 void raw_rep(RawFabric& a, RawFabric& b, const RawFabric::Remote& dst, const void* src,
              void* desc, int iters, Samples* out) {
-  std::vector<double> post, round;
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  for (int i = 0; i < iters; ++i) {
-    const double t0 = now_us();
-    a.write(dst, 0, src, 8, desc, true, kImm);
-    const double t1 = now_us();
-    for (long spin = 0; a.outstanding() > 0 || !b.take_imm(kImm); ++spin) {
-      a.progress();
-      b.progress();
-      if (spin % 4096 == 4095 && std::chrono::steady_clock::now() > give_up)
-        throw std::runtime_error("cpu cost: a raw write did not complete within 30 s");
-    }
-    const double t2 = now_us();
-    post.push_back(t1 - t0);
-    round.push_back(t2 - t0);
-  }
-  if (!out) return;
-  out->post.push_back(p50(post));
-  out->round.push_back(p50(round));
+  time_rounds(
+      iters, out,
+      [&] {
+        a.write(dst, 0, src, 8, desc, true, kImm);
+        return 0;  // no operation object
+      },
+      [&](int) {
+        for (long spin = 0; a.outstanding() > 0 || !b.take_imm(kImm); ++spin) {
+          a.progress();
+          b.progress();
+          if (spin % 4096 == 4095 && std::chrono::steady_clock::now() > give_up)
+            throw std::runtime_error("cpu cost: a raw write did not complete within 30 s");
+        }
+      });
 }
 
 // A windowed stream of paged writes, the message-rate pattern of the
