@@ -30,6 +30,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -243,26 +244,35 @@ int pick_free_port() {
   return ntohs(a.sin_port);
 }
 
+// Forks a child that runs body(write end of the pipe fds) and exits (1,
+// after printing "moelink-fabric-bench: <who>: <error>", if it threw); the
+// child dies with the parent. Returns its pid (-1 if fork failed). The
+// caller flushes stdio before, and reads fds[0].
+pid_t fork_child(const int fds[2], const std::string& who, const std::function<void(int)>& body) {
+  const pid_t pid = fork();
+  if (pid != 0) return pid;
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  close(fds[0]);
+  int rc = 0;
+  try {
+    body(fds[1]);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moelink-fabric-bench: %s: %s\n", who.c_str(), e.what());
+    rc = 1;
+  }
+  std::fflush(nullptr);
+  _exit(rc);
+}
+
 // measure_cpu_cost in a child (the parent never initializes libfabric),
 // its JSON back through a pipe; throws with the child's failure.
 json cpu_cost_in_child(const std::string& provider, int iters, int reps) {
   int fds[2];
   if (pipe(fds) != 0) throw std::runtime_error("pipe failed");
   std::fflush(nullptr);
-  const pid_t pid = fork();
-  if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    close(fds[0]);
-    int rc = 0;
-    try {
-      write_all(fds[1], measure_cpu_cost(provider, iters, reps).dump());
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "moelink-fabric-bench: cpu cost (%s): %s\n", provider.c_str(), e.what());
-      rc = 1;
-    }
-    std::fflush(nullptr);
-    _exit(rc);
-  }
+  const pid_t pid = fork_child(fds, "cpu cost (" + provider + ")", [&](int fd) {
+    write_all(fd, measure_cpu_cost(provider, iters, reps).dump());
+  });
   close(fds[1]);
   std::string out;
   char chunk[4096];
@@ -311,21 +321,10 @@ json run_config(const std::string& provider, int peers, const RunOptions& o, int
   std::fflush(nullptr);
   std::vector<pid_t> pids;
   for (int r = 0; r < world; ++r) {
-    const pid_t pid = fork();
-    if (pid == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      close(fds[0]);
-      int rc = 0;
-      try {
-        rank_main(r, world, port, o, provider, fds[1]);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "moelink-fabric-bench: rank %d (%s, %d peers): %s\n", r,
-                     provider.c_str(), peers, e.what());
-        rc = 1;
-      }
-      std::fflush(nullptr);
-      _exit(rc);
-    }
+    const std::string who = "rank " + std::to_string(r) + " (" + provider + ", " +
+                            std::to_string(peers) + " peers)";
+    const pid_t pid =
+        fork_child(fds, who, [&](int fd) { rank_main(r, world, port, o, provider, fd); });
     if (pid < 0) throw std::runtime_error("fork failed");
     pids.push_back(pid);
   }
