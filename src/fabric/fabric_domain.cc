@@ -57,10 +57,6 @@ std::string prov_hint(const std::string& provider) {
   return provider;
 }
 
-std::string runtime_version() {
-  return std::to_string(FI_MAJOR(fi_version())) + "." + std::to_string(FI_MINOR(fi_version()));
-}
-
 fi_info* getinfo(const std::string& provider, bool hmem) {
   fi_info* hints = fi_allocinfo();
   if (!hints) throw FabricError("fi_allocinfo failed");
@@ -105,7 +101,7 @@ std::unique_ptr<ProviderInfo> query_provider(const std::string& provider) {
                        : std::vector<std::string>{provider};
   if (provider == kEfaDirect && fi_version() < kEfaDirectVersion)
     throw ProviderUnavailable("TransferEngine: provider 'efa-direct' needs libfabric >= 2.1; the "
-                              "loaded libfabric is " + runtime_version() +
+                              "loaded libfabric is " + fabric_runtime_version() +
                               " (use 'efa', or the EFA installer's libfabric)");
   for (const auto& p : candidates) {
     for (bool hmem : {true, false}) {
@@ -131,7 +127,7 @@ std::unique_ptr<ProviderInfo> query_provider(const std::string& provider) {
   throw ProviderUnavailable("TransferEngine: libfabric provider '" +
                             (provider.empty() ? std::string("efa|shm|tcp") : provider) +
                             "' is not available with RDM endpoints, FI_MSG|FI_RMA and remote CQ "
-                            "data (libfabric " + runtime_version() + ")");
+                            "data (libfabric " + fabric_runtime_version() + ")");
 }
 
 Domain::Domain(const fi_info* info, int index, const ReceiveConfig& rx) : Nic(index) {
