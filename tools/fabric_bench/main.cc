@@ -182,6 +182,32 @@ void write_all(int fd, const std::string& s) {
   }
 }
 
+// Indices into the process's CPU set for rank r's thread and its engine
+// worker under --pin. Rank r's thread on CPU r, its worker on CPU world + r.
+// With fewer CPUs than threads (8 peers on 16 CPUs: 18 threads) the
+// workers past the end share the CPUs of the workers of ranks 2, 3, ...
+// (asleep while their rank polls), never the CPUs of ranks 0 and 1 or of
+// their workers: rank 0 is the sender every op times, rank 1 its
+// ping-pong partner. (Wrapping round to CPU 0 put peer 7's worker beside
+// the sender.) Too few CPUs even for that: modulo the CPU set.
+struct PinnedCpus {
+  size_t thread, worker;
+};
+PinnedCpus pinned_cpus(int rank, int world, size_t ncpu, bool worker_on_rank_cpu) {
+  const size_t r = static_cast<size_t>(rank), w = static_cast<size_t>(world);
+  PinnedCpus at{r % ncpu, 0};
+  if (worker_on_rank_cpu) {
+    at.worker = at.thread;
+  } else if (w + r < ncpu) {
+    at.worker = w + r;
+  } else if (w + 2 < ncpu) {
+    at.worker = w + 2 + (w + r - ncpu) % (ncpu - w - 2);
+  } else {
+    at.worker = (w + r) % ncpu;
+  }
+  return at;
+}
+
 void rank_main(int rank, int world, int port, const RunOptions& o, const std::string& provider,
                int fd) {
   auto b = moelink::make_tcp_bootstrap(rank, world, "127.0.0.1", port, 60.0);
@@ -200,12 +226,13 @@ void rank_main(int rank, int world, int port, const RunOptions& o, const std::st
     std::vector<int> cpus;
     for (int c = 0; c < CPU_SETSIZE; ++c)
       if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+    const PinnedCpus at = pinned_cpus(rank, world, cpus.size(), o.worker_on_rank_cpu);
     cpu_set_t mine;
     CPU_ZERO(&mine);
-    CPU_SET(cpus[static_cast<size_t>(rank) % cpus.size()], &mine);
+    CPU_SET(cpus[at.thread], &mine);
     if (sched_setaffinity(0, sizeof(mine), &mine) != 0)
       throw std::runtime_error("--pin: sched_setaffinity failed");
-    worker_cpu = cpus[static_cast<size_t>(o.worker_on_rank_cpu ? rank : world + rank) % cpus.size()];
+    worker_cpu = cpus[at.worker];
   }
   std::map<std::string, OpSamples> res[2];  // 0 raw, 1 engine
   std::string names[2];
@@ -525,7 +552,8 @@ int main(int argc, char** argv) {
                  "in one process) vs raw libfabric: iterations per repetition (0: skip)")
       ->check(CLI::Range(0, 10000000));
   CLI::Option* pin = app.add_flag(
-      "--pin", o.pin, "pin rank r to CPU r and its engine worker to CPU N+1+r (modulo the CPU set)");
+      "--pin", o.pin, "pin rank r to CPU r and its engine worker to CPU N+1+r (past the CPU set: beside the "
+      "workers of ranks 2, 3, ...)");
   app.add_flag("--pin-worker-with-rank", o.worker_on_rank_cpu,
                "with --pin: the engine worker on its rank's CPU (the CPUs the raw loop uses; "
                "stalls busy-polling threads, see docs/transfer_engine.md)")
@@ -569,8 +597,9 @@ int main(int argc, char** argv) {
   jo["pin"] = !o.pin ? "not pinned"
               : o.worker_on_rank_cpu
                   ? "rank r's thread and its engine worker on CPU r, modulo the process's CPU set"
-                  : "rank r's thread on CPU r, its engine worker on CPU (N+1)+r, modulo the "
-                    "process's CPU set";
+                  : "rank r's thread on CPU r, its engine worker on CPU (N+1)+r; workers past the "
+                    "process's CPU set share the CPUs of the workers of ranks 2, 3, ... (never "
+                    "those of ranks 0 and 1 or their workers)";
   doc["options"] = jo;
   const std::string polling =
       o.yield_when_idle

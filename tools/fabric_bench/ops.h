@@ -20,7 +20,7 @@ struct RunOptions {
   int lat_iters = 200, rate_iters = 200, warmup = 20, window = 16, rounds = 2;
   bool yield_when_idle = true;
   // Pin rank r's threads: the calling thread to CPU r, the engine's worker
-  // to CPU world + r (both modulo the process's CPU set).
+  // to CPU world + r (past the process's CPU set: see pinned_cpus, main.cc).
   bool pin = false;
   // With pin: the worker on its rank's own CPU instead of CPU world + r
   // (then the engine uses exactly the CPUs the raw loop uses).
