@@ -411,22 +411,6 @@ __global__ void __launch_bounds__(kThreads) combine_unpack_kernel(GpuCombinePara
   }
 }
 
-template <typename OutT>
-cudaError_t launch_combine_pack_out(const GpuCombineParams& p, int blocks, cudaStream_t s) {
-  switch (p.y_dtype) {
-    case DType::kBFloat16:
-      combine_pack_kernel<__nv_bfloat16, OutT><<<blocks, kThreads, 0, s>>>(p);
-      break;
-    case DType::kFloat16:
-      combine_pack_kernel<__half, OutT><<<blocks, kThreads, 0, s>>>(p);
-      break;
-    default:
-      combine_pack_kernel<float, OutT><<<blocks, kThreads, 0, s>>>(p);
-      break;
-  }
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 cudaError_t launch_dispatch_pack(const GpuDispatchParams& p, int blocks, cudaStream_t stream) {
@@ -447,9 +431,11 @@ cudaError_t launch_dispatch_unpack(const GpuDispatchParams& p, int blocks, cudaS
 }
 
 cudaError_t launch_combine_pack(const GpuCombineParams& p, int blocks, cudaStream_t stream) {
-  const cudaError_t e = p.out_dtype == DType::kFloat16
-                            ? launch_combine_pack_out<__half>(p, blocks, stream)
-                            : launch_combine_pack_out<__nv_bfloat16>(p, blocks, stream);
+  const cudaError_t e = with_combine_types(p.y_dtype, p.out_dtype, [&](auto y, auto out) {
+    combine_pack_kernel<typename decltype(y)::type, typename decltype(out)::type>
+        <<<blocks, kThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
   if (e != cudaSuccess) return e;
   request_kernel<<<1, 1, 0, stream>>>(p.c, 1);
   return cudaGetLastError();

@@ -188,31 +188,16 @@ __global__ void __launch_bounds__(kThreadsPerBlock) combine_kernel(CombineParams
   if (kRecv) combine_recv_part<OutT>(p, epoch);
 }
 
-template <typename YT, typename OutT>
-cudaError_t launch_typed(const CombineParams& p, bool send, bool recv, int blocks,
-                         cudaStream_t s) {
-  if (send && recv) return launch_kernel(combine_kernel<YT, OutT, true, true>, p, blocks, true, s);
-  if (send) return launch_kernel(combine_kernel<YT, OutT, true, false>, p, blocks, false, s);
-  // The receive half does not read expert_y: one instantiation per out type.
-  return launch_kernel(combine_kernel<OutT, OutT, false, true>, p, blocks, false, s);
-}
-
-template <typename OutT>
-cudaError_t launch_for_out(const CombineParams& p, bool send, bool recv, int blocks,
-                           cudaStream_t s) {
-  switch (p.y_dtype) {
-    case DType::kBFloat16: return launch_typed<__nv_bfloat16, OutT>(p, send, recv, blocks, s);
-    case DType::kFloat16: return launch_typed<__half, OutT>(p, send, recv, blocks, s);
-    default: return launch_typed<float, OutT>(p, send, recv, blocks, s);
-  }
-}
-
 }  // namespace
 
 void launch_combine(const CombineParams& p, bool send, bool recv, int blocks, cudaStream_t s) {
-  const cudaError_t err = p.out_dtype == DType::kFloat16
-                              ? launch_for_out<__half>(p, send, recv, blocks, s)
-                              : launch_for_out<__nv_bfloat16>(p, send, recv, blocks, s);
+  const cudaError_t err = with_combine_types(p.y_dtype, p.out_dtype, [&](auto y, auto out) {
+    using YT = typename decltype(y)::type;
+    using OutT = typename decltype(out)::type;
+    // The receive half does not read expert_y: one instantiation per out type.
+    return launch_halves(combine_kernel<YT, OutT, true, true>, combine_kernel<YT, OutT, true, false>,
+                         combine_kernel<OutT, OutT, false, true>, p, send, recv, blocks, s);
+  });
   if (err != cudaSuccess) throw_cuda_error(err, "launching the combine kernel", __FILE__, __LINE__);
 }
 

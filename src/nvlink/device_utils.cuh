@@ -1,7 +1,8 @@
 // Device-side building blocks shared by the dispatch and combine kernels:
 // system-scope flag loads/stores, the wait-with-deadline, error recording,
-// block-done signals, the epoch, row splitting, the 8-element conversions
-// combine uses and the launch helper.
+// block-done signals, the epoch, row splitting, the warp's row copy to
+// several destinations, the 8-element conversions combine uses and the
+// launch helpers (one or both halves; the combine's element types).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -35,6 +36,33 @@ __device__ __forceinline__ uint4 load_input_16(const void* p) {
 }
 __device__ __forceinline__ uint4 load_16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 __device__ __forceinline__ void store_16(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
+
+// One warp copies 16-byte vectors [begin, end) of the row at `src` to the
+// row held by each of lanes 0..num_dest-1 in `dst` (lane d's `dst` is
+// destination d's row address): the source is read once, kUnroll vectors
+// per lane in flight. kInput: `src` is an input nobody writes while the
+// kernel runs (non-coherent loads); otherwise plain loads (memory a peer
+// wrote during this launch).
+template <int kUnroll, bool kInput>
+__device__ __forceinline__ void copy_row_to_lanes(const char* src, int64_t begin, int64_t end,
+                                                  char* dst, int num_dest, int lane) {
+  for (int64_t base = begin; base < end; base += 32 * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i < end) v[u] = kInput ? load_input_16(src + i * 16) : load_16(src + i * 16);
+    }
+    for (int d = 0; d < num_dest; ++d) {
+      char* out = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(dst), d));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + u * 32 + lane;
+        if (i < end) store_16(out + i * 16, v[u]);
+      }
+    }
+  }
+}
 
 // First error wins; the host reads the record after synchronizing.
 __device__ __forceinline__ void record_error(ErrorRecord* e, ErrorCode code, Phase phase, int peer,
@@ -224,6 +252,39 @@ cudaError_t launch_kernel(void (*kernel)(Params), const Params& params, int bloc
   cfg.attrs = cooperative ? &attr : nullptr;
   cfg.numAttrs = cooperative ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, params);
+}
+
+// The send and receive halves of dispatch or combine: both in one
+// cooperative launch (its receiving blocks wait for its sending ones), or
+// one alone.
+template <typename Params>
+cudaError_t launch_halves(void (*both)(Params), void (*send_only)(Params),
+                          void (*recv_only)(Params), const Params& p, bool send, bool recv,
+                          int blocks, cudaStream_t stream) {
+  if (send && recv) return launch_kernel(both, p, blocks, true, stream);
+  if (send) return launch_kernel(send_only, p, blocks, false, stream);
+  return launch_kernel(recv_only, p, blocks, false, stream);
+}
+
+// Calls f(TypeTag<YT>{}, TypeTag<OutT>{}) for the combine's element types:
+// expert outputs YT of y_dtype (bf16, fp16, or else fp32), results OutT of
+// out_dtype (fp16, or else bf16). One instantiation per pair, in one place
+// for every backend.
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+template <typename F>
+cudaError_t with_combine_types(DType y_dtype, DType out_dtype, F&& f) {
+  const auto for_out = [&](auto out) -> cudaError_t {
+    switch (y_dtype) {
+      case DType::kBFloat16: return f(TypeTag<__nv_bfloat16>{}, out);
+      case DType::kFloat16: return f(TypeTag<__half>{}, out);
+      default: return f(TypeTag<float>{}, out);
+    }
+  };
+  return out_dtype == DType::kFloat16 ? for_out(TypeTag<__half>{})
+                                      : for_out(TypeTag<__nv_bfloat16>{});
 }
 
 }  // namespace moelink::detail

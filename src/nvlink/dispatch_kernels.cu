@@ -50,29 +50,6 @@ __device__ TokenRoute load_route(const DispatchParams& p, int64_t t, int lane, b
   return r;
 }
 
-// Copies vectors [begin, end) (16 bytes each) of the row at `src` to the
-// slot of every destination held by lanes 0..num_dest-1 (each lane's `dst`
-// is its destination's row address). The source is read once.
-__device__ __forceinline__ void copy_row_to_all(const char* src, int64_t begin, int64_t end,
-                                                char* dst, int num_dest, int lane) {
-  for (int64_t base = begin; base < end; base += 32 * kUnroll) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * 32 + lane;
-      if (i < end) v[u] = load_input_16(src + i * 16);
-    }
-    for (int d = 0; d < num_dest; ++d) {
-      char* out = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(dst), d));
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + u * 32 + lane;
-        if (i < end) store_16(out + i * 16, v[u]);
-      }
-    }
-  }
-}
-
 // Zeroes what the receive half accumulates into.
 __device__ void reset_receive_counts(const DispatchParams& p) {
   for (int j = threadIdx.x; j < p.c.geo.num_local_experts; j += blockDim.x) p.out_num_tokens[j] = 0;
@@ -145,8 +122,9 @@ __device__ void dispatch_send_part(const DispatchParams& p, uint32_t epoch, int 
         my_routes = n;
       }
     }
-    copy_row_to_all(p.x + t * p.x_row_bytes, begin, end,
-                    lane < num_dest ? my_slot + g.slot_token_offset : nullptr, num_dest, lane);
+    copy_row_to_lanes<kUnroll, true>(p.x + t * p.x_row_bytes, begin, end,
+                                     lane < num_dest ? my_slot + g.slot_token_offset : nullptr,
+                                     num_dest, lane);
     if (g.hidden_dim_scale > 0 && piece == 0) {
       for (int s0 = 0; s0 < g.hidden_dim_scale; s0 += 32) {
         const int s = s0 + lane;
@@ -268,23 +246,8 @@ __device__ void receive_slot(const DispatchParams& p, int grp, int64_t t, uint32
     }
     if (kept == 0) return;
     // Plain loads: the staging slot was written by a peer during this dispatch.
-    const int64_t nvec = g.token_bytes / 16;
-    for (int64_t base = 0; base < nvec; base += 32 * kRecvUnroll) {
-      uint4 v[kRecvUnroll];
-#pragma unroll
-      for (int u = 0; u < kRecvUnroll; ++u) {
-        const int64_t i = base + u * 32 + lane;
-        if (i < nvec) v[u] = load_16(slot + g.slot_token_offset + i * 16);
-      }
-      for (int d = 0; d < kept; ++d) {
-        char* out = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_dst), d));
-#pragma unroll
-        for (int u = 0; u < kRecvUnroll; ++u) {
-          const int64_t i = base + u * 32 + lane;
-          if (i < nvec) store_16(out + i * 16, v[u]);
-        }
-      }
-    }
+    copy_row_to_lanes<kRecvUnroll, false>(slot + g.slot_token_offset, 0, g.token_bytes / 16, my_dst,
+                                          kept, lane);
     if (g.hidden_dim_scale > 0) {
       const float* src_scale = reinterpret_cast<const float*>(slot + g.slot_scale_offset);
       for (int s0 = 0; s0 < g.hidden_dim_scale; s0 += 32) {
@@ -387,14 +350,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dispatch_kernel(DispatchPara
 }  // namespace
 
 void launch_dispatch(const DispatchParams& p, bool send, bool recv, int blocks, cudaStream_t s) {
-  cudaError_t err;
-  if (send && recv)
-    err = launch_kernel(dispatch_kernel<true, true>, p, blocks, true, s);
-  else if (send)
-    err = launch_kernel(dispatch_kernel<true, false>, p, blocks, false, s);
-  else
-    err = launch_kernel(dispatch_kernel<false, true>, p, blocks, false, s);
-  if (err != cudaSuccess) throw_cuda_error(err, "launching the dispatch kernel", __FILE__, __LINE__);
+  const cudaError_t err = launch_halves(dispatch_kernel<true, true>, dispatch_kernel<true, false>,
+                                        dispatch_kernel<false, true>, p, send, recv, blocks, s);
+  if (err != cudaSuccess)
+    throw_cuda_error(err, "launching the dispatch kernel", __FILE__, __LINE__);
 }
 
 }  // namespace moelink::detail

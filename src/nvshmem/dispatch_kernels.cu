@@ -257,24 +257,9 @@ __device__ void receive_chunk(const DispatchParams& p, int s, int j, int64_t c) 
   if (kept == 0) return;
   // Lane d < kept: row base + d of expert j.
   char* dst = lane < kept ? p.out_x + j * p.out_x_s0_bytes + (base + lane) * p.out_x_s1_bytes : nullptr;
-  const int64_t nvec = g.token_bytes / 16;
-  const char* src = chunk + lay.chunk_token_offset;
-  for (int64_t b0 = 0; b0 < nvec; b0 += 32 * kUnroll) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = b0 + u * 32 + lane;
-      if (i < nvec) v[u] = load_16(src + i * 16);
-    }
-    for (int d = 0; d < kept; ++d) {
-      char* out = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(dst), d));
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = b0 + u * 32 + lane;
-        if (i < nvec) store_16(out + i * 16, v[u]);
-      }
-    }
-  }
+  // Plain loads: the chunk was put here by a peer during this dispatch.
+  copy_row_to_lanes<kUnroll, false>(chunk + lay.chunk_token_offset, 0, g.token_bytes / 16, dst,
+                                    kept, lane);
   const float* scales = reinterpret_cast<const float*>(chunk + lay.chunk_scale_offset);
   for (int i = lane; i < g.hidden_dim_scale; i += 32) {
     const float v = scales[i];
@@ -350,13 +335,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dispatch_kernel(DispatchPara
 }  // namespace
 
 void launch_dispatch(const DispatchParams& p, bool send, bool recv, int blocks, cudaStream_t s) {
-  cudaError_t err;
-  if (send && recv)
-    err = launch_kernel(dispatch_kernel<true, true>, p, blocks, true, s);
-  else if (send)
-    err = launch_kernel(dispatch_kernel<true, false>, p, blocks, false, s);
-  else
-    err = launch_kernel(dispatch_kernel<false, true>, p, blocks, false, s);
+  const cudaError_t err = launch_halves(dispatch_kernel<true, true>, dispatch_kernel<true, false>,
+                                        dispatch_kernel<false, true>, p, send, recv, blocks, s);
   if (err != cudaSuccess)
     throw_cuda_error(err, "launching the NVSHMEM dispatch kernel", __FILE__, __LINE__);
 }
