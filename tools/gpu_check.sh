@@ -37,6 +37,13 @@ if has test; then
   echo "== GPU test suite ($ngpu GPUs)"
   build-gpu/tests/moelink_tests --gtest_filter="${MOELINK_GTEST_FILTER:-*}" >"$OUT/tests.log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests? ran|FAILED" "$OUT/tests.log" | tail -25
+  fabric_tests=build-gpu/src/fabric/tests/moelink_fabric_tests
+  if [[ -x $fabric_tests ]]; then
+    echo "== TransferEngine GPU tests (a kernel polls signal_on_imm's flag; shm / tcp)"
+    FI_TCP_IFACE=lo $fabric_tests --gtest_filter="${MOELINK_FABRIC_FILTER:-*Gpu*}" \
+      >"$OUT/fabric-tests.log" 2>&1 || status=1
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests? ran|FAILED" "$OUT/fabric-tests.log" | tail -10
+  fi
   internode_tests=build-gpu/src/fabric/tests/moelink_internode_tests
   if [[ -x $internode_tests ]]; then
     echo "== internode backend tests (GPU and CPU, libfabric shm / tcp)"

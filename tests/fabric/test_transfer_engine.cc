@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <new>
 #include <set>
 #include <thread>
 #include <numeric>
@@ -19,6 +20,10 @@
 #include "fabric/op_state.h"
 #include "fabric_test_util.h"
 #include "rank_harness.h"
+#if MOELINK_WITH_CUDA
+#include "gpu_flag_poll.h"
+#include "gpu_memory_ops.h"  // CUDA_OK
+#endif
 
 namespace {
 
@@ -490,6 +495,92 @@ TEST_P(FabricTest, SignalOnImmRaisesAFlag) {
     b.barrier();
   }, kTimeout);
 }
+
+#if MOELINK_WITH_CUDA
+// What signal_on_imm is for: a GPU kernel polls the flag in pinned mapped
+// host memory while the engine's worker (no user thread waits here) counts
+// the arrivals. The kernel keeps polling after 2 of 3 writes, sees the
+// value after the third and then reads all their bytes (poisoned before).
+TEST_P(FabricTest, SignalOnImmRaisesAFlagAGpuKernelPolls) {
+  if (moelink_test::probe_gpu_count() == 0)
+    GTEST_SKIP() << "no CUDA GPU on this machine: this test runs on the H200 device machine "
+                    "(tools/gpu_check.sh)";
+  const std::string prov = provider();
+  constexpr size_t kBytes = 3 * 4096, kWords = kBytes / 8;
+  run_ranks(2, [&](int rank, moelink::Bootstrap& b) {
+    auto e = make_engine(prov, rank);
+    // Rank 1: [flag | FlagPoll | data] in one mapped pinned allocation.
+    char* mem = nullptr;
+    uint64_t* flag = nullptr;
+    moelink_test::FlagPoll* poll = nullptr;
+    char* data = nullptr;
+    std::vector<uint8_t> src(kBytes);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = pattern(rank, i);
+    cudaStream_t stream = nullptr;
+    MemoryRegion region;
+    if (rank == 1) {
+      CUDA_OK(cudaSetDevice(0));
+      CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&mem), 4096 + kBytes, cudaHostAllocMapped));
+      flag = reinterpret_cast<uint64_t*>(mem);
+      *flag = 0;
+      poll = new (mem + 64) moelink_test::FlagPoll();
+      data = mem + 4096;
+      std::memset(data, 0xEE, kBytes);  // poison: unwritten words change the checksum
+      region = e->register_memory(data, kBytes);
+    } else {
+      region = e->register_memory(src.data(), src.size());
+    }
+    auto d = exchange_descriptors(b, *e, region);
+    warm_up(*e, b, d);
+    auto volatile_read = [](uint64_t& f) {
+      return std::atomic_ref<uint64_t>(f).load(std::memory_order_acquire);
+    };
+    auto wait_for = [](auto pred) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (!pred() && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      return pred();
+    };
+    if (rank == 1) {
+      e->signal_on_imm(9, 3, flag, 42);
+      CUDA_OK(moelink_test::launch_flag_poll(flag, 42, reinterpret_cast<const uint64_t*>(data),
+                                             kWords, 30'000'000'000ull, poll, stream));
+      RANK_CHECK(wait_for([&] { return volatile_read(poll->started) == 1; }))
+          << "the polling kernel did not start";
+    }
+    b.barrier();
+    if (rank == 0) {
+      e->write(region, 0, d[1], 0, 4096, 9u)->wait();
+      e->write(region, 4096, d[1], 4096, 4096, 9u)->wait();
+    }
+    b.barrier();
+    if (rank == 1) {
+      RANK_CHECK(wait_for([&] { return e->imm_count(9) == 2; })) << "the two writes were not counted";
+      RANK_CHECK(volatile_read(*flag) == 0) << "flag raised after 2 of 3 arrivals";
+      RANK_CHECK(volatile_read(poll->done) == 0) << "the kernel stopped polling before the flag";
+    }
+    b.barrier();
+    if (rank == 0) e->write(region, 8192, d[1], 8192, 4096, 9u)->wait();
+    if (rank == 1) {
+      CUDA_OK(cudaStreamSynchronize(stream));
+      std::vector<uint8_t> want(kBytes);
+      for (size_t i = 0; i < want.size(); ++i) want[i] = pattern(0, i);
+      RANK_CHECK(poll->done == 1) << "the kernel did not finish";
+      RANK_CHECK(poll->timed_out == 0) << "the kernel never saw the flag (30 s)";
+      RANK_CHECK(poll->seen == 42) << "the kernel saw " << poll->seen << ", not 42";
+      RANK_CHECK(poll->checksum ==
+                 moelink_test::data_checksum(reinterpret_cast<const uint64_t*>(want.data()), kWords))
+          << "the bytes the kernel read after the flag are not the three writes'";
+      RANK_CHECK(e->imm_count(9) == 0) << "the signal did not consume its arrivals";
+      e->deregister_memory(region);
+      CUDA_OK(cudaStreamDestroy(stream));
+      CUDA_OK(cudaFreeHost(mem));
+    }
+    b.barrier();
+  }, kTimeout);
+}
+#endif
 
 // The CPUs a thread of this process may run on, from
 // /proc/self/task/<tid>/status ("Cpus_allowed_list:\t3").
