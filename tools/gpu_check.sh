@@ -8,7 +8,8 @@
 #   libfabric's shm provider (GPUs of this machine treated as nodes).
 #   fabric (not in the default): moelink-fabric-bench, the TransferEngine
 #   against raw libfabric, yield-when-idle and busy-poll, pinned (rank r on
-#   CPU r, its worker on CPU N+1+r)
+#   CPU r, its worker on CPU N+1+r; past the CPU set, beside the workers of
+#   ranks 2, 3, ...)
 #   (MOELINK_FABRIC_BENCH_ARGS replaces the default arguments).
 # Needs .deps/ from tools/prepare_device_deps.sh (that machine has no package
 # registry) and carries it with the call.
