@@ -119,11 +119,13 @@ bool ImmCounters::sleep_until(Counter& c, uint64_t n, std::chrono::steady_clock:
 }
 
 void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
-                       const std::function<Pass()>& progress, bool sleep_when_idle) {
+                       const std::function<Pass()>& progress, bool sleep_when_idle,
+                       std::atomic<int>* waiters) {
   const int spin = sleep_when_idle ? kSpinPolls : std::numeric_limits<int>::max();
   using Clock = std::chrono::steady_clock;
   Counter& c = counter(imm);
   if (take(c, count)) return;
+  const WaiterCount waiting(waiters);  // until this wait returns or throws
   // The coarse clock (a few ms behind at most): deadlines of a wait are
   // that much early at worst.
   const auto timeout =
@@ -159,11 +161,6 @@ void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
   throw TimeoutError("TransferEngine wait_imm: immediate " + std::to_string(imm) + " arrived " +
                      std::to_string(c.load()) + " of " + std::to_string(count) + " times within " +
                      std::to_string(timeout_s) + " s (a peer is missing or failed)");
-}
-
-bool ImmCounters::try_take(uint32_t imm, uint64_t count) {
-  Counter* c = find(imm);
-  return c && take(*c, count);
 }
 
 uint64_t ImmCounters::get(uint32_t imm) const {

@@ -34,10 +34,12 @@ class ImmCounters {
   // With `progress`, the waiter calls it (one non-blocking progress pass)
   // kSpinPolls times before sleeping, then after every short sleep.
   // `sleep_when_idle` false (a busy-polling engine): never sleep.
+  // `waiters` (the engine's count of waiting user threads, which idle
+  // workers read) is raised for the wait only once the arrivals are found
+  // missing: a wait that finds them there touches no shared word.
   void wait(uint32_t imm, uint64_t count, double timeout_s,
-            const std::function<Pass()>& progress = {}, bool sleep_when_idle = true);
-  // Consumes count arrivals if they are there (wait's first look).
-  bool try_take(uint32_t imm, uint64_t count);
+            const std::function<Pass()>& progress = {}, bool sleep_when_idle = true,
+            std::atomic<int>* waiters = nullptr);
   uint64_t get(uint32_t imm) const;
   // Stores value into *flag once count(imm) >= count, consuming count
   // (TransferEngine::signal_on_imm): at once if the arrivals are there,

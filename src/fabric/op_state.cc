@@ -24,7 +24,7 @@ void OpState::wait(double timeout_s) const {
     // kSpinPolls passes without, then sleep in short slices (woken early
     // by completion) with a pass after each: the workers' idle policy.
     // Passes take no lock; the (coarse) clock is read every 64 of them.
-    ProgressHook::Waiting waiting(progress_.get());
+    WaiterCount waiting(&progress_->waiters());
     const int spin = progress_->busy() ? std::numeric_limits<int>::max() : kSpinPolls;
     IdlePasses idle;
     for (int pass = 0; !done(); ++pass) {

@@ -51,6 +51,23 @@ enum class Pass {
   kBusy,  // another thread holds the endpoints (its pass does the work)
 };
 
+// One waiting user thread counted in an engine's ProgressHook::waiters()
+// while it lives (null: nothing counted).
+class WaiterCount {
+ public:
+  explicit WaiterCount(std::atomic<int>* waiters) : w_(waiters) {
+    if (w_) w_->fetch_add(1, std::memory_order_relaxed);
+  }
+  ~WaiterCount() {
+    if (w_) w_->fetch_sub(1, std::memory_order_relaxed);
+  }
+  WaiterCount(const WaiterCount&) = delete;
+  WaiterCount& operator=(const WaiterCount&) = delete;
+
+ private:
+  std::atomic<int>* w_;
+};
+
 // Lets a waiting user thread drive the engine's progress itself (read
 // completions) instead of sleeping until the worker wakes it. Cleared when
 // the engine is destroyed; operations may outlive it.
@@ -73,17 +90,6 @@ class ProgressHook {
   // idle workers sleep instead of spinning (they would compete for the
   // same cores and the same endpoint lock).
   std::atomic<int>& waiters() { return waiters_; }
-  struct Waiting {
-    explicit Waiting(ProgressHook* h) : h_(h) {
-      if (h_) h_->waiters_.fetch_add(1, std::memory_order_relaxed);
-    }
-    ~Waiting() {
-      if (h_) h_->waiters_.fetch_sub(1, std::memory_order_relaxed);
-    }
-    Waiting(const Waiting&) = delete;
-    Waiting& operator=(const Waiting&) = delete;
-    ProgressHook* h_;
-  };
   // One non-blocking pass: kBusy when another thread is in one, kIdle when
   // the engine is gone. A waiter runs this in a tight loop, so it takes no
   // mutex: one compare-and-swap claims the pass.

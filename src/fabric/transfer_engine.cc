@@ -314,10 +314,8 @@ class FabricEngine final : public TransferEngine {
   }
 
   void wait_imm(uint32_t imm, uint64_t count, double timeout_s) override {
-    if (imms_.try_take(imm, count)) return;  // there already: the worker need not know
-    ProgressHook::Waiting waiting(progress_.get());
     imms_.wait(imm, count, timeout_s < 0 ? options_.timeout_s : timeout_s, progress_fn_,
-               options_.yield_when_idle);
+               options_.yield_when_idle, &progress_->waiters());
   }
   uint64_t imm_count(uint32_t imm) const override { return imms_.get(imm); }
 
