@@ -90,12 +90,6 @@ json stats(std::vector<double> v) {
   return j;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-}
-
 // Writes per iteration and payload bytes per iteration of one op.
 void per_iteration(const std::string& op, int n, const RunOptions& o, double& writes,
                    double& bytes) {
@@ -166,6 +160,17 @@ json rank0_report(int n, const RunOptions& o, const std::map<std::string, OpSamp
     if (eng["rate"].contains("seconds_median"))
       ratio["rate_time"] = eng["rate"]["seconds_median"].get<double>() /
                            raw["rate"]["seconds_median"].get<double>();
+    // Engine / raw of each round (both ran in it, one after the other): how
+    // far one cell moves within a run, beside the ratio of the whole run.
+    const auto per_round = [](const std::vector<double>& e, const std::vector<double>& w) {
+      json a = json::array();
+      for (size_t i = 0; i < std::min(e.size(), w.size()); ++i) a.push_back(e[i] / w[i]);
+      return a;
+    };
+    const OpSamples& se = res[1].at(op);
+    const OpSamples& sr = res[0].at(op);
+    ratio["latency_p50_per_round"] = per_round(se.lat_p50_per_round, sr.lat_p50_per_round);
+    if (!se.rate_s.empty()) ratio["rate_time_per_round"] = per_round(se.rate_s, sr.rate_s);
     e["engine_over_raw"] = ratio;
     ops.push_back(e);
   }
@@ -479,6 +484,14 @@ std::string fmt(double v, int prec = 1) {
   return os.str();
 }
 
+// " [lo-hi]": the range of a cell's per-round ratios (empty for one round).
+std::string round_range(const json& r, const char* key) {
+  if (!r.contains(key) || r[key].size() < 2) return "";
+  const auto v = r[key].get<std::vector<double>>();
+  const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+  return " [" + fmt(*lo, 2) + "-" + fmt(*hi, 2) + "]";
+}
+
 void print_run(const std::string& provider, const json& run, double threshold) {
   for (const auto& e : run["ops"]) {
     const std::string op = e["op"];
@@ -489,18 +502,19 @@ void print_run(const std::string& provider, const json& run, double threshold) {
     const auto& eng = e["engine"];
     const auto& raw = e["raw"];
     const auto& r = e["engine_over_raw"];
-    std::printf("%-4s %d peers  %-8s %-18s lat p50 %8s / %8s us (x%.2f)  p90 %8s / %8s us (x%.2f)",
+    std::printf("%-4s %d peers  %-8s %-18s lat p50 %8s / %8s us (x%.2f%s)  p90 %8s / %8s us (x%.2f)",
                 provider.c_str(), run["peers"].get<int>(), op.c_str(), size.c_str(),
                 fmt(eng["latency_us"]["p50"]).c_str(), fmt(raw["latency_us"]["p50"]).c_str(),
-                r["latency_p50"].get<double>(), fmt(eng["latency_us"]["p90"]).c_str(),
-                fmt(raw["latency_us"]["p90"]).c_str(), r["latency_p90"].get<double>());
+                r["latency_p50"].get<double>(), round_range(r, "latency_p50_per_round").c_str(),
+                fmt(eng["latency_us"]["p90"]).c_str(), fmt(raw["latency_us"]["p90"]).c_str(),
+                r["latency_p90"].get<double>());
     if (r.contains("rate_time"))
-      std::printf("  rate %8s / %8s kwrites/s %7s / %7s MB/s (time x%.2f)",
+      std::printf("  rate %8s / %8s kwrites/s %7s / %7s MB/s (time x%.2f%s)",
                   fmt(eng["rate"]["writes_per_s"].get<double>() / 1e3).c_str(),
                   fmt(raw["rate"]["writes_per_s"].get<double>() / 1e3).c_str(),
                   fmt(eng["rate"]["bytes_per_s"].get<double>() / 1e6).c_str(),
                   fmt(raw["rate"]["bytes_per_s"].get<double>() / 1e6).c_str(),
-                  r["rate_time"].get<double>());
+                  r["rate_time"].get<double>(), round_range(r, "rate_time_per_round").c_str());
     bool over = r["latency_p50"].get<double>() > 1 + threshold;
     if (r.contains("rate_time")) over = over || r["rate_time"].get<double>() > 1 + threshold;
     std::printf("%s\n", over ? "  OVER" : "");

@@ -2,6 +2,7 @@
 // (EngineTransport, RawTransport). Rank 0 is the sender, ranks 1..N the peers.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -29,9 +30,16 @@ struct RunOptions {
 
 // Rank 0's measurements of one op with one implementation.
 struct OpSamples {
-  std::vector<double> lat_us;  // one per latency iteration, all rounds
-  std::vector<double> rate_s;  // seconds for rate_iters iterations, one per round
+  std::vector<double> lat_us;             // one per latency iteration, all rounds
+  std::vector<double> lat_p50_per_round;  // median latency of each round
+  std::vector<double> rate_s;             // seconds for rate_iters iterations, one per round
 };
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
 
 enum Imm : uint32_t {
   kScatter = 1, kBarrier = 2, kAck = 3, kPage = 4, kPing = 5, kPong = 6, kEnd = 7, kWarm = 8
@@ -110,6 +118,7 @@ void run_ops(T& t, moelink::Bootstrap& b, const RunOptions& o, const Layout& l, 
       iteration();
       t.wait_ops(64);
     }
+    const size_t first = s.lat_us.size();
     for (int i = 0; i < o.lat_iters; ++i) {
       const double t0 = now_us();
       iteration();
@@ -117,6 +126,9 @@ void run_ops(T& t, moelink::Bootstrap& b, const RunOptions& o, const Layout& l, 
       t.wait_ops(64);
       if (sender) s.lat_us.push_back(t1 - t0);
     }
+    if (sender && s.lat_us.size() > first)
+      s.lat_p50_per_round.push_back(
+          median(std::vector<double>(s.lat_us.begin() + static_cast<std::ptrdiff_t>(first), s.lat_us.end())));
     // Message rate: rate_iters iterations with at most `window` in flight
     // (the same window for both implementations), then the acks.
     const int k = o.rate_iters;
