@@ -34,24 +34,27 @@ if has build; then
   echo "build ok"
 fi
 
+# Runs one GoogleTest binary with FI_TCP_IFACE=lo; the log to $OUT, its
+# summary lines here. "optional": built only with libfabric, else skipped.
+run_gtests() {  # title binary filter log [optional]
+  if [[ ! -x $2 ]]; then
+    [[ ${5:-} == optional ]] || { echo "== $1: $2 was not built"; status=1; }
+    return 0
+  fi
+  echo "== $1"
+  FI_TCP_IFACE=lo "$2" --gtest_filter="$3" >"$OUT/$4" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests? ran|FAILED" "$OUT/$4" | tail -25
+}
+
 if has test; then
-  echo "== GPU test suite ($ngpu GPUs)"
-  build-gpu/tests/moelink_tests --gtest_filter="${MOELINK_GTEST_FILTER:-*}" >"$OUT/tests.log" 2>&1 || status=1
-  grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests? ran|FAILED" "$OUT/tests.log" | tail -25
-  fabric_tests=build-gpu/src/fabric/tests/moelink_fabric_tests
-  if [[ -x $fabric_tests ]]; then
-    echo "== TransferEngine GPU tests (a kernel polls signal_on_imm's flag; shm / tcp)"
-    FI_TCP_IFACE=lo $fabric_tests --gtest_filter="${MOELINK_FABRIC_FILTER:-*Gpu*}" \
-      >"$OUT/fabric-tests.log" 2>&1 || status=1
-    grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests? ran|FAILED" "$OUT/fabric-tests.log" | tail -10
-  fi
-  internode_tests=build-gpu/src/fabric/tests/moelink_internode_tests
-  if [[ -x $internode_tests ]]; then
-    echo "== internode backend tests (GPU and CPU, libfabric shm / tcp)"
-    FI_TCP_IFACE=lo $internode_tests --gtest_filter="${MOELINK_INTERNODE_FILTER:-*}" \
-      >"$OUT/internode-tests.log" 2>&1 || status=1
-    grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests? ran|FAILED" "$OUT/internode-tests.log" | tail -25
-  fi
+  run_gtests "GPU test suite ($ngpu GPUs)" build-gpu/tests/moelink_tests \
+    "${MOELINK_GTEST_FILTER:-*}" tests.log
+  run_gtests "TransferEngine GPU tests (a kernel polls signal_on_imm's flag; shm / tcp)" \
+    build-gpu/src/fabric/tests/moelink_fabric_tests "${MOELINK_FABRIC_FILTER:-*Gpu*}" fabric-tests.log \
+    optional
+  run_gtests "internode backend tests (GPU and CPU, libfabric shm / tcp)" \
+    build-gpu/src/fabric/tests/moelink_internode_tests "${MOELINK_INTERNODE_FILTER:-*}" \
+    internode-tests.log optional
 fi
 
 if has python; then
