@@ -44,6 +44,15 @@ void remove_shm_files_of(int pid) {
 
 uint8_t pattern(int rank, size_t i) { return static_cast<uint8_t>(rank * 31 + i * 7 + 1); }
 
+// Polls pred every 50 us for up to 20 s; returns its last value.
+template <class Pred>
+bool eventually(Pred pred) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!pred() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  return pred();
+}
+
 class FabricTest : public testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
@@ -441,12 +450,6 @@ TEST_P(FabricTest, SignalOnImmRaisesAFlag) {
     warm_up(*e, b, d);
     alignas(8) uint64_t flag = 0, early = 0;
     auto read = [](uint64_t& f) { return std::atomic_ref<uint64_t>(f).load(std::memory_order_acquire); };
-    auto poll_until = [&](uint64_t& f, uint64_t want) {
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-      while (read(f) != want && std::chrono::steady_clock::now() < until)
-        std::this_thread::sleep_for(std::chrono::microseconds(20));
-      return read(f) == want;
-    };
     if (rank == 1) {
       e->signal_on_imm(9, 3, &flag, 42);
       moelink_test::expect_throw_naming<moelink::InvalidArgument>(
@@ -465,16 +468,15 @@ TEST_P(FabricTest, SignalOnImmRaisesAFlag) {
     b.barrier();
     if (rank == 1) {
       // Two of three arrived (wait until the engine counted them): no flag.
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-      while (e->imm_count(9) < 2 && std::chrono::steady_clock::now() < until)
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      eventually([&] { return e->imm_count(9) >= 2; });
       RANK_CHECK(e->imm_count(9) == 2) << "the two writes were not counted";
       RANK_CHECK(read(flag) == 0) << "flag raised after 2 of 3 arrivals";
     }
     b.barrier();
     if (rank == 0) e->write(rs, 8192, d[1], 8192, 4096, 9u)->wait();
     if (rank == 1) {
-      RANK_CHECK(poll_until(flag, 42)) << "flag not raised after the third arrival";
+      RANK_CHECK(eventually([&] { return read(flag) == 42; }))
+          << "flag not raised after the third arrival";
       RANK_CHECK(e->imm_count(9) == 0) << "the signal did not consume its arrivals";
       for (size_t i = 0; i < dst.size(); ++i)
         if (dst[i] != pattern(0, i)) {
@@ -486,9 +488,7 @@ TEST_P(FabricTest, SignalOnImmRaisesAFlag) {
     // Arrivals counted before the signal is asked for fire it at once.
     if (rank == 0) e->write(rs, 0, d[1], 0, 8, 10u)->wait();
     if (rank == 1) {
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-      while (e->imm_count(10) < 1 && std::chrono::steady_clock::now() < until)
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      eventually([&] { return e->imm_count(10) >= 1; });
       e->signal_on_imm(10, 1, &early, 7);
       RANK_CHECK(read(early) == 7) << "a signal for arrivals already counted did not fire at once";
     }
@@ -536,17 +536,11 @@ TEST_P(FabricTest, SignalOnImmRaisesAFlagAGpuKernelPolls) {
     auto volatile_read = [](uint64_t& f) {
       return std::atomic_ref<uint64_t>(f).load(std::memory_order_acquire);
     };
-    auto wait_for = [](auto pred) {
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-      while (!pred() && std::chrono::steady_clock::now() < until)
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      return pred();
-    };
     if (rank == 1) {
       e->signal_on_imm(9, 3, flag, 42);
       CUDA_OK(moelink_test::launch_flag_poll(flag, 42, reinterpret_cast<const uint64_t*>(data),
                                              kWords, 30'000'000'000ull, poll, stream));
-      RANK_CHECK(wait_for([&] { return volatile_read(poll->started) == 1; }))
+      RANK_CHECK(eventually([&] { return volatile_read(poll->started) == 1; }))
           << "the polling kernel did not start";
     }
     b.barrier();
@@ -556,7 +550,7 @@ TEST_P(FabricTest, SignalOnImmRaisesAFlagAGpuKernelPolls) {
     }
     b.barrier();
     if (rank == 1) {
-      RANK_CHECK(wait_for([&] { return e->imm_count(9) == 2; })) << "the two writes were not counted";
+      RANK_CHECK(eventually([&] { return e->imm_count(9) == 2; })) << "the two writes were not counted";
       RANK_CHECK(volatile_read(*flag) == 0) << "flag raised after 2 of 3 arrivals";
       RANK_CHECK(volatile_read(poll->done) == 0) << "the kernel stopped polling before the flag";
     }
