@@ -131,29 +131,20 @@ void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
   const auto timeout =
       std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   if (progress) {
-    // Poll like the workers (a short sleep after kSpinPolls passes without
-    // work), driving progress from this thread instead of waiting for the
-    // worker to wake. The clock is read before sleeping, and the coarse
-    // clock every 64 passes; the deadline is set at the first of them, so
-    // a wait that ends within 63 passes reads no clock (it is that many
-    // passes, microseconds, late at worst).
-    IdlePasses idle;
+    // Drive progress from this thread instead of waiting for the worker to
+    // wake. The deadline is set when the loop first asks for it, so a wait
+    // over within 63 passes reads no clock (it is that many passes,
+    // microseconds, late at worst).
+    bool took = false;  // take() consumes: once true, never asked again
     Clock::time_point deadline{};
-    const auto deadline_now = [&] {
-      if (deadline == Clock::time_point{}) deadline = coarse_now() + timeout;
-      return deadline;
-    };
-    for (int pass = 0;; ++pass) {
-      if (idle.idle() >= spin) {
-        const auto now = Clock::now();
-        if (now >= deadline_now()) break;
-        if (sleep_until(c, count, std::min(deadline, now + kIdleSleep))) return;
-      } else if (pass % 64 == 63 && coarse_now() >= deadline_now()) {
-        break;
-      }
-      idle.after(progress());
-      if (take(c, count)) return;
-    }
+    if (drive_until([&] { return took || (took = take(c, count)); },
+                    [&](Clock::time_point t) { took = sleep_until(c, count, t); },
+                    [&] {
+                      if (deadline == Clock::time_point{}) deadline = coarse_now() + timeout;
+                      return deadline;
+                    },
+                    progress, spin))
+      return;
   } else if (sleep_until(c, count, coarse_now() + timeout)) {
     return;
   }

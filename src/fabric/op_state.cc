@@ -20,24 +20,12 @@ void OpState::wait(double timeout_s) const {
   if (!progress_) {
     sleep_until(until);
   } else {
-    // Drive progress from this thread: poll while there is work and for
-    // kSpinPolls passes without, then sleep in short slices (woken early
-    // by completion) with a pass after each: the workers' idle policy.
-    // Passes take no lock; the (coarse) clock is read every 64 of them.
+    // Drive progress from this thread (passes take no lock), sleeping in
+    // short slices once idle, woken early by completion.
     WaiterCount waiting(&progress_->waiters());
-    const int spin = progress_->busy() ? std::numeric_limits<int>::max() : kSpinPolls;
-    IdlePasses idle;
-    for (int pass = 0; !done(); ++pass) {
-      if (idle.idle() >= spin) {
-        const auto now = Clock::now();
-        if (now >= until) break;
-        sleep_until(std::min<Clock::time_point>(until, now + kIdleSleep));
-        if (done()) break;
-      } else if (pass % 64 == 63 && coarse_now() >= until) {
-        break;
-      }
-      idle.after(progress_->run());
-    }
+    drive_until([&] { return done(); }, [&](Clock::time_point t) { sleep_until(t); },
+                [&] { return until; }, [&] { return progress_->run(); },
+                progress_->busy() ? std::numeric_limits<int>::max() : kSpinPolls);
   }
   if (!done())
     throw TimeoutError("TransferEngine " + *what_ + ": not complete within the wait's timeout");

@@ -159,6 +159,29 @@ class IdlePasses {
   int idle_ = 0, busy_ = 0;
 };
 
+// The waiters' loop (Transfer::wait, wait_imm): progress passes until
+// done(), like the workers' idle policy: after `spin` passes in a row
+// without work, sleep(until) in kIdleSleep slices (it returns early when
+// woken), a pass after each. The clock is read before each sleep and the
+// coarse clock every 64 passes; deadline() is asked only then, so a wait
+// over within 63 passes reads no clock. Returns done() at the end.
+template <class Done, class Sleep, class Deadline, class Progress>
+bool drive_until(Done&& done, Sleep&& sleep, Deadline&& deadline, Progress&& progress, int spin) {
+  IdlePasses idle;
+  for (int pass = 0; !done(); ++pass) {
+    if (idle.idle() >= spin) {
+      const auto now = Clock::now();
+      if (now >= deadline()) break;
+      sleep(std::min<Clock::time_point>(deadline(), now + kIdleSleep));
+      if (done()) break;
+    } else if (pass % 64 == 63 && coarse_now() >= deadline()) {
+      break;
+    }
+    idle.after(progress());
+  }
+  return done();
+}
+
 class OpState : public Transfer {
  public:
   // `what` names the operation and peer for error messages: built once per
