@@ -2,7 +2,7 @@
 // fabric, domain, address vector, completion queue and one RDM endpoint,
 // what fi_getinfo said about memory registration, and the posted receive
 // buffers for two-sided messages. After construction it is only called
-// under its worker's endpoint mutex (the domain is opened FI_THREAD_DOMAIN).
+// under its worker's endpoint lock (the domain is opened FI_THREAD_DOMAIN).
 #pragma once
 
 #include <rdma/fabric.h>

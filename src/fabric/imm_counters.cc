@@ -118,14 +118,10 @@ bool ImmCounters::sleep_until(Counter& c, uint64_t n, std::chrono::steady_clock:
   return took;
 }
 
-void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
-                       const std::function<Pass()>& progress, bool sleep_when_idle,
-                       std::atomic<int>* waiters) {
-  const int spin = sleep_when_idle ? kSpinPolls : std::numeric_limits<int>::max();
+void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s, ProgressHook* progress) {
   using Clock = std::chrono::steady_clock;
   Counter& c = counter(imm);
   if (take(c, count)) return;
-  const WaiterCount waiting(waiters);  // until this wait returns or throws
   // The coarse clock (a few ms behind at most): deadlines of a wait are
   // that much early at worst.
   const auto timeout =
@@ -137,13 +133,14 @@ void ImmCounters::wait(uint32_t imm, uint64_t count, double timeout_s,
     // microseconds, late at worst).
     bool took = false;  // take() consumes: once true, never asked again
     Clock::time_point deadline{};
+    ProgressHook::Waiter waiter(*progress);
     if (drive_until([&] { return took || (took = take(c, count)); },
                     [&](Clock::time_point t) { took = sleep_until(c, count, t); },
                     [&] {
                       if (deadline == Clock::time_point{}) deadline = coarse_now() + timeout;
                       return deadline;
                     },
-                    progress, spin))
+                    waiter, progress->busy() ? std::numeric_limits<int>::max() : kSpinPolls))
       return;
   } else if (sleep_until(c, count, coarse_now() + timeout)) {
     return;

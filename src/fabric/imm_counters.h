@@ -13,14 +13,13 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
-#include "fabric/op_state.h"  // Pass
+#include "fabric/op_state.h"  // ProgressHook
 
 namespace moelink::fabric {
 
@@ -31,15 +30,11 @@ class ImmCounters {
   void add(const std::vector<std::pair<uint32_t, uint64_t>>& counts);
   // Waits until count(imm) >= count, then subtracts count. Throws
   // TimeoutError naming imm, the count wanted and the count seen.
-  // With `progress`, the waiter calls it (one non-blocking progress pass)
-  // kSpinPolls times before sleeping, then after every short sleep.
-  // `sleep_when_idle` false (a busy-polling engine): never sleep.
-  // `waiters` (the engine's count of waiting user threads, which idle
-  // workers read) is raised for the wait only once the arrivals are found
-  // missing: a wait that finds them there touches no shared word.
-  void wait(uint32_t imm, uint64_t count, double timeout_s,
-            const std::function<Pass()>& progress = {}, bool sleep_when_idle = true,
-            std::atomic<int>* waiters = nullptr);
+  // With `progress` (the engine's), the waiter runs progress passes itself,
+  // kSpinPolls of them before sleeping, then one after every short sleep
+  // (never sleeping when the engine busy-polls), as a ProgressHook::Waiter.
+  // A wait that finds the arrivals there touches no shared word.
+  void wait(uint32_t imm, uint64_t count, double timeout_s, ProgressHook* progress = nullptr);
   uint64_t get(uint32_t imm) const;
   // Stores value into *flag once count(imm) >= count, consuming count
   // (TransferEngine::signal_on_imm): at once if the arrivals are there,

@@ -20,11 +20,11 @@ void OpState::wait(double timeout_s) const {
   if (!progress_) {
     sleep_until(until);
   } else {
-    // Drive progress from this thread (passes take no lock), sleeping in
-    // short slices once idle, woken early by completion.
-    WaiterCount waiting(&progress_->waiters());
+    // Drive progress from this thread, sleeping in short slices once
+    // idle, woken early by completion.
+    ProgressHook::Waiter waiter(*progress_);
     drive_until([&] { return done(); }, [&](Clock::time_point t) { sleep_until(t); },
-                [&] { return until; }, [&] { return progress_->run(); },
+                [&] { return until; }, waiter,
                 progress_->busy() ? std::numeric_limits<int>::max() : kSpinPolls);
   }
   if (!done())

@@ -51,23 +51,6 @@ enum class Pass {
   kBusy,  // another thread holds the endpoints (its pass does the work)
 };
 
-// One waiting user thread counted in an engine's ProgressHook::waiters()
-// while it lives (null: nothing counted).
-class WaiterCount {
- public:
-  explicit WaiterCount(std::atomic<int>* waiters) : w_(waiters) {
-    if (w_) w_->fetch_add(1, std::memory_order_relaxed);
-  }
-  ~WaiterCount() {
-    if (w_) w_->fetch_sub(1, std::memory_order_relaxed);
-  }
-  WaiterCount(const WaiterCount&) = delete;
-  WaiterCount& operator=(const WaiterCount&) = delete;
-
- private:
-  std::atomic<int>* w_;
-};
-
 // Lets a waiting user thread drive the engine's progress itself (read
 // completions) instead of sleeping until the worker wakes it. Cleared when
 // the engine is destroyed; operations may outlive it.
@@ -86,23 +69,54 @@ class ProgressHook {
     std::lock_guard<std::mutex> lock(names_mu_);
     return &names_.emplace_back(std::move(s));
   }
-  // Threads currently waiting and driving progress; while there are any,
-  // idle workers sleep instead of spinning (they would compete for the
-  // same cores and the same endpoint lock).
+  // Threads waiting for a while (see Waiter); while there are any, idle
+  // workers sleep instead of spinning (they would compete for the same
+  // cores and the same endpoint lock).
   std::atomic<int>& waiters() { return waiters_; }
-  // One non-blocking pass: kBusy when another thread is in one, kIdle when
-  // the engine is gone. A waiter runs this in a tight loop, so it takes no
-  // mutex: one compare-and-swap claims the pass.
-  Pass run() {
-    int idle = kIdle;
-    if (!state_.compare_exchange_strong(idle, kInPass, std::memory_order_acquire))
-      return idle == kCleared ? Pass::kIdle : Pass::kBusy;
-    struct Release {  // also when fn_ throws
-      std::atomic<int>& s;
-      ~Release() { s.store(kIdle, std::memory_order_release); }
-    } release{state_};
-    return fn_();
-  }
+  // A waiting thread's part in the engine's progress, for one wait:
+  //  * its hold on the passes: one thread runs them at a time (a second
+  //    one would only find the endpoints locked), and clear() waits for
+  //    the holder. Held from pass to pass, so that a tight wait loop pays
+  //    one compare-and-swap per hold rather than one per pass;
+  //  * its count in waiters(), taken only at the first pause(): a wait
+  //    over within a few dozen passes (a ping-pong hop) touches no shared
+  //    counter, and the worker learns of such short waits from the
+  //    passes themselves (Worker::progress).
+  // The waiters' loop (drive_until) pauses before it sleeps and every 64
+  // passes, so that other waiters and clear() get in.
+  class Waiter {
+   public:
+    explicit Waiter(ProgressHook& hook) : hook_(hook) {}
+    ~Waiter() {  // also when a pass throws
+      pause();
+      if (counted_) hook_.waiters_.fetch_sub(1, std::memory_order_relaxed);
+    }
+    Waiter(const Waiter&) = delete;
+    Waiter& operator=(const Waiter&) = delete;
+    // One non-blocking pass: kBusy when another thread holds the passes,
+    // kIdle when the engine is gone.
+    Pass pass() {
+      if (!held_) {
+        int idle = kIdle;
+        if (!hook_.state_.compare_exchange_strong(idle, kInPass, std::memory_order_acquire))
+          return idle == kCleared ? Pass::kIdle : Pass::kBusy;
+        held_ = true;
+      }
+      return hook_.fn_();
+    }
+    // Lets go of the passes; from the first call on, counted as waiting.
+    void pause() {
+      if (held_) hook_.state_.store(kIdle, std::memory_order_release);
+      held_ = false;
+      if (!counted_) hook_.waiters_.fetch_add(1, std::memory_order_relaxed);
+      counted_ = true;
+    }
+
+   private:
+    ProgressHook& hook_;
+    bool held_ = false;
+    bool counted_ = false;
+  };
   // Waits for a pass in progress; later passes do nothing.
   void clear() {
     for (int seen = kIdle; !state_.compare_exchange_weak(seen, kCleared, std::memory_order_acq_rel);
@@ -164,20 +178,24 @@ class IdlePasses {
 // without work, sleep(until) in kIdleSleep slices (it returns early when
 // woken), a pass after each. The clock is read before each sleep and the
 // coarse clock every 64 passes; deadline() is asked only then, so a wait
-// over within 63 passes reads no clock. Returns done() at the end.
-template <class Done, class Sleep, class Deadline, class Progress>
-bool drive_until(Done&& done, Sleep&& sleep, Deadline&& deadline, Progress&& progress, int spin) {
+// over within 63 passes reads no clock. The waiter pauses at the same
+// points. Returns done() at the end.
+template <class Done, class Sleep, class Deadline>
+bool drive_until(Done&& done, Sleep&& sleep, Deadline&& deadline, ProgressHook::Waiter& waiter,
+                 int spin) {
   IdlePasses idle;
   for (int pass = 0; !done(); ++pass) {
     if (idle.idle() >= spin) {
+      waiter.pause();
       const auto now = Clock::now();
       if (now >= deadline()) break;
       sleep(std::min<Clock::time_point>(deadline(), now + kIdleSleep));
       if (done()) break;
-    } else if (pass % 64 == 63 && coarse_now() >= deadline()) {
-      break;
+    } else if (pass % 64 == 63) {
+      waiter.pause();
+      if (coarse_now() >= deadline()) break;
     }
-    idle.after(progress());
+    idle.after(waiter.pass());
   }
   return done();
 }

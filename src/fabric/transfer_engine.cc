@@ -94,7 +94,6 @@ class FabricEngine final : public TransferEngine {
           return found;
         },
         /*busy=*/!o.yield_when_idle);
-    progress_fn_ = [this] { return progress_->run(); };
     Worker::Options wo{o.yield_when_idle, &progress_->waiters()};
     for (int first = 0; first < o.num_domains; first += o.domains_per_worker) {
       std::vector<Nic*> group;
@@ -314,8 +313,7 @@ class FabricEngine final : public TransferEngine {
   }
 
   void wait_imm(uint32_t imm, uint64_t count, double timeout_s) override {
-    imms_.wait(imm, count, timeout_s < 0 ? options_.timeout_s : timeout_s, progress_fn_,
-               options_.yield_when_idle, &progress_->waiters());
+    imms_.wait(imm, count, timeout_s < 0 ? options_.timeout_s : timeout_s, progress_.get());
   }
   uint64_t imm_count(uint32_t imm) const override { return imms_.get(imm); }
 
@@ -488,7 +486,6 @@ class FabricEngine final : public TransferEngine {
   PeerId last_peer_ = -1;  // under peers_mu_: the peer add_peer found last
   std::unordered_map<EngineAddress, PeerId, AddressHash> peer_ids_;
   std::shared_ptr<ProgressHook> progress_;
-  std::function<Pass()> progress_fn_;
   std::deque<Group> groups_;
 };
 

@@ -5,7 +5,7 @@
 //    QP for handshakes and two RC QPs per peer.
 //
 // Threading: after construction a Nic is only called under its worker's
-// endpoint mutex (worker.h), so implementations need no locking of their own.
+// endpoint lock (worker.h), so implementations need no locking of their own.
 // Hot path: post() and poll() are called once per work request / poll pass
 // (one virtual call each) and must not allocate once warm.
 #pragma once

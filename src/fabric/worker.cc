@@ -220,7 +220,7 @@ void Worker::submit(std::vector<WorkRequest>& wrs) {
   // posted in submission order; work the provider refused for now
   // (pending_) is posted first, from here. The worker thread itself (a
   // callback submitting) always queues.
-  std::unique_lock<std::mutex> ep(ep_mu_, std::defer_lock);
+  std::unique_lock<EndpointLock> ep(ep_mu_, std::defer_lock);
   if (!on_worker_thread()) {
     // The holder is usually in one short progress pass (the worker's, or a
     // waiter's): wait that long rather than hand the work to the worker,
@@ -295,7 +295,7 @@ void Worker::submit(std::vector<WorkRequest>& wrs) {
 
 Pass Worker::progress() {
   if (on_worker_thread()) return Pass::kIdle;
-  std::unique_lock<std::mutex> ep(ep_mu_, std::try_to_lock);
+  std::unique_lock<EndpointLock> ep(ep_mu_, std::try_to_lock);
   if (!ep.owns_lock()) return Pass::kBusy;
   if (stopped_) return Pass::kIdle;
   int work = 0;
@@ -349,14 +349,14 @@ void Worker::stop() {
   }
   wake_.notify_all();
   if (thread_.joinable()) thread_.join();
-  std::lock_guard<std::mutex> ep(ep_mu_);  // waits for a user thread posting or polling
+  std::lock_guard<EndpointLock> ep(ep_mu_);  // waits for a user thread posting or polling
   stopped_ = true;
 }
 
 void Worker::release() {
   const auto closed = std::make_exception_ptr(
       FabricError("TransferEngine: the engine was destroyed before the operation completed"));
-  std::lock_guard<std::mutex> ep(ep_mu_);
+  std::lock_guard<EndpointLock> ep(ep_mu_);
   deferred_.clear();  // still in the in-flight list
   deferred_failed_.clear();
   while (inflight_) {
@@ -496,10 +496,13 @@ void Worker::loop() {
       // worker would take a core from the waiter (or from another rank's
       // process) and bounce the endpoint lock's cache line. Cost: after the
       // last waiter returns, a completion nobody waits for may be seen up to
-      // kHelpedSleep late (yield mode) or kIdleSleep late (busy mode).
-      const bool waiting = options_.waiters && options_.waiters->load(std::memory_order_relaxed) > 0;
-      const bool helped = user_posted_.exchange(false, std::memory_order_relaxed) ||
-                          user_polled_.exchange(false, std::memory_order_relaxed) || waiting;
+      // kHelpedSleep late (yield mode) or kIdleSleep late (busy mode). A
+      // user thread that ran passes since the last look counts as waiting:
+      // short waits (a few dozen passes) are not counted in waiters().
+      const bool polled = user_polled_.exchange(false, std::memory_order_relaxed);
+      const bool waiting = polled || (options_.waiters &&
+                                      options_.waiters->load(std::memory_order_relaxed) > 0);
+      const bool helped = user_posted_.exchange(false, std::memory_order_relaxed) || waiting;
       own_work = !incoming_.empty() || !tasks_.empty() ||
                  needs_worker_.exchange(false, std::memory_order_acq_rel);
       // Busy polling too: the endpoints are a user thread's while it posts
@@ -525,7 +528,7 @@ void Worker::loop() {
     // blocking here would turn that thread's unlocks into futex wake-ups on
     // its critical path. Work the provider refused (pending_) is not the
     // worker's own: an active user thread posts it in its own passes.
-    std::unique_lock<std::mutex> ep(ep_mu_, std::defer_lock);
+    std::unique_lock<EndpointLock> ep(ep_mu_, std::defer_lock);
     if (own_work) {
       ep.lock();
     } else if (!ep.try_lock()) {

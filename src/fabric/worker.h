@@ -28,6 +28,33 @@
 
 namespace moelink::fabric {
 
+// The lock on a worker's endpoints. Held for one progress pass or one
+// submission (a microsecond or so), and tried by every pass of every
+// waiter: a test-and-set lock rather than std::mutex, whose unlock is
+// another atomic exchange and a check for sleepers. Nobody sleeps on it:
+// the few that must have it (the worker with work of its own, stop)
+// spin, then yield, for the length of a pass; a user thread only tries it.
+class EndpointLock {
+ public:
+  bool try_lock() {
+    // A read first: a locked lock's cache line stays shared while tried.
+    return !locked_.load(std::memory_order_relaxed) &&
+           !locked_.exchange(true, std::memory_order_acquire);
+  }
+  void lock() {
+    for (int i = 0; !try_lock(); ++i) {
+      if (i < 64)
+        cpu_relax();
+      else
+        std::this_thread::yield();
+    }
+  }
+  void unlock() { locked_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> locked_{false};
+};
+
 // One RDMA write (with optional immediate) or one send: the transport's
 // work request plus the NIC it goes out on and the operation it belongs to.
 struct WorkRequest : Wr {
@@ -124,7 +151,7 @@ class Worker {
   std::atomic<bool> user_posted_{false};
 
   // Under ep_mu_ (the worker, or a user thread in submit/progress).
-  std::mutex ep_mu_;
+  EndpointLock ep_mu_;
   bool stopped_ = false;
   PostError last_post_error_;
   std::deque<WorkRequest> pending_;

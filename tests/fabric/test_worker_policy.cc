@@ -60,8 +60,12 @@ struct FakeEngine {
   template <class T, class... Args>
   static FakeEngine make(double timeout_s, Args... args) {
     EngineOptions o;
-    o.name = "self";
     o.timeout_s = timeout_s;
+    return make_with<T>(o, args...);
+  }
+  template <class T, class... Args>
+  static FakeEngine make_with(EngineOptions o, Args... args) {
+    o.name = "self";
     FakeEngine f;
     f.engine = create_engine_on(o, [&](int i) { return std::make_unique<T>(i, args...); });
     f.region = f.engine->register_memory(f.buf.data(), f.buf.size());
@@ -223,6 +227,41 @@ TEST(FabricWorker, EachOperationTimesOutAtItsOwnDeadline) {
       EXPECT_GE(after, 0.38) << "write " << i;
       EXPECT_LT(after, 0.6) << "write " << i;
     }
+  }
+}
+
+// Operations may outlive the engine, also while a thread waits on one: the
+// engine's destruction fails what is still in flight, and the waiter (which
+// drives progress itself and, busy-polling, never sleeps) lets go of the
+// engine's passes often enough that the destruction does not wait for the
+// wait's own timeout. Afterwards the Transfer still answers.
+TEST(FabricWorker, DestroyingTheEngineEndsAWaitOnItsOperation) {
+  for (const bool yield : {true, false}) {
+    SCOPED_TRACE(yield ? "yield when idle" : "busy polling");
+    EngineOptions o;
+    o.timeout_s = 60;  // no deadline during the test
+    o.yield_when_idle = yield;
+    FakeEngine f = FakeEngine::make_with<BlackHoleNic>(o);
+    const MemoryDescriptor d = f.engine->descriptor(f.region);
+    const TransferPtr op = f.engine->write(f.region, 0, d, 0, 64, 1u);
+    std::string error;
+    std::thread waiter([&] {
+      try {
+        op->wait(20.0);
+        error = "the wait returned";
+      } catch (const moelink::Error& err) {
+        error = err.what();
+      }
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // in its loop
+    const auto t0 = Clock::now();
+    f.engine.reset();
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    waiter.join();
+    EXPECT_LT(s, 2.0) << "the destruction waited for the wait";
+    EXPECT_NE(error.find("destroyed before the operation completed"), std::string::npos) << error;
+    EXPECT_TRUE(op->done());
+    EXPECT_THROW(op->wait(0.0), moelink::FabricError);
   }
 }
 
