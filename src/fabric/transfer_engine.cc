@@ -211,9 +211,9 @@ class FabricEngine final : public TransferEngine {
     auto& wrs = scratch(domains_.size())[0];
     wrs.push_back(write_template(r, dst, *what));
     fill(wrs.back(), reg, r.nic, src_offset, dst_offset, len, imm);
-    auto op = new_op(what, 1, std::move(cb));
-    wrs.back().op = op;
-    worker_of(r.nic->index()).submit(wrs);
+    std::shared_ptr<OpState> op;
+    auto make = [&] { return new_op(what, 1, std::move(cb)); };
+    worker_of(r.nic->index()).submit(wrs, op, OpMaker(make));
     return op;
   }
 
@@ -232,8 +232,6 @@ class FabricEngine final : public TransferEngine {
     // built at the domain's first page as before (same error order).
     thread_local std::vector<WorkRequest> tmpl;  // reused: no allocation once warm
     tmpl.clear();
-    auto op = new_op(what_text, static_cast<int>(std::max<size_t>(1, p.src_pages.size())),
-                     std::move(cb));
     struct Unsubmitted {  // a page that fails its check leaves nothing queued
       std::vector<std::vector<WorkRequest>>& v;
       ~Unsubmitted() {
@@ -255,9 +253,12 @@ class FabricEngine final : public TransferEngine {
         tmpl.push_back(write_template(Route{r.peer, r.p, nullptr, d, r.p->dest[di]}, dst, what));
       per_domain[di].push_back(tmpl[di]);
       fill(per_domain[di].back(), reg, d, so, dof, p.page_bytes, imm);
-      per_domain[di].back().op = op;
     }
-    submit_all(per_domain);
+    auto make = [&] {
+      return new_op(what_text, static_cast<int>(std::max<size_t>(1, p.src_pages.size())),
+                    std::move(cb));
+    };
+    auto op = submit_all(per_domain, OpMaker(make));
     if (p.src_pages.empty()) op->complete_one();
     return op;
   }
@@ -268,8 +269,6 @@ class FabricEngine final : public TransferEngine {
     const std::vector<Member>& members = g.members;
     const std::string& what = *g.scatter_what;
     const Registration& reg = registry_.check(src, 0, 0, what);
-    auto op =
-        new_op(g.scatter_what, static_cast<int>(std::max<size_t>(1, slices.size())), std::move(cb));
     auto& per_domain = scratch(domains_.size());
     struct Unsubmitted {  // a slice that fails its check leaves nothing queued
       std::vector<std::vector<WorkRequest>>& v;
@@ -290,26 +289,29 @@ class FabricEngine final : public TransferEngine {
       auto& wrs = per_domain[m.tmpl.nic->index()];
       wrs.push_back(m.tmpl);
       fill(wrs.back(), reg, m.tmpl.nic, s.src_offset, s.dst_offset, s.len, imm);
-      wrs.back().op = op;
     }
-    submit_all(per_domain);
+    auto make = [&] {
+      return new_op(g.scatter_what, static_cast<int>(std::max<size_t>(1, slices.size())),
+                    std::move(cb));
+    };
+    auto op = submit_all(per_domain, OpMaker(make));
     if (slices.empty()) op->complete_one();
     return op;
   }
 
   TransferPtr barrier(GroupId group, uint32_t imm, Callback cb) override {
     const Group& g = group_at(group, "barrier");
-    auto op = new_op(g.barrier_what, static_cast<int>(g.members.size()), std::move(cb));
     auto& per_domain = scratch(domains_.size());
     for (const Member& m : g.members) {
       auto& wrs = per_domain[m.tmpl.nic->index()];
       wrs.push_back(m.tmpl);  // zero bytes, no local buffer
       wrs.back().has_imm = true;
       wrs.back().imm = imm;
-      wrs.back().op = op;
     }
-    submit_all(per_domain);
-    return op;
+    auto make = [&] {
+      return new_op(g.barrier_what, static_cast<int>(g.members.size()), std::move(cb));
+    };
+    return submit_all(per_domain, OpMaker(make));
   }
 
   void wait_imm(uint32_t imm, uint64_t count, double timeout_s) override {
@@ -343,11 +345,11 @@ class FabricEngine final : public TransferEngine {
     wr.buf = static_cast<char*>(reg.ptr) + offset;
     wr.len = len;
     wr.desc = reg.mrs[d->index()].desc;
-    auto op = new_op(what, 1, std::move(cb));
-    wr.op = op;
     auto& wrs = scratch(domains_.size())[0];
     wrs.push_back(std::move(wr));
-    worker_of(d->index()).submit(wrs);
+    std::shared_ptr<OpState> op;
+    auto make = [&] { return new_op(what, 1, std::move(cb)); };
+    worker_of(d->index()).submit(wrs, op, OpMaker(make));
     return op;
   }
 
@@ -464,9 +466,14 @@ class FabricEngine final : public TransferEngine {
     return op;
   }
 
-  void submit_all(std::vector<std::vector<WorkRequest>>& per_domain) {
+  // The operation is made in the first submission (after its direct
+  // posts), or here when there is no work request at all.
+  std::shared_ptr<OpState> submit_all(std::vector<std::vector<WorkRequest>>& per_domain,
+                                      OpMaker make) {
+    std::shared_ptr<OpState> op;
     for (size_t i = 0; i < domains_.size(); ++i)
-      if (!per_domain[i].empty()) worker_of(static_cast<int>(i)).submit(per_domain[i]);
+      if (!per_domain[i].empty()) worker_of(static_cast<int>(i)).submit(per_domain[i], op, make);
+    return op ? op : make();
   }
 
   EngineOptions options_;

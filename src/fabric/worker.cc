@@ -210,11 +210,18 @@ static bool same_destination(const WorkRequest& a, const WorkRequest& b) {
   return a.nic == b.nic && a.dest == b.dest;
 }
 
-void Worker::submit(std::vector<WorkRequest>& wrs) {
+void Worker::submit(std::vector<WorkRequest>& wrs, std::shared_ptr<OpState>& op, OpMaker make) {
   struct Consumed {  // every path leaves the caller's vector empty
     std::vector<WorkRequest>& v;
     ~Consumed() { v.clear(); }
   } consumed{wrs};
+  // The operation, made if need be and set on the work requests from `i`
+  // on; once it exists, every request not yet posted carries it.
+  const auto give_op = [&](size_t i) {
+    if (!op) op = make();
+    for (; i < wrs.size(); ++i) wrs[i].op = op;
+  };
+  if (op) give_op(0);
   // Direct posting needs the endpoints (ep_mu_) and nothing queued for the
   // worker before this submission (incoming_), so that work requests are
   // posted in submission order; work the provider refused for now
@@ -236,6 +243,7 @@ void Worker::submit(std::vector<WorkRequest>& wrs) {
                       !has_incoming_.load(std::memory_order_acquire) &&
                       !stopping_.load(std::memory_order_acquire);
   if (!direct) {
+    give_op(0);
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) {
       for (auto& wr : wrs)
@@ -254,17 +262,30 @@ void Worker::submit(std::vector<WorkRequest>& wrs) {
   bool wake = false;
   if (!pending_.empty()) {
     // Behind work the provider refused: queue after it, in order.
+    give_op(0);
     for (auto& wr : wrs) pending_.push_back(std::move(wr));
     post_pending(false);
     wake = std::exchange(post_failed_, false);
   } else {
+    // Posted here while the operation is still to be made (op null): the
+    // last `unowned` contexts of the in-flight list, which get it in
+    // give_all(i) with the requests from i on. No completion is read before
+    // (this thread holds the endpoints and polls only after give_all).
+    size_t unowned = 0;
+    const auto give_all = [&](size_t i) {
+      if (op) return;
+      give_op(i);
+      Ctx* c = inflight_last_;
+      for (; unowned > 0; --unowned, c = c->prev) c->wr.op = op;
+    };
     size_t i = 0;
     for (; i < wrs.size(); ++i) {
-      if (wrs[i].op->done()) continue;  // failed meanwhile
+      if (op && wrs[i].op->done()) continue;  // failed meanwhile
       const bool more = i + 1 < wrs.size() && same_destination(wrs[i], wrs[i + 1]);
       PostStatus r = try_post(wrs[i], more);
       // The provider's queue is full (-FI_EAGAIN): reading completions frees
       // it, as a raw libfabric loop would do, before leaving it queued.
+      if (r == PostStatus::kAgain) give_all(i);
       for (int retry = 0; r == PostStatus::kAgain && retry < kPostRetries; ++retry) {
         poll_all(false, &wake);
         r = try_post(wrs[i], more);
@@ -274,8 +295,10 @@ void Worker::submit(std::vector<WorkRequest>& wrs) {
       // run), woken for it.
       if (r == PostStatus::kFailed) wake = true;
       if (r != PostStatus::kPosted) break;
+      if (!op) ++unowned;
     }
     flush_all();
+    give_all(i);
     for (; i < wrs.size(); ++i) pending_.push_back(std::move(wrs[i]));
   }
   ep.unlock();

@@ -55,6 +55,20 @@ class EndpointLock {
   std::atomic<bool> locked_{false};
 };
 
+// Makes an operation's state: a reference to the caller's callable, not a
+// copy (a std::function of a lambda with several captures allocates).
+class OpMaker {
+ public:
+  template <class F>
+  explicit OpMaker(F& f)
+      : f_(&f), call_([](void* g) -> std::shared_ptr<OpState> { return (*static_cast<F*>(g))(); }) {}
+  std::shared_ptr<OpState> operator()() const { return call_(f_); }
+
+ private:
+  void* f_;
+  std::shared_ptr<OpState> (*call_)(void*);
+};
+
 // One RDMA write (with optional immediate) or one send: the transport's
 // work request plus the NIC it goes out on and the operation it belongs to.
 struct WorkRequest : Wr {
@@ -93,8 +107,11 @@ class Worker {
   // Posts from the calling thread when the endpoints are free and nothing
   // is queued before it; otherwise queues for the worker.
   // Takes the work requests out of `wrs` (left empty, its capacity kept for
-  // the caller's next call).
-  void submit(std::vector<WorkRequest>& wrs);
+  // the caller's next call). Their operation is `op`; when it is null,
+  // make() creates it, after the work requests that could be posted
+  // directly went out: the operation's allocation is then not on the way
+  // to the wire (a ping-pong hop's latency). `op` holds it afterwards.
+  void submit(std::vector<WorkRequest>& wrs, std::shared_ptr<OpState>& op, OpMaker make);
   // One non-blocking progress pass from a user thread (posts queued work,
   // reads completions); kBusy when another thread holds the endpoints.
   Pass progress();
