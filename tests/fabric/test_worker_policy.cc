@@ -163,6 +163,41 @@ TEST(FabricWorker, RefusedWorkIsPostedWithoutAUserThread) {
   EXPECT_EQ(failed.load(), 0u);
 }
 
+// Refuses every other post, as a provider queue with one free slot: each
+// refusal comes after an accepted post whose completion is waiting.
+class AlternatingNic final : public CompletingNic {
+ public:
+  using CompletingNic::CompletingNic;
+
+ private:
+  bool refuse(const Wr&) override { return (++posts_ % 2) == 0; }
+  uint64_t posts_ = 0;
+};
+
+// A submission whose later requests are refused after earlier ones went
+// out: the submitting thread reads completions before retrying, and those
+// of the requests it already posted belong to the operation (made after
+// the direct posts) by then. Every page is posted and completed once.
+TEST(FabricWorker, RefusalsBetweenPostsOfOneOperation) {
+  FakeEngine f = FakeEngine::make<AlternatingNic>(10.0);
+  TransferEngine* e = f.engine.get();
+  const MemoryDescriptor d = e->descriptor(f.region);
+  PagedWrite p;
+  p.page_bytes = 64;
+  p.src_stride = p.dst_stride = 64;
+  for (uint64_t i = 0; i < 32; ++i) {
+    p.src_pages.push_back(i);
+    p.dst_pages.push_back(31 - i);
+  }
+  for (int round = 0; round < 20; ++round) {
+    std::atomic<uint64_t> done{0}, failed{0};
+    TransferPtr op = e->paged_write(f.region, d, p, 3u, count_completions(done, failed));
+    op->wait(5.0);
+    EXPECT_EQ(done.load(), 1u);
+    EXPECT_EQ(failed.load(), 0u);
+  }
+}
+
 // Two destinations: "stuck" refuses every post for now (kAgain, as tcp
 // reconnecting to a process that is gone), any other accepts.
 class OneStuckPeerNic final : public CompletingNic {
