@@ -88,7 +88,7 @@ class ProgressHook {
    public:
     explicit Waiter(ProgressHook& hook) : hook_(hook) {}
     ~Waiter() {  // also when a pass throws
-      pause();
+      release();
       if (counted_) hook_.waiters_.fetch_sub(1, std::memory_order_relaxed);
     }
     Waiter(const Waiter&) = delete;
@@ -106,13 +106,16 @@ class ProgressHook {
     }
     // Lets go of the passes; from the first call on, counted as waiting.
     void pause() {
-      if (held_) hook_.state_.store(kIdle, std::memory_order_release);
-      held_ = false;
+      release();
       if (!counted_) hook_.waiters_.fetch_add(1, std::memory_order_relaxed);
       counted_ = true;
     }
 
    private:
+    void release() {
+      if (held_) hook_.state_.store(kIdle, std::memory_order_release);
+      held_ = false;
+    }
     ProgressHook& hook_;
     bool held_ = false;
     bool counted_ = false;
@@ -261,6 +264,7 @@ class OpState : public Transfer {
   // empty), so no completion needs the worker.
   static CompletionCounters take_counters(Callback& cb) {
     CompletionCounters c;
+    if (!cb) return c;  // target() compares type names
     if (const auto* t = cb.target<CompletionCounters>()) {
       c = *t;
       cb = nullptr;

@@ -207,7 +207,8 @@ class FabricEngine final : public TransferEngine {
     const Route r = route(dst.owner, &Peer::write_what);
     const Text& what = *r.what;
     const Registration& reg = registry_.check(src, src_offset, len, *what);
-    check_range(dst.size, dst_offset, len, *what, "destination");
+    if (!in_range(dst.size, dst_offset, len))
+      check_range(dst.size, dst_offset, len, *what, "destination");
     auto& wrs = scratch(domains_.size())[0];
     wrs.push_back(write_template(r, dst, *what));
     fill(wrs.back(), reg, r.nic, src_offset, dst_offset, len, imm);
@@ -398,14 +399,14 @@ class FabricEngine final : public TransferEngine {
       }
       last = {serial_, p, id};
     }
-    Nic* d = domains_[static_cast<size_t>(id) % domains_.size()].get();
+    Nic* d = domains_[index_mod(static_cast<size_t>(id), domains_.size())].get();
     return Route{id, p, &(p->*which), d, p->dest[d->index()]};
   }
   // A write template for a route (make_template without another lookup).
   WorkRequest write_template(const Route& r, const MemoryDescriptor& dst, const std::string& what) {
     if (dst.keys.size() != dst.owner.endpoints.size() || dst.keys.size() != dst.remote_base.size())
       throw InvalidArgument("TransferEngine " + what + ": malformed descriptor");
-    const size_t rd = static_cast<size_t>(r.nic->index()) % dst.keys.size();
+    const size_t rd = index_mod(static_cast<size_t>(r.nic->index()), dst.keys.size());
     WorkRequest wr;
     wr.kind = Wr::Kind::kWrite;
     wr.nic = r.nic;
@@ -446,6 +447,10 @@ class FabricEngine final : public TransferEngine {
                             const std::string& what) {
     return write_template(Route{peer, nullptr, nullptr, d, peer_dest(peer, d)}, dst, what);
   }
+
+  // i % n without a division in the common one-domain case (a division
+  // is tens of cycles on the way of every write).
+  static size_t index_mod(size_t i, size_t n) { return n == 1 ? 0 : i % n; }
 
   static bool in_range(uint64_t size, uint64_t offset, uint64_t len) {
     return offset <= size && len <= size - offset;

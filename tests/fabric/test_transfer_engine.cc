@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <new>
 #include <set>
 #include <thread>
@@ -153,6 +154,51 @@ TEST(FabricOpState, SleepersWakeAtCompletion) {
     EXPECT_TRUE(op.done());
     EXPECT_EQ(op.error() != nullptr, failing);
   }
+}
+
+// A waiter holds the passes from one pass to the next (another waiter
+// finds them busy) and lets go at its pauses; it is counted in waiters()
+// from its first pause on (every 64 passes in drive_until), so a short
+// wait is never counted; a cleared hook runs no pass.
+TEST(FabricProgressHook, AWaiterHoldsThePassesAndCountsFromItsFirstPause) {
+  std::vector<int> seen;  // waiters() at each pass
+  ProgressHook* self = nullptr;
+  ProgressHook hook([&] {
+    seen.push_back(self->waiters().load());
+    return Pass::kIdle;
+  }, /*busy=*/true);
+  self = &hook;
+  const auto forever = Clock::now() + std::chrono::seconds(30);
+  for (const int passes : {10, 200}) {
+    seen.clear();
+    {
+      ProgressHook::Waiter w(hook);
+      int left = passes;
+      drive_until([&] { return left-- == 0; }, [](Clock::time_point) {}, [&] { return forever; },
+                  w, std::numeric_limits<int>::max());
+      if (passes == 10) {  // still holding the passes: another waiter is kept out
+        ProgressHook::Waiter other(hook);
+        EXPECT_EQ(other.pass(), Pass::kBusy);
+      }
+    }
+    EXPECT_EQ(hook.waiters().load(), 0) << passes << " passes";
+    ASSERT_EQ(seen.size(), static_cast<size_t>(passes));
+    for (int i = 0; i < passes; ++i)
+      EXPECT_EQ(seen[i], i < 63 ? 0 : 1) << "pass " << i << " of " << passes;
+  }
+  {
+    ProgressHook::Waiter a(hook), b(hook);
+    EXPECT_EQ(a.pass(), Pass::kIdle);
+    EXPECT_EQ(b.pass(), Pass::kBusy);
+    a.pause();
+    EXPECT_EQ(b.pass(), Pass::kIdle);
+    EXPECT_EQ(hook.waiters().load(), 1);
+  }
+  hook.clear();
+  seen.clear();
+  ProgressHook::Waiter late(hook);
+  EXPECT_EQ(late.pass(), Pass::kIdle);
+  EXPECT_TRUE(seen.empty()) << "a cleared hook ran a pass";
 }
 
 TEST(FabricProvider, UnknownProviderThrows) {
