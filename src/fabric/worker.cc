@@ -215,13 +215,16 @@ void Worker::submit(std::vector<WorkRequest>& wrs, std::shared_ptr<OpState>& op,
     std::vector<WorkRequest>& v;
     ~Consumed() { v.clear(); }
   } consumed{wrs};
-  // The operation, made if need be and set on the work requests from `i`
-  // on; once it exists, every request not yet posted carries it.
+  // Makes the operation and sets it on the work requests from `i` on;
+  // nothing once it exists, as every request not yet posted carries it
+  // from then on (an operation made by an earlier submission: from here).
   const auto give_op = [&](size_t i) {
-    if (!op) op = make();
+    if (op) return;
+    op = make();
     for (; i < wrs.size(); ++i) wrs[i].op = op;
   };
-  if (op) give_op(0);
+  if (op)
+    for (auto& wr : wrs) wr.op = op;
   // Direct posting needs the endpoints (ep_mu_) and nothing queued for the
   // worker before this submission (incoming_), so that work requests are
   // posted in submission order; work the provider refused for now
