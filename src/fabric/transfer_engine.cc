@@ -17,6 +17,7 @@
 #include <unordered_map>
 #include <mutex>
 
+#include "fabric/block_cache.h"
 #include "fabric/engine_factory.h"
 #include "fabric/fabric_domain.h"
 #include "fabric/imm_counters.h"
@@ -209,12 +210,11 @@ class FabricEngine final : public TransferEngine {
     const Registration& reg = registry_.check(src, src_offset, len, *what);
     if (!in_range(dst.size, dst_offset, len))
       check_range(dst.size, dst_offset, len, *what, "destination");
-    auto& wrs = scratch(domains_.size())[0];
-    wrs.push_back(write_template(r, dst, *what));
-    fill(wrs.back(), reg, r.nic, src_offset, dst_offset, len, imm);
+    WorkRequest wr = write_template(r, dst, *what);
+    fill(wr, reg, r.nic, src_offset, dst_offset, len, imm);
     std::shared_ptr<OpState> op;
     auto make = [&] { return new_op(what, 1, std::move(cb)); };
-    worker_of(r.nic->index()).submit(wrs, op, OpMaker(make));
+    worker_of(r.nic->index()).submit_one(wr, op, OpMaker(make));
     return op;
   }
 
@@ -346,11 +346,9 @@ class FabricEngine final : public TransferEngine {
     wr.buf = static_cast<char*>(reg.ptr) + offset;
     wr.len = len;
     wr.desc = reg.mrs[d->index()].desc;
-    auto& wrs = scratch(domains_.size())[0];
-    wrs.push_back(std::move(wr));
     std::shared_ptr<OpState> op;
     auto make = [&] { return new_op(what, 1, std::move(cb)); };
-    worker_of(d->index()).submit(wrs, op, OpMaker(make));
+    worker_of(d->index()).submit_one(wr, op, OpMaker(make));
     return op;
   }
 
@@ -467,7 +465,8 @@ class FabricEngine final : public TransferEngine {
   }
 
   std::shared_ptr<OpState> new_op(const Text& what, int wrs, Callback cb) {
-    auto op = std::make_shared<OpState>(what, wrs, coarse_now() + timeout_, std::move(cb), progress_);
+    auto op = std::allocate_shared<OpState>(CachedAllocator<OpState>(), what, wrs,
+                                            coarse_now() + timeout_, std::move(cb), progress_);
     return op;
   }
 

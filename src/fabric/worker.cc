@@ -124,7 +124,6 @@ Worker::Worker(std::vector<Nic*> nics, ImmCounters& imms, MessageQueue& messages
     : nics_(std::move(nics)), imms_(imms), messages_(messages), options_(options) {
   // The NICs posted their receive buffers when they were opened.
   thread_ = std::thread([this] { loop(); });
-  thread_id_ = thread_.get_id();
   if (options_.cpu >= 0) {
     cpu_set_t set;
     CPU_ZERO(&set);
@@ -145,7 +144,13 @@ Worker::~Worker() {
   for (Ctx* c : free_ctxs_) delete c;
 }
 
-bool Worker::on_worker_thread() const { return std::this_thread::get_id() == thread_id_; }
+namespace {
+// The worker whose thread this is (null on user threads): one TLS read per
+// check, where std::this_thread::get_id() is a call into libpthread.
+thread_local const Worker* t_worker = nullptr;
+}  // namespace
+
+bool Worker::on_worker_thread() const { return t_worker == this; }
 
 Worker::Ctx* Worker::get_ctx() {
   if (free_ctxs_.empty()) return new Ctx;
@@ -317,6 +322,39 @@ void Worker::submit(std::vector<WorkRequest>& wrs, std::shared_ptr<OpState>& op,
     if (!options_.waiters || options_.waiters->load(std::memory_order_relaxed) == 0)
       wake_.notify_one();
   }
+}
+
+void Worker::submit_one(WorkRequest& wr, std::shared_ptr<OpState>& op, OpMaker make) {
+  // The conditions of submit()'s direct path, and an empty pending_ (the
+  // request would queue behind it).
+  std::unique_lock<EndpointLock> ep(ep_mu_, std::defer_lock);
+  if (!on_worker_thread())  // the worker itself queues (submit)
+    for (int attempt = 0; !ep.try_lock() && attempt < kLockAttempts; ++attempt) cpu_relax();
+  if (ep.owns_lock() && !stopped_ && pending_.empty() &&
+      !has_incoming_.load(std::memory_order_acquire) &&
+      !stopping_.load(std::memory_order_acquire)) {
+    Ctx* c = get_ctx();
+    c->wr = std::move(wr);
+    const PostStatus r = c->wr.nic->post(c->wr, c, false, &last_post_error_);
+    if (r == PostStatus::kPosted) {
+      link(c);
+      c->wr.nic->flush();
+      // Made after the post (off a hop's way to the wire) and before any
+      // completion is read: this thread holds the endpoints.
+      op = make();
+      c->wr.op = op;
+      ep.unlock();
+      if (!user_posted_.load(std::memory_order_relaxed))
+        user_posted_.store(true, std::memory_order_relaxed);
+      return;
+    }
+    wr = std::move(c->wr);  // refused or failed: submit() retries it and reports
+    put_ctx(c);
+  }
+  if (ep.owns_lock()) ep.unlock();
+  thread_local std::vector<WorkRequest> one;  // reused: no allocation once warm
+  one.push_back(std::move(wr));
+  submit(one, op, make);
 }
 
 Pass Worker::progress() {
@@ -510,6 +548,7 @@ void Worker::check_deadlines() {
 }
 
 void Worker::loop() {
+  t_worker = this;
   int idle = 0;
   for (;;) {
     bool own_work = false;

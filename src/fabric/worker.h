@@ -112,6 +112,12 @@ class Worker {
   // directly went out: the operation's allocation is then not on the way
   // to the wire (a ping-pong hop's latency). `op` holds it afterwards.
   void submit(std::vector<WorkRequest>& wrs, std::shared_ptr<OpState>& op, OpMaker make);
+  // submit() of one work request (a write, a send): posted straight from
+  // the caller's request when the endpoints are free and nothing waits
+  // before it, without the vector, the loop and its bookkeeping; anything
+  // else (endpoints busy, work queued, the provider refusing) goes through
+  // submit(). `wr` is consumed.
+  void submit_one(WorkRequest& wr, std::shared_ptr<OpState>& op, OpMaker make);
   // One non-blocking progress pass from a user thread (posts queued work,
   // reads completions); kBusy when another thread holds the endpoints.
   Pass progress();
@@ -185,7 +191,6 @@ class Worker {
   // Worker-thread only.
   Clock::time_point next_deadline_check_{};
   std::thread thread_;
-  std::thread::id thread_id_;  // thread_'s id (thread_ itself changes at join)
 };
 
 }  // namespace moelink::fabric

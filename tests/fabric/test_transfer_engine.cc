@@ -18,6 +18,7 @@
 #include <numeric>
 #include <vector>
 
+#include "fabric/block_cache.h"
 #include "fabric/op_state.h"
 #include "fabric_test_util.h"
 #include "rank_harness.h"
@@ -119,6 +120,47 @@ TEST(FabricOpState, CompletionCountersReplaceTheCallback) {
   // An ordinary callback stays a callback.
   OpState cb(what, 1, deadline, [](std::exception_ptr) {});
   EXPECT_TRUE(cb.has_callback());
+}
+
+// The operations' block cache: a freed block is handed out again on the
+// thread that freed it, not returned to malloc (a malloc of the same size
+// right after does not get it; glibc's would), also when another thread
+// took it; past kBlocksPerThread blocks go to operator delete (ASan's leak
+// check sees any block a thread's exit does not free).
+TEST(FabricBlockCache, FreedBlocksAreTakenAgainOnTheFreeingThread) {
+  using Cache = BlockCache<96, 16>;
+  const auto kept = [](void* p) {  // true when p went to the cache, not to malloc
+    void* probe = ::operator new(96, std::align_val_t{16});
+    const bool in_cache = probe != p;
+    ::operator delete(probe, std::align_val_t{16});
+    return in_cache && Cache::take() == p;
+  };
+  void* a = Cache::take();
+  void* b = Cache::take();
+  ASSERT_NE(a, b);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a) % 16, 0u);
+  Cache::give(a);
+  EXPECT_TRUE(kept(a)) << "a freed block went back to malloc";
+  std::thread([&] {
+    Cache::give(b);  // taken on the main thread, freed here
+    EXPECT_TRUE(kept(b));
+    Cache::give(b);  // freed with this thread's list at its exit
+  }).join();
+  std::vector<void*> many;
+  for (int i = 0; i < 2 * Cache::kBlocksPerThread; ++i) many.push_back(Cache::take());
+  for (void* p : many) Cache::give(p);  // the second half to operator delete
+  Cache::give(a);                       // the list is full: to operator delete
+  // CachedAllocator (std::allocate_shared of the engine's operations, rebound
+  // to their control block) takes single objects from it.
+  CachedAllocator<OpState> alloc;
+  OpState* op = alloc.allocate(1);
+  alloc.deallocate(op, 1);
+  using OpCache = BlockCache<sizeof(OpState), alignof(OpState)>;
+  void* probe = ::operator new(sizeof(OpState), std::align_val_t{alignof(OpState)});
+  EXPECT_NE(probe, static_cast<void*>(op));
+  ::operator delete(probe, std::align_val_t{alignof(OpState)});
+  EXPECT_EQ(OpCache::take(), static_cast<void*>(op));
+  OpCache::give(op);
 }
 
 // A thread asleep in wait() (no progress hook: it only sleeps) is woken by

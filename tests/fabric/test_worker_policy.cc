@@ -174,6 +174,36 @@ class AlternatingNic final : public CompletingNic {
   uint64_t posts_ = 0;
 };
 
+// Single writes take their own path (Worker::submit_one: posted from the
+// caller's request when nothing is queued) and, when the NIC refuses, fall
+// back to submit(), which retries. One write at a time, each waited for
+// (so nothing is queued before the next), every other post refused: the
+// writes alternate between the two. Each completes once, with its own
+// Transfer; then the same with 200 in flight (most of them queued).
+TEST(FabricWorker, SingleWritesRefusedInTurnAreRetried) {
+  FakeEngine f = FakeEngine::make<AlternatingNic>(10.0);
+  TransferEngine* e = f.engine.get();
+  const MemoryDescriptor d = e->descriptor(f.region);
+  std::atomic<uint64_t> done{0}, failed{0};
+  for (int i = 0; i < 200; ++i) {
+    TransferPtr op = e->write(f.region, static_cast<uint64_t>(i) * 16, d, 0, 16, 5u,
+                              count_completions(done, failed));
+    ASSERT_NE(op, nullptr);
+    op->wait(5.0);
+  }
+  EXPECT_EQ(done.load(), 200u);
+  std::vector<TransferPtr> ops;
+  for (int i = 0; i < 200; ++i)
+    ops.push_back(e->write(f.region, static_cast<uint64_t>(i) * 16, d, 0, 16, 5u,
+                           count_completions(done, failed)));
+  for (auto& op : ops) {
+    ASSERT_NE(op, nullptr);
+    op->wait(5.0);
+  }
+  EXPECT_EQ(done.load(), 400u);
+  EXPECT_EQ(failed.load(), 0u);
+}
+
 // A submission whose later requests are refused after earlier ones went
 // out: the submitting thread reads completions before retrying, and those
 // of the requests it already posted belong to the operation (made after
