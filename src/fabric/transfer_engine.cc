@@ -433,10 +433,20 @@ class FabricEngine final : public TransferEngine {
   }
 
   const Group& group_at(GroupId g, const char* op) {
+    // The group this thread used last on this engine, without the lock
+    // (a scatter and its barrier go to one group): groups never change
+    // once added and never move (a deque).
+    thread_local struct {
+      uint64_t engine = 0;
+      GroupId id = -1;
+      const Group* group = nullptr;
+    } last;
+    if (last.engine == serial_ && last.id == g) return *last.group;
     std::lock_guard<std::mutex> lock(peers_mu_);
     if (g < 0 || static_cast<size_t>(g) >= groups_.size())
       throw InvalidArgument(std::string("TransferEngine ") + op + ": unknown peer group " +
                             std::to_string(g));
+    last = {serial_, g, &groups_[g]};
     return groups_[g];  // a deque: references stay valid
   }
 
