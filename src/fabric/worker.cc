@@ -215,7 +215,39 @@ static bool same_destination(const WorkRequest& a, const WorkRequest& b) {
   return a.nic == b.nic && a.dest == b.dest;
 }
 
+inline bool Worker::lock_for_direct_post(std::unique_lock<EndpointLock>& ep) {
+  // Direct posting needs the endpoints (ep_mu_) and nothing queued for the
+  // worker before this submission (incoming_), so that work requests are
+  // posted in submission order. The worker thread itself (a callback
+  // submitting) always queues.
+  if (!on_worker_thread()) {
+    // The holder is usually in one short progress pass (the worker's, or a
+    // waiter's): wait that long rather than hand the work to the worker,
+    // which costs a wake-up. Bounded, never blocking: the worker may be
+    // running a callback, and a callback may wait for a lock the caller
+    // holds.
+    for (int attempt = 0; !ep.try_lock() && attempt < kLockAttempts; ++attempt)
+      cpu_relax();
+  }
+  // The common case needs no mu_: the endpoints are ours and nothing is
+  // queued or stopping (flags kept beside the state mu_ guards).
+  return ep.owns_lock() && !stopped_ && !has_incoming_.load(std::memory_order_acquire) &&
+         !stopping_.load(std::memory_order_acquire);
+}
+
+inline void Worker::mark_user_posted() {
+  if (!user_posted_.load(std::memory_order_relaxed))
+    user_posted_.store(true, std::memory_order_relaxed);
+}
+
 void Worker::submit(std::vector<WorkRequest>& wrs, std::shared_ptr<OpState>& op, OpMaker make) {
+  std::unique_lock<EndpointLock> ep(ep_mu_, std::defer_lock);
+  const bool direct = lock_for_direct_post(ep);
+  submit_locked(wrs, op, make, ep, direct);
+}
+
+void Worker::submit_locked(std::vector<WorkRequest>& wrs, std::shared_ptr<OpState>& op,
+                           OpMaker make, std::unique_lock<EndpointLock>& ep, bool direct) {
   struct Consumed {  // every path leaves the caller's vector empty
     std::vector<WorkRequest>& v;
     ~Consumed() { v.clear(); }
@@ -230,26 +262,6 @@ void Worker::submit(std::vector<WorkRequest>& wrs, std::shared_ptr<OpState>& op,
   };
   if (op)
     for (auto& wr : wrs) wr.op = op;
-  // Direct posting needs the endpoints (ep_mu_) and nothing queued for the
-  // worker before this submission (incoming_), so that work requests are
-  // posted in submission order; work the provider refused for now
-  // (pending_) is posted first, from here. The worker thread itself (a
-  // callback submitting) always queues.
-  std::unique_lock<EndpointLock> ep(ep_mu_, std::defer_lock);
-  if (!on_worker_thread()) {
-    // The holder is usually in one short progress pass (the worker's, or a
-    // waiter's): wait that long rather than hand the work to the worker,
-    // which costs a wake-up. Bounded, never blocking: the worker may be
-    // running a callback, and a callback may wait for a lock the caller
-    // holds.
-    for (int attempt = 0; !ep.try_lock() && attempt < kLockAttempts; ++attempt)
-      cpu_relax();
-  }
-  // The common case needs no mu_: the endpoints are ours and nothing is
-  // queued or stopping (flags kept beside the state mu_ guards).
-  const bool direct = ep.owns_lock() && !stopped_ &&
-                      !has_incoming_.load(std::memory_order_acquire) &&
-                      !stopping_.load(std::memory_order_acquire);
   if (!direct) {
     give_op(0);
     std::lock_guard<std::mutex> lock(mu_);
@@ -269,7 +281,8 @@ void Worker::submit(std::vector<WorkRequest>& wrs, std::shared_ptr<OpState>& op,
   }
   bool wake = false;
   if (!pending_.empty()) {
-    // Behind work the provider refused: queue after it, in order.
+    // Behind work the provider refused for now: queue after it, in order
+    // (posted first, from here).
     give_op(0);
     for (auto& wr : wrs) pending_.push_back(std::move(wr));
     post_pending(false);
@@ -310,8 +323,7 @@ void Worker::submit(std::vector<WorkRequest>& wrs, std::shared_ptr<OpState>& op,
     for (; i < wrs.size(); ++i) pending_.push_back(std::move(wrs[i]));
   }
   ep.unlock();
-  if (!user_posted_.load(std::memory_order_relaxed))
-    user_posted_.store(true, std::memory_order_relaxed);
+  mark_user_posted();
   // Completions, and work the provider refused for now, are a waiter's
   // (progress) or the worker's next pass (at most one idle sleep away): no
   // wake-up for them, as this thread is active and a wake-up is a system
@@ -325,36 +337,25 @@ void Worker::submit(std::vector<WorkRequest>& wrs, std::shared_ptr<OpState>& op,
 }
 
 void Worker::submit_one(WorkRequest& wr, std::shared_ptr<OpState>& op, OpMaker make) {
-  // The conditions of submit()'s direct path, and an empty pending_ (the
-  // request would queue behind it).
   std::unique_lock<EndpointLock> ep(ep_mu_, std::defer_lock);
-  if (!on_worker_thread())  // the worker itself queues (submit)
-    for (int attempt = 0; !ep.try_lock() && attempt < kLockAttempts; ++attempt) cpu_relax();
-  if (ep.owns_lock() && !stopped_ && pending_.empty() &&
-      !has_incoming_.load(std::memory_order_acquire) &&
-      !stopping_.load(std::memory_order_acquire)) {
-    Ctx* c = get_ctx();
-    c->wr = std::move(wr);
-    const PostStatus r = c->wr.nic->post(c->wr, c, false, &last_post_error_);
-    if (r == PostStatus::kPosted) {
-      link(c);
-      c->wr.nic->flush();
-      // Made after the post (off a hop's way to the wire) and before any
-      // completion is read: this thread holds the endpoints.
-      op = make();
-      c->wr.op = op;
-      ep.unlock();
-      if (!user_posted_.load(std::memory_order_relaxed))
-        user_posted_.store(true, std::memory_order_relaxed);
-      return;
-    }
-    wr = std::move(c->wr);  // refused or failed: submit() retries it and reports
-    put_ctx(c);
+  const bool direct = lock_for_direct_post(ep);
+  // Not behind refused work (pending_): the request would queue after it.
+  if (direct && pending_.empty() && try_post(wr, false) == PostStatus::kPosted) {
+    Ctx* c = inflight_last_;  // try_post appended it
+    c->wr.nic->flush();
+    // Made after the post (off a hop's way to the wire) and before any
+    // completion is read: this thread holds the endpoints.
+    op = make();
+    c->wr.op = op;
+    ep.unlock();
+    mark_user_posted();
+    return;
   }
-  if (ep.owns_lock()) ep.unlock();
+  // Anything else, a refusal included (try_post handed the request back),
+  // the general way, with the lock as it is (not tried again).
   thread_local std::vector<WorkRequest> one;  // reused: no allocation once warm
   one.push_back(std::move(wr));
-  submit(one, op, make);
+  submit_locked(one, op, make, ep, direct);
 }
 
 Pass Worker::progress() {
@@ -455,7 +456,7 @@ void Worker::run_tasks() {
 
 // The request moves into the context and, when the transport does not take
 // it, back: no reference count changes hands on the hot path.
-PostStatus Worker::try_post(WorkRequest& wr, bool more) {
+inline PostStatus Worker::try_post(WorkRequest& wr, bool more) {
   Ctx* c = get_ctx();
   c->wr = std::move(wr);
   const PostStatus r = c->wr.nic->post(c->wr, c, more, &last_post_error_);

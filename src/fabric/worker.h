@@ -115,8 +115,8 @@ class Worker {
   // submit() of one work request (a write, a send): posted straight from
   // the caller's request when the endpoints are free and nothing waits
   // before it, without the vector, the loop and its bookkeeping; anything
-  // else (endpoints busy, work queued, the provider refusing) goes through
-  // submit(). `wr` is consumed.
+  // else (endpoints busy, work queued, the provider refusing) goes
+  // submit()'s way, without trying the lock again. `wr` is consumed.
   void submit_one(WorkRequest& wr, std::shared_ptr<OpState>& op, OpMaker make);
   // One non-blocking progress pass from a user thread (posts queued work,
   // reads completions); kBusy when another thread holds the endpoints.
@@ -133,6 +133,16 @@ class Worker {
   class Sink;
   void loop();
   void run_tasks();
+  // Tries the endpoint lock (bounded; never on the worker thread) and says
+  // whether work may be posted from this thread: the lock held and nothing
+  // queued for the worker or stopping.
+  bool lock_for_direct_post(std::unique_lock<EndpointLock>& ep);
+  // submit() once lock_for_direct_post(ep) returned `direct`.
+  void submit_locked(std::vector<WorkRequest>& wrs, std::shared_ptr<OpState>& op, OpMaker make,
+                     std::unique_lock<EndpointLock>& ep, bool direct);
+  // The flag that tells the worker a user thread is active (written only
+  // when it changes: a shared cache line).
+  void mark_user_posted();
   // `more`: the next work request goes to the same destination (the
   // transport may chain them into one doorbell).
   PostStatus try_post(WorkRequest& wr, bool more);
