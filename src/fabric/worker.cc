@@ -32,6 +32,12 @@ constexpr int kPostRetries = 64;
 constexpr int kLockAttempts = 256;
 // Destinations refusing posts in one pass before the pass stops posting.
 constexpr size_t kHeldDestinations = 4;
+// Sets a flag the worker reads and clears (user_posted_, user_polled_),
+// writing it only when it changes: user threads set it on every post or
+// pass, and each write would take the cache line from the worker.
+inline void raise_flag(std::atomic<bool>& flag) {
+  if (!flag.load(std::memory_order_relaxed)) flag.store(true, std::memory_order_relaxed);
+}
 }  // namespace
 
 // A work request in flight: the transport's space (WrContext), the
@@ -235,10 +241,6 @@ inline bool Worker::lock_for_direct_post(std::unique_lock<EndpointLock>& ep) {
          !stopping_.load(std::memory_order_acquire);
 }
 
-inline void Worker::mark_user_posted() {
-  if (!user_posted_.load(std::memory_order_relaxed))
-    user_posted_.store(true, std::memory_order_relaxed);
-}
 
 void Worker::submit(std::vector<WorkRequest>& wrs, std::shared_ptr<OpState>& op, OpMaker make) {
   std::unique_lock<EndpointLock> ep(ep_mu_, std::defer_lock);
@@ -323,7 +325,7 @@ void Worker::submit_locked(std::vector<WorkRequest>& wrs, std::shared_ptr<OpStat
     for (; i < wrs.size(); ++i) pending_.push_back(std::move(wrs[i]));
   }
   ep.unlock();
-  mark_user_posted();
+  raise_flag(user_posted_);
   // Completions, and work the provider refused for now, are a waiter's
   // (progress) or the worker's next pass (at most one idle sleep away): no
   // wake-up for them, as this thread is active and a wake-up is a system
@@ -348,7 +350,7 @@ void Worker::submit_one(WorkRequest& wr, std::shared_ptr<OpState>& op, OpMaker m
     op = make();
     c->wr.op = op;
     ep.unlock();
-    mark_user_posted();
+    raise_flag(user_posted_);
     return;
   }
   // Anything else, a refusal included (try_post handed the request back),
@@ -377,10 +379,7 @@ Pass Worker::progress() {
   }
   if (!pending_.empty()) work += post_pending(false);
   work += poll_all(false, &wake);
-  // A waiter passes often: write the shared flag only when it changes, so
-  // that the cache line is not taken from the worker on every pass.
-  if (!user_polled_.load(std::memory_order_relaxed))
-    user_polled_.store(true, std::memory_order_relaxed);
+  raise_flag(user_polled_);
   // Callbacks and failures of ops with one run on the worker: wake it.
   // Work the provider still refuses only needs a pass: this waiter's next
   // one, or the worker's.

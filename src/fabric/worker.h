@@ -140,9 +140,6 @@ class Worker {
   // submit() once lock_for_direct_post(ep) returned `direct`.
   void submit_locked(std::vector<WorkRequest>& wrs, std::shared_ptr<OpState>& op, OpMaker make,
                      std::unique_lock<EndpointLock>& ep, bool direct);
-  // The flag that tells the worker a user thread is active (written only
-  // when it changes: a shared cache line).
-  void mark_user_posted();
   // `more`: the next work request goes to the same destination (the
   // transport may chain them into one doorbell).
   PostStatus try_post(WorkRequest& wr, bool more);
