@@ -126,6 +126,28 @@ inline uint16_t fp16_bits_exact(double v) {
   return sign | static_cast<uint16_t>((exp + 15) << 10) | mant;
 }
 
+// fp8 e4m3 "fn" rounding with saturation (as __NV_SATFINITE): ties to even,
+// finite values past +-448 become +-448.
+inline double round_to_e4m3_sat(double v) {
+  if (std::isnan(v)) return v;
+  const double r = round_to_binary(std::fmax(-448.0, std::fmin(448.0, v)), 3, -6, 448.0);
+  return std::fmax(-448.0, std::fmin(448.0, r));
+}
+
+// Bit pattern of an exactly representable e4m3 value (round_to_e4m3_sat's).
+inline uint8_t fp8_e4m3_bits_exact(double v) {
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0;
+  const double a = std::fabs(v);
+  if (std::isnan(a)) return 0x7F;
+  if (a == 0) return sign;
+  int e;
+  std::frexp(a, &e);
+  const int exp = e - 1;
+  if (exp < -6) return sign | static_cast<uint8_t>(std::ldexp(a, 9));  // subnormal: a / 2^-9
+  const auto mant = static_cast<uint8_t>(std::ldexp(a, 3 - exp) - 8.0);
+  return sign | static_cast<uint8_t>((exp + 7) << 3) | mant;
+}
+
 // Rounds v to `dtype` and stores it as element i of a row.
 inline void encode_element(moelink::DType dtype, double v, void* row, int64_t i) {
   auto* p = static_cast<uint8_t*>(row);

@@ -1,6 +1,6 @@
 # Sourced by the H200 machine's scripts (gpu_check.sh, nvshmem_check.sh), after
 # they set `root` (the checkout) and `steps`: the environment of every device
-# run. Defines OUT, py, site, nccl_home, nvshmem_home, fabric_args, ngpu,
+# run. Defines OUT, py, site, nccl_home, nvshmem_home, fabric_args, cutlass_args, ngpu,
 # MOELINK_GIT_COMMIT, status and has().
 OUT=${OUT:-$root/gpu-out}
 mkdir -p "$OUT"
@@ -23,6 +23,16 @@ if [[ -d "$root/.deps/sysroot/usr/include/rdma" ]]; then
   sysroot="$root/.deps/sysroot"
   export LD_LIBRARY_PATH="$sysroot/usr/lib/x86_64-linux-gnu:$sysroot/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH"
   fabric_args=(-DMOELINK_LIBFABRIC_ROOT="$sysroot/usr")
+fi
+# CUTLASS (the CUDA expert kernels) from the wheel tools/prepare_device_deps.sh
+# put in .deps/wheels, unpacked outside the checkout.
+cutlass_args=()
+cutlass_wheel=$(ls "$root"/.deps/wheels/nvidia_cutlass-*.whl 2>/dev/null | head -1)
+if [[ -n $cutlass_wheel ]]; then
+  cutlass_dir=/tmp/moelink-cutlass
+  [[ -f $cutlass_dir/cutlass_library/source/include/cutlass/cutlass.h ]] ||
+    $py -m zipfile -e "$cutlass_wheel" "$cutlass_dir"
+  cutlass_args=(-DMOELINK_CUTLASS_DIR="$cutlass_dir/cutlass_library/source")
 fi
 ngpu=$(nvidia-smi -L | wc -l)
 # The device copy's .git may be older than its tree: a commit passed in wins.

@@ -3,7 +3,10 @@
 # test suite, the binding tests with torch, the compute-sanitizer pass and the
 # benchmark, in one call. Results and logs go to $OUT (default ./gpu-out).
 #   bash tools/gpu_check.sh [steps...]
-#   steps: build test python sanitize bench internode (default: all)
+#   steps: build test python sanitize bench internode experts (default: all)
+#   experts: tools/bench/experts_bench.py, the expert kernels beside
+#   torch._scaled_grouped_mm, the copy bandwidth and the dense fp8 peak
+#   (MOELINK_EXPERTS_BENCH_ARGS adds arguments).
 #   internode: moelink-bench with the internode backend beside nvlink, over
 #   libfabric's shm provider (GPUs of this machine treated as nodes).
 #   fabric (not in the default): moelink-fabric-bench, the TransferEngine
@@ -16,10 +19,10 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-steps=${*:-build test python sanitize bench internode}
+steps=${*:-build test python sanitize bench internode experts}
 source "$root/tools/device_env.sh"
 python_build=OFF
-has python && python_build=ON
+{ has python || has experts; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
@@ -27,9 +30,9 @@ if has build; then
     -DMOELINK_GTEST_SOURCE_DIR="$root/.deps/googletest" \
     -DMOELINK_EXTRA_INCLUDE_DIR="$root/.deps/include" \
     -DNCCL_ROOT="$nccl_home" -DNVSHMEM_HOME="$nvshmem_home" \
-    -DMOELINK_BUILD_PYTHON=$python_build "${fabric_args[@]}" \
+    -DMOELINK_BUILD_PYTHON=$python_build "${fabric_args[@]}" "${cutlass_args[@]}" \
     -DPython_EXECUTABLE="$py" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-  grep -E "moelink: (backend|backends|TransferEngine)" "$OUT/configure.log"
+  grep -E "moelink: (backend|backends|TransferEngine|CUTLASS)" "$OUT/configure.log"
   cmake --build build-gpu -j "$(nproc)" >"$OUT/build.log" 2>&1 || { grep -B2 -A10 error "$OUT/build.log" | head -60; exit 1; }
   echo "build ok"
 fi
@@ -49,6 +52,8 @@ run_gtests() {  # title binary filter log [optional]
 if has test; then
   run_gtests "GPU test suite ($ngpu GPUs)" build-gpu/tests/moelink_tests \
     "${MOELINK_GTEST_FILTER:-*}" tests.log
+  run_gtests "expert kernels (CUDA and CPU)" build-gpu/tests/moelink_experts_tests \
+    "${MOELINK_EXPERTS_FILTER:-*}" experts-tests.log
   run_gtests "TransferEngine GPU tests (a kernel polls signal_on_imm's flag; shm / tcp)" \
     build-gpu/src/fabric/tests/moelink_fabric_tests "${MOELINK_FABRIC_FILTER:-*Gpu*}" fabric-tests.log \
     optional
@@ -71,6 +76,11 @@ if has sanitize; then
       >"$OUT/sanitizer-$tool.log" 2>&1 || status=1
     grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/sanitizer-$tool.log" | tail -6
   done
+  echo "== compute-sanitizer memcheck on the expert kernels (small cases, graph replay, errors)"
+  compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/moelink_experts_tests \
+    --gtest_filter="${MOELINK_EXPERTS_SANITIZE_FILTER:-*GpuExperts*Small*:*GpuExpertsDense*:*GpuExpertsErrors*:*GpuExpertsGraph*}" \
+    >"$OUT/sanitizer-experts-memcheck.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/sanitizer-experts-memcheck.log" | tail -6
 fi
 
 if has bench; then
@@ -88,6 +98,14 @@ if has internode; then
        ${MOELINK_INTERNODE_BENCH_ARGS:-})
   echo "${cmd[*]}"
   "${cmd[@]}" 2>&1 | tee "$OUT/bench-internode.log" | tail -45 || status=1
+fi
+if has experts; then
+  echo "== expert kernels: tools/bench/experts_bench.py"
+  cmd=($py tools/bench/experts_bench.py --machine "nvidia-h200-x$ngpu" --json "$OUT/experts.json"
+       ${MOELINK_EXPERTS_BENCH_ARGS:-})
+  echo "${cmd[*]}"
+  PYTHONPATH="$root/build-gpu/python" "${cmd[@]}" 2>&1 | tee "$OUT/experts-bench.log" | tail -30 ||
+    status=1
 fi
 if has fabric; then
   for mode in yield busy-poll; do

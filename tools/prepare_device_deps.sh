@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Copies the build dependencies the GPU machine lacks (it has no package
 # registry) into .deps/, which the device run carries: GoogleTest sources,
-# the header-only CLI11 and nlohmann/json, and Debian's libfabric (with the
-# libraries it loads) unpacked into .deps/sysroot for the internode backend.
+# the header-only CLI11 and nlohmann/json, Debian's libfabric (with the
+# libraries it loads) unpacked into .deps/sysroot for the internode backend,
+# and the nvidia-cutlass wheel (CUTLASS's headers, unpacked there by
+# tools/device_env.sh) for the CUDA expert kernels.
 # Run here, on a Debian machine with googletest, libcli11-dev and
 # nlohmann-json3-dev installed.
 set -euo pipefail
@@ -22,4 +24,7 @@ debs=$(mktemp -d)
   >/dev/null 2>&1)
 for f in "$debs"/*.deb; do dpkg -x "$f" "$deps/sysroot"; done
 rm -rf "$debs" "$deps/sysroot/usr/share"
+# CUTLASS, the version .ci/run pins, as its wheel (7 MB; 27 MB unpacked).
+python3 -m pip download -q --no-deps --disable-pip-version-check -d "$deps/wheels" \
+  "nvidia-cutlass==$(sed -n 's/^cutlass_version=//p' "$root/tools/deps.sh")"
 du -sh "$deps"

@@ -3,4 +3,5 @@
 #include "moelink/bootstrap.h"
 #include "moelink/config.h"
 #include "moelink/errors.h"
+#include "moelink/experts.h"
 #include "moelink/types.h"

@@ -26,6 +26,7 @@ from ._C import (
     with_cuda,
 )
 from ._all_to_all import AllToAll, stream_handle
+from ._experts import Experts
 from ._torch import TorchGroupBootstrap
 
 __version__ = "0.1.0"
@@ -36,6 +37,7 @@ __all__ = [
     "Config",
     "EnvBootstrap",
     "Error",
+    "Experts",
     "InputError",
     "InvalidArgument",
     "TcpBootstrap",

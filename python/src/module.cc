@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 
+#include "experts_binding.h"
 #include "moelink/moelink.h"
 #include "tensor_convert.h"
 
@@ -557,6 +558,7 @@ NB_MODULE(_C, m) {
   bind_config(m);
   bind_bootstrap(m);
   bind_all_to_all(m);
+  bind_experts(m);
 
 #if defined(MOELINK_WITH_CUDA)
   m.attr("with_cuda") = true;

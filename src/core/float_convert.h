@@ -1,5 +1,6 @@
 // Host conversions between fp32 and the 16-bit / 8-bit float formats, used
-// by the CPU backend. Round to nearest even, like the CUDA intrinsics.
+// by the CPU backend and the CPU expert kernels. Round to nearest even, like
+// the CUDA intrinsics.
 #pragma once
 
 #include <cstdint>
@@ -54,6 +55,36 @@ inline uint16_t f32_to_f16(float f) {
   uint32_t r = a - 0x38000000u;  // rebias 127 -> 15
   r += 0xfffu + ((r >> 13) & 1u);
   return sign | static_cast<uint16_t>(r >> 13);
+}
+
+// fp8 e4m3 "fn" (1 sign, 4 exponent bits of bias 7, 3 mantissa bits, no
+// infinities, 0x7f / 0xff NaN): round to nearest even, saturating at +-448
+// like __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3).
+inline uint8_t f32_to_e4m3(float f) {
+  uint32_t u = f32_bits(f);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7fu;  // NaN
+  if (a >= 0x43e00000u) return sign | 0x7eu;  // >= 448 (and inf): saturate
+  if (a < 0x3c800000u) {                      // below 2^-6: subnormal steps of 2^-9
+    const float v = bits_f32(a) * 512.0f;     // exact: a power-of-two scaling
+    uint32_t m = static_cast<uint32_t>(v);
+    const float rem = v - static_cast<float>(m);
+    if (rem > 0.5f || (rem == 0.5f && (m & 1u))) ++m;  // m == 8 is the smallest normal
+    return sign | static_cast<uint8_t>(m);
+  }
+  uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);  // round the mantissa to 3 bits
+  r = (r >> 20) - ((127u - 7u) << 3);            // rebias the exponent 127 -> 7
+  return sign | static_cast<uint8_t>(r > 0x7eu ? 0x7eu : r);
+}
+inline float e4m3_to_f32(uint8_t b) {
+  const uint32_t sign = (b & 0x80u) << 24, exp = (b >> 3) & 0xfu, man = b & 0x7u;
+  if (exp == 0xf && man == 0x7) return bits_f32(sign | 0x7fc00000u);  // NaN
+  if (exp == 0) {
+    const float v = static_cast<float>(man) * (1.0f / 512.0f);  // man * 2^-9
+    return sign ? -v : v;
+  }
+  return bits_f32(sign | ((exp + 120u) << 23) | (man << 20));
 }
 
 // Loads element i of a row of bf16 / fp16 / fp32 values as fp32.

@@ -1,0 +1,76 @@
+// The fp8 block-scaled grouped GEMM of the expert kernels, as the host code
+// sees it (no CUTLASS types here):
+//   for each group g < groups, rows r < rows(g), columns n < N:
+//     y[g][r][n] = bf16( sum_kb  x_scale[g][r][kb] * w_scale[g][n/128][kb]
+//                               * sum_{k in block kb} x[g][r][k] * w[g][n][k] )
+// x fp8 e4m3 [groups, C, K] (K contiguous), w fp8 e4m3 [groups, N, K] (K
+// contiguous: a checkpoint's [out, in] weight), x_scale fp32 [groups, C, K/128]
+// packed rows, w_scale fp32 [groups, N/128, K/128] packed rows, y bf16
+// [groups, C, N] (N contiguous). rows(g) is read on the device: either
+// counts[g] (the grouped GEMM on dispatch's output) or counts[0] for the only
+// group (a dense GEMM whose m is on the device), clamped to [0, C]. Rows >= rows(g)
+// of y are never written.
+//
+// The core is CUTLASS's Hopper warp-specialized grouped GEMM with blockwise
+// scaling (TMA loads, wgmma, scale promotion every 128 of K); a small kernel
+// before it writes CUTLASS's per-group arguments (problem sizes, pointers,
+// strides) from the counts on the device, so nothing is read back by the host
+// and a captured CUDA graph replays with new counts.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "experts/expert_error.h"
+
+namespace moelink::detail::experts {
+
+struct GemmOperands {
+  const void* x;  // fp8
+  int64_t x_group_stride, x_row_stride;  // elements
+  const float* x_scale;
+  int64_t x_scale_group_stride;  // elements; rows are K/128 apart
+  const void* w;  // fp8
+  int64_t w_group_stride, w_row_stride;
+  const float* w_scale;
+  int64_t w_scale_group_stride;  // rows are K/128 apart
+  void* y;  // bf16
+  int64_t y_group_stride, y_row_stride;
+  const int32_t* counts;  // [groups] rows per group, device memory
+  int64_t capacity;       // C: rows each group's tensors have
+  int32_t n, k;           // multiples of 128
+  ExpertOp op;            // named when a count is out of range
+};
+
+// Tile configurations compiled in (each is one CUTLASS kernel).
+enum class GemmTiles {
+  // 64 x 128 x 128 tiles, ping-pong consumer warpgroups: decode (few rows
+  // per group), where the weights stream through and a 128-row tile would
+  // waste half of every tensor-core instruction.
+  kRows64,
+  // 128 x 128 x 128 tiles, two cooperative consumer warpgroups: prefill.
+  kRows128,
+};
+const char* gemm_tiles_name(GemmTiles t);
+
+// One CUTLASS kernel with its device-side argument arrays for `groups`
+// groups. Calls on one object are ordered on one stream at a time (the
+// argument arrays are rewritten by each call).
+class BlockScaledGemm {
+ public:
+  virtual ~BlockScaledGemm() = default;
+  // Writes the arguments from `op.counts` on `stream`, then runs the GEMM.
+  // A count outside [0, C] is clamped and recorded in *error.
+  virtual void run(const GemmOperands& op, ExpertErrorRecord* error, cudaStream_t stream) = 0;
+  virtual GemmTiles tiles() const = 0;
+  // Device memory the object holds (argument arrays, CUTLASS workspace).
+  virtual size_t device_bytes() const = 0;
+};
+
+// For the current CUDA device. Throws SystemError when CUDA fails and
+// InvalidArgument when the device is not a Hopper GPU (sm_90).
+std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups);
+
+}  // namespace moelink::detail::experts

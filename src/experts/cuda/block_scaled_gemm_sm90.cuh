@@ -1,0 +1,223 @@
+// BlockScaledGemm on CUTLASS's Hopper grouped GEMM with blockwise scaling
+// (cutlass/gemm/collective/sm90_mma_array_tma_gmma_ss_warpspecialized_fp8_
+// blockwise_scaling.hpp). Included by one .cu per tile configuration, so
+// each CUTLASS kernel compiles in its own translation unit (in parallel).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/detail/blockwise_scale_layout.hpp>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/kernel_hardware_info.h>
+
+#include <memory>
+#include <string>
+
+#include "experts/cuda/block_scaled_gemm.h"
+#include "experts/cuda/device_buffer.h"
+#include "experts/cuda/expert_error_device.cuh"
+#include "nvlink/cuda_check.h"
+
+namespace moelink::detail::experts {
+
+// The CUTLASS kernel for one tile configuration. A row-major fp8 [rows, K],
+// B the weight [N, K] (K contiguous, "column-major" B in BLAS terms), D
+// row-major bf16 [rows, N], no C. Scales K-major: x_scale rows of K/128
+// floats, w_scale rows of K/128 floats per 128 rows of w (the checkpoint's
+// weight_scale_inv layout).
+template <class TileShape, class KernelSchedule, class EpilogueSchedule>
+struct Sm90BlockScaledKernel {
+  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+  using ElementA = cutlass::float_e4m3_t;
+  using ElementB = cutlass::float_e4m3_t;
+  using ElementD = cutlass::bfloat16_t;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignA = 16;  // elements of 16 bytes: TMA's rule
+  static constexpr int kAlignB = 16;
+  static constexpr int kAlignD = 8;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
+                                                                cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD,
+      ElementD, LayoutD*, kAlignD, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
+      cute::tuple<LayoutA*, LayoutSFA*>, kAlignA, ElementB, cute::tuple<LayoutB*, LayoutSFB*>,
+      kAlignB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Problem = typename ProblemShape::UnderlyingProblemShape;
+};
+
+// CUTLASS's per-group argument arrays, carved from one device allocation.
+template <class K>
+struct GroupArguments {
+  typename K::Problem* problem;
+  const typename K::ElementA** a;
+  const typename K::ElementB** b;
+  typename K::ElementD** d;
+  const float** sfa;
+  const float** sfb;
+  typename K::StrideA* stride_a;
+  typename K::StrideB* stride_b;
+  typename K::StrideD* stride_d;
+  typename K::LayoutSFA* layout_sfa;
+  typename K::LayoutSFB* layout_sfb;
+};
+
+// One thread per group: the group's rows from the device counts (clamped
+// and reported), its pointers and strides.
+template <class K>
+__global__ void write_group_arguments(GroupArguments<K> args, GemmOperands op, int groups,
+                                      ExpertErrorRecord* error) {
+  const int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= groups) return;
+  const int64_t seen = op.counts ? op.counts[g] : op.capacity;
+  bool bad = false;
+  const int rows = static_cast<int>(clamp_rows(seen, op.capacity, &bad));
+  if (bad) record_expert_error(error, op.op, g, seen, op.capacity);
+
+  args.problem[g] = typename K::Problem{rows, op.n, op.k};
+  args.a[g] = static_cast<const typename K::ElementA*>(op.x) + g * op.x_group_stride;
+  args.b[g] = static_cast<const typename K::ElementB*>(op.w) + g * op.w_group_stride;
+  args.d[g] = static_cast<typename K::ElementD*>(op.y) + g * op.y_group_stride;
+  args.sfa[g] = op.x_scale + g * op.x_scale_group_stride;
+  args.sfb[g] = op.w_scale + g * op.w_scale_group_stride;
+  typename K::StrideA sa{};
+  cute::get<0>(sa) = op.x_row_stride;
+  args.stride_a[g] = sa;
+  typename K::StrideB sb{};
+  cute::get<0>(sb) = op.w_row_stride;
+  args.stride_b[g] = sb;
+  typename K::StrideD sd{};
+  cute::get<0>(sd) = op.y_row_stride;
+  args.stride_d[g] = sd;
+  // The mainloop derives the scale layouts from (rows, N, K) itself (packed
+  // K-major rows); these are kept consistent for any reader of the arrays.
+  args.layout_sfa[g] = K::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(rows, op.n, op.k, 1));
+  args.layout_sfb[g] = K::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(rows, op.n, op.k, 1));
+}
+
+template <class K>
+class Sm90BlockScaledGemm final : public BlockScaledGemm {
+ public:
+  Sm90BlockScaledGemm(GemmTiles tiles, int groups) : tiles_(tiles), groups_(groups) {
+    int device = 0;
+    MOELINK_CUDA_CHECK(cudaGetDevice(&device));
+    cudaDeviceProp prop{};
+    MOELINK_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    if (prop.major != 9)
+      throw InvalidArgument("moelink: Experts: the CUDA expert kernels need a Hopper GPU (sm_90); "
+                            "device " + std::to_string(device) + " (" + prop.name + ") is sm_" +
+                            std::to_string(prop.major) + std::to_string(prop.minor));
+
+    // Argument arrays: each part 128-byte aligned.
+    size_t offset = 0;
+    auto carve = [&](size_t bytes) {
+      size_t at = offset;
+      offset += (bytes + 127) / 128 * 128;
+      return at;
+    };
+    const size_t g = static_cast<size_t>(groups);
+    const size_t o_problem = carve(g * sizeof(typename K::Problem));
+    const size_t o_a = carve(g * sizeof(void*)), o_b = carve(g * sizeof(void*));
+    const size_t o_d = carve(g * sizeof(void*)), o_sfa = carve(g * sizeof(void*));
+    const size_t o_sfb = carve(g * sizeof(void*));
+    const size_t o_sa = carve(g * sizeof(typename K::StrideA));
+    const size_t o_sb = carve(g * sizeof(typename K::StrideB));
+    const size_t o_sd = carve(g * sizeof(typename K::StrideD));
+    const size_t o_lsfa = carve(g * sizeof(typename K::LayoutSFA));
+    const size_t o_lsfb = carve(g * sizeof(typename K::LayoutSFB));
+    const size_t arrays_bytes = offset;
+    arrays_ = device_alloc(arrays_bytes, true);
+    char* base = static_cast<char*>(arrays_.get());
+    args_.problem = reinterpret_cast<typename K::Problem*>(base + o_problem);
+    args_.a = reinterpret_cast<const typename K::ElementA**>(base + o_a);
+    args_.b = reinterpret_cast<const typename K::ElementB**>(base + o_b);
+    args_.d = reinterpret_cast<typename K::ElementD**>(base + o_d);
+    args_.sfa = reinterpret_cast<const float**>(base + o_sfa);
+    args_.sfb = reinterpret_cast<const float**>(base + o_sfb);
+    args_.stride_a = reinterpret_cast<typename K::StrideA*>(base + o_sa);
+    args_.stride_b = reinterpret_cast<typename K::StrideB*>(base + o_sb);
+    args_.stride_d = reinterpret_cast<typename K::StrideD*>(base + o_sd);
+    args_.layout_sfa = reinterpret_cast<typename K::LayoutSFA*>(base + o_lsfa);
+    args_.layout_sfb = reinterpret_cast<typename K::LayoutSFB*>(base + o_lsfb);
+
+    // The kernel's parameters point at the arrays, never at the tensors, so
+    // they are built once: a call only rewrites the arrays and launches.
+    cutlass::KernelHardwareInfo hw;
+    hw.device_id = device;
+    hw.sm_count = prop.multiProcessorCount;
+    typename K::Gemm::Arguments a{
+        cutlass::gemm::GemmUniversalMode::kGrouped,
+        {groups, args_.problem, nullptr},  // problem sizes on the device only
+        {args_.a, args_.stride_a, args_.b, args_.stride_b, args_.sfa, args_.layout_sfa, args_.sfb,
+         args_.layout_sfb},
+        {{}, nullptr, args_.stride_d, args_.d, args_.stride_d},
+        hw};
+    a.epilogue.thread.alpha = 1.0f;
+    a.epilogue.thread.beta = 0.0f;
+    if (gemm_.can_implement(a) != cutlass::Status::kSuccess)
+      throw InvalidArgument("moelink: Experts: CUTLASS cannot run the block-scaled GEMM (" +
+                            std::string(gemm_tiles_name(tiles)) + ") here");
+    const size_t workspace_bytes = K::Gemm::get_workspace_size(a);
+    if (workspace_bytes > 0) workspace_ = device_alloc(workspace_bytes);
+    cutlass::Status s = gemm_.initialize(a, workspace_.get());
+    if (s != cutlass::Status::kSuccess)
+      throw SystemError(std::string("moelink: Experts: CUTLASS GEMM initialize failed: ") +
+                        cutlass::cutlassGetStatusString(s));
+    device_bytes_ = arrays_bytes + workspace_bytes;
+  }
+
+  void run(const GemmOperands& op, ExpertErrorRecord* error, cudaStream_t stream) override {
+    const int threads = 128;
+    write_group_arguments<K><<<(groups_ + threads - 1) / threads, threads, 0, stream>>>(
+        args_, op, groups_, error);
+    MOELINK_CUDA_CHECK(cudaGetLastError());
+    cutlass::Status s = gemm_.run(stream);
+    if (s != cutlass::Status::kSuccess)
+      throw SystemError(std::string("moelink: Experts: CUTLASS GEMM launch failed: ") +
+                        cutlass::cutlassGetStatusString(s) + " (" +
+                        cudaGetErrorString(cudaGetLastError()) + ")");
+  }
+
+  GemmTiles tiles() const override { return tiles_; }
+  size_t device_bytes() const override { return device_bytes_; }
+
+ private:
+  GemmTiles tiles_;
+  int groups_;
+  DeviceBuffer arrays_, workspace_;
+  size_t device_bytes_ = 0;
+  GroupArguments<K> args_{};
+  typename K::Gemm gemm_;
+};
+
+}  // namespace moelink::detail::experts

@@ -1,0 +1,173 @@
+// ExpertDevice::kCUDA: owns the workspace, the error record and the GEMM
+// objects (one CUTLASS kernel each, created on first use), and turns the
+// checked Tensor views into the kernels' argument blocks.
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <utility>
+
+#include "experts/cuda/block_scaled_gemm.h"
+#include "experts/cuda/device_buffer.h"
+#include "experts/cuda/quant_kernels.h"
+#include "experts/experts_impl.h"
+#include "experts/fp8_group_quant.h"
+#include "nvlink/cuda_check.h"
+
+namespace moelink::detail {
+namespace {
+
+using experts::BlockScaledGemm;
+using experts::ExpertErrorRecord;
+using experts::ExpertOp;
+using experts::GemmOperands;
+using experts::GemmTiles;
+using experts::GroupQuantArgs;
+using experts::GroupQuantInput;
+using experts::kQuantGroup;
+
+// Rows of a GEMM below which the 64-row tiles win (the weights stream
+// through once either way; a 128-row tile wastes half of each wgmma).
+GemmTiles tiles_for_rows(int64_t rows) {
+  return rows <= 64 ? GemmTiles::kRows64 : GemmTiles::kRows128;
+}
+
+class CudaExperts final : public ExpertsImpl {
+ public:
+  explicit CudaExperts(const ExpertConfig& c) : config_(c) {
+    int device = 0;
+    MOELINK_CUDA_CHECK(cudaGetDevice(&device));
+    MOELINK_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
+    // The routed experts' GEMM first (it refuses a GPU other than Hopper), so
+    // that a capture never allocates.
+    gemm_object(tiles_for_rows(c.expected_rows), c.num_experts);
+    const int64_t L = c.num_experts, C = c.max_rows, I = c.intermediate_dim;
+    const size_t gate_up = static_cast<size_t>(L * C * 2 * I) * 2;
+    const size_t act_q = static_cast<size_t>(L * C * I);
+    const size_t act_scale = static_cast<size_t>(L * C * (I / kQuantGroup)) * 4;
+    workspace_bytes_ = gate_up + act_q + act_scale;
+    workspace_ = experts::device_alloc(workspace_bytes_);
+    char* p = static_cast<char*>(workspace_.get());
+    ws_.gate_up = Tensor::contiguous(p, DType::kBFloat16, {L, C, 2 * I});
+    ws_.act_q = Tensor::contiguous(p + gate_up, DType::kFloat8E4M3, {L, C, I});
+    ws_.act_scale = Tensor::contiguous(p + gate_up + act_q, DType::kFloat32, {L, C, I / kQuantGroup});
+    error_buffer_ = experts::device_alloc(sizeof(ExpertErrorRecord), true);
+    error_ = static_cast<ExpertErrorRecord*>(error_buffer_.get());
+  }
+
+  void grouped_gemm(const Tensor& y, const Tensor& count, const Tensor& x, const Tensor& x_scale,
+                    const Tensor& w, const Tensor& w_scale, ExpertOp op,
+                    cudaStream_t stream) override {
+    GemmOperands o = operands(y, x, x_scale, w, w_scale, op);
+    o.counts = static_cast<const int32_t*>(count.data);
+    gemm_object(tiles_for_rows(config_.expected_rows), config_.num_experts)
+        .run(o, error_, stream);
+  }
+
+  void gemm(const Tensor& y, const Tensor& x, const Tensor& x_scale, const Tensor& w,
+            const Tensor& w_scale, const Tensor& bound_m, cudaStream_t stream) override {
+    GemmOperands o = operands(as_one_group(y), as_one_group(x), as_one_group(x_scale),
+                              as_one_group(w), as_one_group(w_scale), ExpertOp::kGemm);
+    o.counts = static_cast<const int32_t*>(bound_m.data);  // null: all M rows
+    gemm_object(tiles_for_rows(x.shape[0]), 1).run(o, error_, stream);
+  }
+
+  void silu_mul_quant(const Tensor& out_q, const Tensor& out_scale, const Tensor& gate_up,
+                      const Tensor& count, ExpertOp op, cudaStream_t stream) override {
+    GroupQuantArgs a = quant_args(out_q, out_scale, gate_up, op);
+    a.up_offset = gate_up.shape[2] / 2;
+    a.quant_groups_per_row = static_cast<int32_t>(a.up_offset / kQuantGroup);
+    a.counts = static_cast<const int32_t*>(count.data);
+    experts::launch_group_quant(a, GroupQuantInput::kSiluMul, sm_count_, error_, stream);
+  }
+
+  void quantize(const Tensor& out_q, const Tensor& out_scale, const Tensor& x,
+                const Tensor& bound_m, cudaStream_t stream) override {
+    GroupQuantArgs a =
+        quant_args(as_one_group(out_q), as_one_group(out_scale), as_one_group(x), ExpertOp::kQuantize);
+    a.quant_groups_per_row = static_cast<int32_t>(x.shape[1] / kQuantGroup);
+    a.counts = static_cast<const int32_t*>(bound_m.data);
+    experts::launch_group_quant(a, GroupQuantInput::kPlain, sm_count_, error_, stream);
+  }
+
+  const ExpertWorkspace& workspace() const override { return ws_; }
+  size_t workspace_bytes() const override { return workspace_bytes_; }
+
+  ExpertErrorRecord take_error(cudaStream_t stream) override {
+    ExpertErrorRecord e{};
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+    if (capturing != cudaStreamCaptureStatusNone) return e;
+    MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream));
+    MOELINK_CUDA_CHECK(cudaMemcpy(&e, error_, sizeof(e), cudaMemcpyDeviceToHost));
+    if (e.code != 0) MOELINK_CUDA_CHECK(cudaMemset(error_, 0, sizeof(ExpertErrorRecord)));
+    return e;
+  }
+
+ private:
+  BlockScaledGemm& gemm_object(GemmTiles tiles, int groups) {
+    auto key = std::make_pair(static_cast<int>(tiles), groups);
+    auto it = gemms_.find(key);
+    if (it == gemms_.end())
+      it = gemms_.emplace(key, experts::make_block_scaled_gemm(tiles, groups)).first;
+    return *it->second;
+  }
+
+  // y, x, x_scale, w, w_scale as [groups, rows, cols] views.
+  static GemmOperands operands(const Tensor& y, const Tensor& x, const Tensor& x_scale,
+                               const Tensor& w, const Tensor& w_scale, ExpertOp op) {
+    GemmOperands o{};
+    o.x = x.data;
+    o.x_group_stride = x.stride[0];
+    o.x_row_stride = x.stride[1];
+    o.x_scale = static_cast<const float*>(x_scale.data);
+    o.x_scale_group_stride = x_scale.stride[0];
+    o.w = w.data;
+    o.w_group_stride = w.stride[0];
+    o.w_row_stride = w.stride[1];
+    o.w_scale = static_cast<const float*>(w_scale.data);
+    o.w_scale_group_stride = w_scale.stride[0];
+    o.y = y.data;
+    o.y_group_stride = y.stride[0];
+    o.y_row_stride = y.stride[1];
+    o.capacity = x.shape[1];
+    o.n = static_cast<int32_t>(w.shape[1]);
+    o.k = static_cast<int32_t>(w.shape[2]);
+    o.op = op;
+    return o;
+  }
+
+  static GroupQuantArgs quant_args(const Tensor& q, const Tensor& s, const Tensor& src,
+                                   ExpertOp op) {
+    GroupQuantArgs a{};
+    a.src = static_cast<const uint16_t*>(src.data);
+    a.src_group_stride = src.stride[0];
+    a.src_row_stride = src.stride[1];
+    a.q = static_cast<uint8_t*>(q.data);
+    a.q_group_stride = q.stride[0];
+    a.q_row_stride = q.stride[1];
+    a.scale = static_cast<float*>(s.data);
+    a.scale_s0 = s.stride[0];
+    a.scale_s1 = s.stride[1];
+    a.scale_s2 = s.stride[2];
+    a.capacity = src.shape[1];
+    a.groups = static_cast<int32_t>(src.shape[0]);
+    a.op = op;
+    return a;
+  }
+
+  ExpertConfig config_;
+  int sm_count_ = 0;
+  experts::DeviceBuffer workspace_, error_buffer_;
+  size_t workspace_bytes_ = 0;
+  ExpertWorkspace ws_;
+  ExpertErrorRecord* error_ = nullptr;
+  std::map<std::pair<int, int>, std::unique_ptr<BlockScaledGemm>> gemms_;
+};
+
+}  // namespace
+
+std::unique_ptr<ExpertsImpl> make_cuda_experts(const ExpertConfig& config) {
+  return std::make_unique<CudaExperts>(config);
+}
+
+}  // namespace moelink::detail

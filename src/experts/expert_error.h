@@ -1,0 +1,50 @@
+// What the expert kernels report about their input while they run: a row
+// count outside [0, C] (clamped, never used to index past C), recorded by the
+// first kernel that sees it and read by Experts::check(). Plain data shared by
+// the CUDA kernels, the CPU implementation and the host.
+#pragma once
+
+#include <cstdint>
+
+#include "core/layout.h"  // MOELINK_HD
+
+namespace moelink::detail::experts {
+
+enum class ExpertErrorCode : int32_t {
+  kOk = 0,
+  kCountOutOfRange = 1,  // expert_num_tokens[expert] (or bound_m) = value, allowed [0, limit]
+};
+
+// Which call saw it (named in the error message).
+enum class ExpertOp : int32_t {
+  kGroupedGemm = 0,
+  kSiluMulQuant = 1,
+  kQuantize = 2,
+  kGemm = 3,
+  kForward = 4,
+};
+
+struct ExpertErrorRecord {
+  int32_t code;  // ExpertErrorCode; the first writer wins
+  int32_t op;    // ExpertOp
+  int32_t expert;  // group index (0 for the dense calls)
+  int32_t reserved;
+  int64_t value;  // the count seen
+  int64_t limit;  // the rows the tensor has (C, or M for the dense calls)
+};
+
+// The rows of a group that a kernel may touch: `count` clamped to [0, limit].
+// Sets *bad when it had to clamp.
+MOELINK_HD int64_t clamp_rows(int64_t count, int64_t limit, bool* bad) {
+  if (count < 0) {
+    *bad = true;
+    return 0;
+  }
+  if (count > limit) {
+    *bad = true;
+    return limit;
+  }
+  return count;
+}
+
+}  // namespace moelink::detail::experts

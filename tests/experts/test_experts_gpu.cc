@@ -1,0 +1,186 @@
+// The expert kernels on ExpertDevice::kCUDA (CUTLASS's Hopper grouped GEMM
+// and moelink's quantization kernels), through the same cases and reference
+// as the CPU tests, plus CUDA-graph capture and replay with new counts.
+// Every test skips itself without a GPU. These tests use CUDA in the test
+// process itself, so they live in their own binary (moelink_experts_tests),
+// apart from the all-to-all tests that fork ranks.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "experts/expert_cases.h"
+#include "experts/expert_reference.h"
+#include "gpu_memory_ops.h"
+#include "moelink/errors.h"
+#include "ref_dtype.h"
+
+namespace moelink_test {
+namespace {
+
+using moelink::DType;
+using moelink::ExpertDevice;
+using moelink::Tensor;
+
+bool has_hopper_gpu() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return false;
+  int major = 0;
+  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess &&
+         major == 9;
+}
+
+#define REQUIRE_HOPPER()                                                                   \
+  do {                                                                                     \
+    if (!has_hopper_gpu())                                                                 \
+      GTEST_SKIP() << "no Hopper GPU on this machine: the CUDA expert kernels run on the " \
+                      "H200 device machine (tools/gpu_check.sh)";                          \
+  } while (0)
+
+class GpuExperts : public ::testing::TestWithParam<ExpertCase> {
+ protected:
+  void SetUp() override {
+    REQUIRE_HOPPER();
+    ops_ = std::make_unique<GpuMemoryOps>(0);
+  }
+  std::unique_ptr<GpuMemoryOps> ops_;
+};
+
+TEST_P(GpuExperts, GroupedGemmMatchesReference) { run_grouped_gemm_case(ExpertDevice::kCUDA, *ops_, GetParam()); }
+TEST_P(GpuExperts, SiluMulQuantMatchesReference) { run_silu_mul_quant_case(ExpertDevice::kCUDA, *ops_, GetParam()); }
+TEST_P(GpuExperts, ForwardMatchesReference) { run_forward_case(ExpertDevice::kCUDA, *ops_, GetParam()); }
+
+// Every case with the decode tiles (64-row) and the prefill tiles (128-row).
+std::vector<ExpertCase> gpu_cases() {
+  std::vector<ExpertCase> out;
+  for (ExpertCase c : expert_cases()) {
+    for (int64_t rows : {16, 128}) {
+      c.expected_rows = rows;
+      out.push_back(c);
+    }
+  }
+  // Larger groups: several tiles along M, a partial last tile.
+  out.push_back({{"Rows300", 2, 300, 512, 256}, CountPattern::kRandom, 128});
+  out.push_back({{"Rows300", 2, 300, 512, 256}, CountPattern::kFull, 16});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GpuExperts, ::testing::ValuesIn(gpu_cases()),
+                         [](const auto& info) { return info.param.name(); });
+
+TEST(GpuExpertsDense, QuantizeMatchesReference) {
+  REQUIRE_HOPPER();
+  GpuMemoryOps ops(0);
+  run_quantize_case(ExpertDevice::kCUDA, ops, 37, 7168, -1);
+  run_quantize_case(ExpertDevice::kCUDA, ops, 16, 256, 5);
+  run_quantize_case(ExpertDevice::kCUDA, ops, 9, 384, 0);
+  run_quantize_case(ExpertDevice::kCUDA, ops, 1, 128, 1);
+  run_quantize_case(ExpertDevice::kCUDA, ops, 4099, 1024, 3001);
+}
+
+TEST(GpuExpertsDense, GemmMatchesReference) {
+  REQUIRE_HOPPER();
+  GpuMemoryOps ops(0);
+  run_gemm_case(ExpertDevice::kCUDA, ops, 5, 256, 384, -1);
+  run_gemm_case(ExpertDevice::kCUDA, ops, 33, 384, 256, 17);
+  run_gemm_case(ExpertDevice::kCUDA, ops, 4, 128, 128, 0);
+  run_gemm_case(ExpertDevice::kCUDA, ops, 200, 512, 1024, 150);               // 128-row tiles
+  run_gemm_case(ExpertDevice::kCUDA, ops, 2, 2 * 2048, 7168, 1);  // DeepSeek-V3's shared expert, m = 1
+}
+
+TEST(GpuExpertsErrors, CountsOutOfRangeAreClampedAndReported) {
+  REQUIRE_HOPPER();
+  GpuMemoryOps ops(0);
+  run_out_of_range_case(ExpertDevice::kCUDA, ops);
+}
+
+// forward() captured once in a CUDA graph, replayed with new counts and new
+// activations written into the same buffers; each replay checked against the
+// reference on sampled rows, rows past the counts poisoned between replays.
+TEST(GpuExpertsGraph, ForwardReplaysWithNewCounts) {
+  REQUIRE_HOPPER();
+  GpuMemoryOps ops(0);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int L = 4;
+  const int64_t C = 64, H = 512, I = 256, hb = H / kGroup, ib = I / kGroup;
+  moelink::ExpertConfig cfg;
+  cfg.num_experts = L, cfg.max_rows = C, cfg.hidden_dim = H, cfg.intermediate_dim = I;
+  cfg.device = ExpertDevice::kCUDA;
+  cfg.debug = 0;
+  auto ex = moelink::Experts::create(cfg);
+
+  std::vector<uint8_t> w13(L * 2 * I * H), w2(L * H * I), x(L * C * H);
+  std::vector<float> w13s(L * (2 * I / kGroup) * hb), w2s(L * hb * ib), xs(L * C * hb);
+  for (int l = 0; l < L; ++l) {
+    random_block_weight(rng, 2 * I, H, &w13[l * 2 * I * H], &w13s[l * (2 * I / kGroup) * hb]);
+    random_block_weight(rng, H, I, &w2[l * H * I], &w2s[l * hb * ib]);
+  }
+  auto dev = [&](size_t bytes) { return ops.alloc(bytes); };
+  void *dw13 = dev(w13.size()), *dw13s = dev(w13s.size() * 4), *dw2 = dev(w2.size()),
+       *dw2s = dev(w2s.size() * 4), *dx = dev(x.size()), *dxs = dev(xs.size() * 4),
+       *dcount = dev(L * 4), *dy = dev(L * C * H * 2);
+  ops.h2d(dw13, w13.data(), w13.size());
+  ops.h2d(dw13s, w13s.data(), w13s.size() * 4);
+  ops.h2d(dw2, w2.data(), w2.size());
+  ops.h2d(dw2s, w2s.data(), w2s.size() * 4);
+  auto call = [&] {
+    ex->forward(Tensor::contiguous(dy, DType::kBFloat16, {L, C, H}),
+                Tensor::contiguous(dcount, DType::kInt32, {L}),
+                Tensor::contiguous(dx, DType::kFloat8E4M3, {L, C, H}),
+                Tensor::contiguous(dxs, DType::kFloat32, {L, C, hb}),
+                Tensor::contiguous(dw13, DType::kFloat8E4M3, {L, 2 * I, H}),
+                Tensor::contiguous(dw13s, DType::kFloat32, {L, 2 * I / kGroup, hb}),
+                Tensor::contiguous(dw2, DType::kFloat8E4M3, {L, H, I}),
+                Tensor::contiguous(dw2s, DType::kFloat32, {L, hb, ib}), ops.stream());
+  };
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(ops.stream(), cudaStreamCaptureModeThreadLocal));
+  call();
+  CUDA_OK(cudaStreamEndCapture(ops.stream(), &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+  for (CountPattern p : {CountPattern::kRandom, CountPattern::kOne, CountPattern::kSkewed,
+                         CountPattern::kZero, CountPattern::kTop8, CountPattern::kFull}) {
+    SCOPED_TRACE(count_pattern_name(p));
+    const std::vector<int32_t> counts = make_counts(p, L, C, rng);
+    random_fp8_rows(rng, L * C, H, x.data(), xs.data());
+    ops.h2d(dcount, counts.data(), L * 4);
+    ops.h2d(dx, x.data(), x.size());
+    ops.h2d(dxs, xs.data(), xs.size() * 4);
+    ops.fill(dy, 0x7F, L * C * H * 2);
+    CUDA_OK(cudaGraphLaunch(exec, ops.stream()));
+    ops.sync();
+    ex->check(ops.stream());
+    std::vector<uint16_t> y(L * C * H);
+    ops.d2h(y.data(), dy, y.size() * 2);
+    GemmCheck chk(std::ldexp(1.0, -9));
+    std::vector<double> v(I);
+    std::vector<uint8_t> aq(I);
+    std::vector<float> as(ib);
+    for (int l = 0; l < L; ++l) {
+      for (int64_t r = 0; r < counts[l]; r += std::max<int64_t>(1, counts[l] / 3)) {
+        const int64_t row = l * C + r;
+        const RefRow gu = ref_gemm_row(&x[row * H], &xs[row * hb], &w13[l * 2 * I * H],
+                                       &w13s[l * (2 * I / kGroup) * hb], 2 * I, H);
+        for (int64_t i = 0; i < I; ++i) v[i] = ref_silu_mul(round_to_bf16(gu.y[i]), round_to_bf16(gu.y[I + i]));
+        ref_quantize_row(v.data(), I, aq.data(), as.data());
+        chk.row(&y[row * H], ref_gemm_row(aq.data(), as.data(), &w2[l * H * I], &w2s[l * hb * ib], H, I),
+                "expert " + std::to_string(l) + " row " + std::to_string(r));
+      }
+      for (int64_t r = counts[l]; r < C; ++r)
+        ASSERT_EQ(y[(l * C + r) * H], 0x7F7F) << "expert " << l << " row " << r << " past the count written";
+    }
+    EXPECT_EQ(chk.bad(), 0) << chk.first_bad();
+    EXPECT_LT(chk.rel_l2(), 1e-2);
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  for (void* p : {dw13, dw13s, dw2, dw2s, dx, dxs, dcount, dy}) ops.free(p);
+}
+
+}  // namespace
+}  // namespace moelink_test

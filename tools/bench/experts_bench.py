@@ -1,0 +1,279 @@
+#!/usr/bin/env python3
+"""moelink-experts-bench: the expert kernels (moelink.Experts) on one GPU,
+side by side in one process with torch._scaled_grouped_mm on the same data,
+and the two ceilings the benchmark measures itself: a device-to-device copy
+(HBM bandwidth, bytes read + written) and a large dense fp8 GEMM
+(torch._scaled_mm, tensor-core peak).
+
+DeepSeek-V3's routed experts (H 7168, I 2048) with L local experts (32: one
+EP8 rank; 8: EP32) and m rows per expert (uniform counts). For each (L, m):
+  ours      forward() = GEMM1 (gate/up) + SiLU-mul + requant + GEMM2 (down),
+            and each kernel alone
+  torch     _scaled_grouped_mm for GEMM1 and GEMM2 (fp8, row-wise scales: the
+            finest it offers here), no SiLU: a lower bound on its layer time
+  floor     the bytes a layer must move (both weights, x and its scales in,
+            y out; intermediates left on chip) at the measured copy bandwidth
+and the FLOP rate against the measured dense peak. Also the quantization
+kernels' bandwidth. Every configuration's output is checked against a
+dequantized fp32 torch matmul before it is timed, so a fast wrong result
+cannot win. Timing: CUDA events around each call, rounds interleaved
+(ours, torch, ours, torch, ...), medians.
+
+    PYTHONPATH=build/python python3 tools/bench/experts_bench.py --json out.json
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+import moelink
+
+FP8 = torch.float8_e4m3fn
+
+
+def median_us(fn, iters, warmup=3):
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+
+
+def copy_gbs(iters):
+    n = 4 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = median_us(lambda: dst.copy_(src), iters)
+    del src, dst
+    return 2 * n / (us * 1e-6) / 1e9
+
+
+def dense_fp8_tflops(iters, n=8192):
+    a = torch.randn(n, n, device="cuda").to(FP8)
+    b = torch.randn(n, n, device="cuda").to(FP8).t()
+    one = torch.ones((), device="cuda")
+    us = median_us(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), iters)
+    return 2 * n ** 3 / (us * 1e-6) / 1e12
+
+
+def block_weight(L, n, k):
+    """fp8 weights [L, n, k] with one fp32 scale per 128x128 block."""
+    w = (torch.randn(L, n, k, device="cuda") * 0.05)
+    blocks = w.view(L, n // 128, 128, k // 128, 128).abs().amax(dim=(2, 4))
+    scale = (blocks / 448.0).float().contiguous()
+    q = (w / scale.repeat_interleave(128, 1).repeat_interleave(128, 2)).to(FP8)
+    return q, scale
+
+
+def quant_rows(x):
+    """bf16/fp32 [..., K] -> fp8 + [..., K/128] scales (the 1x128 rule)."""
+    g = x.float().unflatten(-1, (-1, 128))
+    s = (g.abs().amax(-1).clamp_min(1e-10) / 448.0)
+    q = (g / s.unsqueeze(-1)).clamp(-448, 448).to(FP8).flatten(-2)
+    return q, s.contiguous()
+
+
+def dequant(q, s, block_rows):
+    """q [..., R, K] fp8 with scales [..., R/block_rows, K/128] -> fp32."""
+    f = q.float()
+    s = s.repeat_interleave(128, -1)
+    if block_rows > 1:
+        s = s.repeat_interleave(block_rows, -2)
+    return f * s
+
+
+class Case:
+    """One (L, m): our tensors and torch's views of the same data."""
+
+    def __init__(self, L, m, H, I, experts):
+        self.L, self.m, self.H, self.I = L, m, H, I
+        self.C = max(16, (m + 15) // 16 * 16)  # rows per expert: m padded to 16 (torch's rule)
+        C = self.C
+        self.w13, self.w13_s = block_weight(L, 2 * I, H)
+        self.w2, self.w2_s = block_weight(L, H, I)
+        self.x, self.x_s = quant_rows(torch.randn(L, C, H, device="cuda"))
+        self.count = torch.full((L,), m, dtype=torch.int32, device="cuda")
+        self.y = torch.empty(L, C, H, dtype=torch.bfloat16, device="cuda")
+        self.gu = torch.empty(L, C, 2 * I, dtype=torch.bfloat16, device="cuda")
+        self.act = torch.empty(L, C, I, dtype=FP8, device="cuda")
+        self.act_s = torch.empty(L, C, I // 128, dtype=torch.float32, device="cuda")
+        self.ex = experts
+        # torch: A [L*C, K] (the same bytes), B [L, K, N] column-major (the
+        # same weight bytes transposed), row-wise scales, offsets every C rows.
+        self.offs = torch.arange(C, L * C + 1, C, device="cuda", dtype=torch.int32)
+        self.t_sa1 = torch.ones(L * C, device="cuda")
+        self.t_sb1 = torch.ones(L, 2 * I, device="cuda")
+        self.t_sa2 = torch.ones(L * C, device="cuda")
+        self.t_sb2 = torch.ones(L, H, device="cuda")
+        self.t_act = self.act.view(L * C, I)  # filled by our silu_mul_quant in check()
+
+    # ---- ours
+    def gemm1(self):
+        self.ex.grouped_gemm(self.gu, self.count, self.x, self.x_s, self.w13, self.w13_s)
+
+    def silu(self):
+        self.ex.silu_mul_quant(self.act, self.act_s, self.gu, self.count)
+
+    def gemm2(self):
+        self.ex.grouped_gemm(self.y, self.count, self.act, self.act_s, self.w2, self.w2_s)
+
+    def forward(self):
+        self.ex.forward(self.y, self.count, self.x, self.x_s, self.w13, self.w13_s, self.w2,
+                        self.w2_s)
+
+    # ---- torch
+    def torch_gemm1(self):
+        return torch._scaled_grouped_mm(self.x.view(-1, self.H), self.w13.transpose(-2, -1),
+                                        self.t_sa1, self.t_sb1, offs=self.offs,
+                                        out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    def torch_gemm2(self):
+        return torch._scaled_grouped_mm(self.t_act, self.w2.transpose(-2, -1), self.t_sa2,
+                                        self.t_sb2, offs=self.offs, out_dtype=torch.bfloat16,
+                                        use_fast_accum=True)
+
+    def torch_layer(self):
+        self.torch_gemm1()
+        self.torch_gemm2()
+
+    # ---- sizes
+    def floor_bytes(self):
+        L, m, H, I = self.L, self.m, self.H, self.I
+        weights = L * (2 * I * H + H * I) + L * (2 * I // 128 * H // 128 + H // 128 * I // 128) * 4
+        return weights + L * m * (H + H // 128 * 4) + L * m * H * 2
+
+    def flops(self):
+        return 2 * self.L * self.m * (2 * self.I * self.H + self.H * self.I)
+
+    def check(self):
+        """forward() against a dequantized fp32 torch computation, expert 0 and the last."""
+        self.forward()
+        torch.cuda.synchronize()
+        self.ex.check()
+        worst = 0.0
+        for l in (0, self.L - 1):
+            x = dequant(self.x[l, :self.m], self.x_s[l, :self.m], 1)
+            gu = (x @ dequant(self.w13[l], self.w13_s[l], 128).t()).to(torch.bfloat16).float()
+            v = torch.nn.functional.silu(gu[:, :self.I]) * gu[:, self.I:]
+            q, s = quant_rows(v)
+            ref = dequant(q, s, 1) @ dequant(self.w2[l], self.w2_s[l], 128).t()
+            err = (self.y[l, :self.m].float() - ref).norm() / ref.norm()
+            worst = max(worst, err.item())
+        return worst
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--experts", default="32,8", help="local experts L (32: EP8, 8: EP32)")
+    p.add_argument("--rows", default="1,4,8,16,32,64,128,512,1024,2048", help="rows per expert m")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=20, help="timed calls per round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians taken over all)")
+    p.add_argument("--machine", default="nvidia-h200")
+    p.add_argument("--json", default="-")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    H, I = a.hidden, a.intermediate
+    rec = {
+        "tool": "tools/bench/experts_bench.py",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": a.machine, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "git_commit": os.environ.get("MOELINK_GIT_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "shape": {"hidden": H, "intermediate": I},
+        "peer": "torch._scaled_grouped_mm (fp8 e4m3, row-wise scales, bf16 out, fast accum), "
+                "GEMM1 + GEMM2 only",
+    }
+    rec["copy_gbs"] = copy_gbs(a.iters)
+    rec["dense_fp8_tflops"] = dense_fp8_tflops(a.iters)
+    print(f"copy {rec['copy_gbs']:.0f} GB/s (read + write), dense fp8 {rec['dense_fp8_tflops']:.0f} "
+          f"TFLOP/s (8192^3 torch._scaled_mm)", file=sys.stderr)
+    rows = []
+    for L in [int(v) for v in a.experts.split(",")]:
+        for m in [int(v) for v in a.rows.split(",")]:
+            C = max(16, (m + 15) // 16 * 16)
+            ex = moelink.Experts(L, C, H, I, expected_rows=m)
+            c = Case(L, m, H, I, ex)
+            err = c.check()
+            times = {k: [] for k in ("forward", "gemm1", "silu", "gemm2", "torch_gemm1",
+                                     "torch_gemm2", "torch_layer")}
+            for _ in range(a.rounds):
+                times["forward"].append(median_us(c.forward, a.iters))
+                times["torch_layer"].append(median_us(c.torch_layer, a.iters))
+                times["gemm1"].append(median_us(c.gemm1, a.iters))
+                times["torch_gemm1"].append(median_us(c.torch_gemm1, a.iters))
+                times["silu"].append(median_us(c.silu, a.iters))
+                times["gemm2"].append(median_us(c.gemm2, a.iters))
+                times["torch_gemm2"].append(median_us(c.torch_gemm2, a.iters))
+            t = {k: statistics.median(v) for k, v in times.items()}
+            floor_us = c.floor_bytes() / (rec["copy_gbs"] * 1e9) * 1e6
+            silu_bytes = L * m * (2 * I * 2 + I + I // 128 * 4)
+            r = {"experts": L, "rows_per_expert": m, "rows_allocated": C,
+                 "rel_l2_vs_torch_fp32": err, "us": t, "us_rounds": times,
+                 "floor_bytes": c.floor_bytes(), "floor_us": floor_us,
+                 "forward_over_floor": t["forward"] / floor_us,
+                 "torch_over_forward": t["torch_layer"] / t["forward"],
+                 "forward_tflops": c.flops() / (t["forward"] * 1e-6) / 1e12,
+                 "torch_tflops": c.flops() / (t["torch_layer"] * 1e-6) / 1e12,
+                 "silu_gbs": silu_bytes / (t["silu"] * 1e-6) / 1e9}
+            r["forward_fraction_of_dense_peak"] = r["forward_tflops"] / rec["dense_fp8_tflops"]
+            rows.append(r)
+            print(f"L={L:2d} m={m:5d}  ours {t['forward']:8.1f} us (gemm1 {t['gemm1']:7.1f} silu "
+                  f"{t['silu']:6.1f} gemm2 {t['gemm2']:7.1f})  torch {t['torch_layer']:8.1f} us  "
+                  f"floor {floor_us:7.1f} us  ours/floor {r['forward_over_floor']:5.2f}  "
+                  f"torch/ours {r['torch_over_forward']:5.2f}  {r['forward_tflops']:6.0f} TFLOP/s "
+                  f"({r['forward_fraction_of_dense_peak']:.2f} of peak)  err {err:.1e}",
+                  file=sys.stderr)
+            del c, ex
+            torch.cuda.empty_cache()
+    rec["results"] = rows
+
+    # The quantization kernels on large tensors: bytes read + written per second.
+    q = []
+    ex = moelink.Experts(8, 4096, H, I, expected_rows=4096)
+    for M, K in ((16384, 7168), (65536, 2048)):
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        xq = torch.empty(M, K, dtype=FP8, device="cuda")
+        xs = torch.empty(M, K // 128, dtype=torch.float32, device="cuda")
+        us = statistics.median(median_us(lambda: ex.quantize(xq, xs, x), a.iters)
+                               for _ in range(a.rounds))
+        moved = M * K * 2 + M * K + M * K // 128 * 4
+        q.append({"kernel": "quantize", "rows": M, "cols": K, "us": us,
+                  "gbs": moved / (us * 1e-6) / 1e9})
+    L, C = 8, 4096
+    gu = torch.randn(L, C, 2 * I, device="cuda").to(torch.bfloat16)
+    cnt = torch.full((L,), C, dtype=torch.int32, device="cuda")
+    act = torch.empty(L, C, I, dtype=FP8, device="cuda")
+    act_s = torch.empty(L, C, I // 128, dtype=torch.float32, device="cuda")
+    us = statistics.median(median_us(lambda: ex.silu_mul_quant(act, act_s, gu, cnt), a.iters)
+                           for _ in range(a.rounds))
+    moved = L * C * (2 * I * 2 + I + I // 128 * 4)
+    q.append({"kernel": "silu_mul_quant", "rows": L * C, "cols": I, "us": us,
+              "gbs": moved / (us * 1e-6) / 1e9})
+    for e in q:
+        e["fraction_of_copy"] = e["gbs"] / rec["copy_gbs"]
+        print(f"{e['kernel']:15s} {e['rows']:6d} x {e['cols']:5d}: {e['us']:8.1f} us "
+              f"{e['gbs']:6.0f} GB/s = {e['fraction_of_copy']:.2f} of copy", file=sys.stderr)
+    rec["quant_kernels"] = q
+    out = json.dumps(rec, indent=1)
+    if a.json == "-":
+        print(out)
+    else:
+        with open(a.json, "w") as f:
+            f.write(out + "\n")
+
+
+if __name__ == "__main__":
+    main()
