@@ -14,6 +14,8 @@
 #   CPU r, its worker on CPU N+1+r; past the CPU set, beside the workers of
 #   ranks 2, 3, ...)
 #   (MOELINK_FABRIC_BENCH_ARGS replaces the default arguments).
+# MOELINK_CMAKE_ARGS adds configure arguments (e.g.
+# -DMOELINK_EXPERTS_TILE_SWEEP=ON for experts_bench.py --tiles).
 # Needs .deps/ from tools/prepare_device_deps.sh (that machine has no package
 # registry) and carries it with the call.
 set -uo pipefail
@@ -31,6 +33,7 @@ if has build; then
     -DMOELINK_EXTRA_INCLUDE_DIR="$root/.deps/include" \
     -DNCCL_ROOT="$nccl_home" -DNVSHMEM_HOME="$nvshmem_home" \
     -DMOELINK_BUILD_PYTHON=$python_build "${fabric_args[@]}" "${cutlass_args[@]}" \
+    ${MOELINK_CMAKE_ARGS:-} \
     -DPython_EXECUTABLE="$py" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
   grep -E "moelink: (backend|backends|TransferEngine|CUTLASS)" "$OUT/configure.log"
   cmake --build build-gpu -j "$(nproc)" >"$OUT/build.log" 2>&1 || { grep -B2 -A10 error "$OUT/build.log" | head -60; exit 1; }

@@ -135,9 +135,9 @@ class CpuExperts final : public ExpertsImpl {
         v[i] = value(j * kQuantGroup + i);
         amax = std::max(amax, std::fabs(v[i]));
       }
-      const float scale = experts::group_scale(amax);
+      const float scale = experts::group_scale(amax), inv = 1.0f / scale;
       for (int i = 0; i < kQuantGroup; ++i)
-        *at<uint8_t>(q, g, r, j * kQuantGroup + i) = f32_to_e4m3(v[i] / scale);
+        *at<uint8_t>(q, g, r, j * kQuantGroup + i) = f32_to_e4m3(v[i] * inv);
       *at<float>(s, g, r, j) = scale;
     }
   }

@@ -1,8 +1,9 @@
 // The quantization every expert kernel applies to activations, shared by the
 // CUDA kernels and the CPU implementation: fp8 e4m3 with one fp32 scale per
 // 128 consecutive elements of a row (DeepSeek-V3's 1x128 activation groups),
-//   scale = max(amax, 1e-10) / 448,   q = e4m3_satfinite(x / scale),
-// as vLLM's and SGLang's per_token_group_quant_fp8 compute it (the floor on
+//   scale = max(amax, 1e-10) / 448,   q = e4m3_satfinite(x * (1 / scale)),
+// the rule of vLLM's and SGLang's per_token_group_quant_fp8 (which divide by
+// the scale: at most an fp32 ulp apart before the fp8 rounding; the floor on
 // amax keeps a group of zeros finite). And SiLU-and-mul on the gate and up
 // halves of the first GEMM's output.
 #pragma once
@@ -20,7 +21,8 @@ constexpr float kMinGroupAmax = 1e-10f;
 
 MOELINK_HD float group_scale(float amax) { return fmaxf(amax, kMinGroupAmax) / kFp8E4M3Max; }
 
-// silu(gate) * up in fp32.
+// silu(gate) * up in fp32 (the CUDA kernel computes the same with the SFU's
+// exp and reciprocal: a few fp32 ulp apart).
 MOELINK_HD float silu_mul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
 
 }  // namespace moelink::detail::experts

@@ -8,7 +8,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <random>
+#include <string>
 
 #include "experts/expert_cases.h"
 #include "experts/expert_reference.h"
@@ -69,6 +72,36 @@ std::vector<ExpertCase> gpu_cases() {
 INSTANTIATE_TEST_SUITE_P(Cases, GpuExperts, ::testing::ValuesIn(gpu_cases()),
                          [](const auto& info) { return info.param.name(); });
 
+// Every tile configuration in this build (MOELINK_EXPERTS_TILES forces one;
+// a build with -DMOELINK_EXPERTS_TILE_SWEEP=ON has the candidates too),
+// through the grouped and the dense GEMM.
+TEST(GpuExpertsTiles, EveryBuiltConfigurationMatchesReference) {
+  REQUIRE_HOPPER();
+  GpuMemoryOps ops(0);
+  int built = 0;
+  for (const char* name : {"rows64", "rows128", "rows64c2", "rows128c2", "swap128n16p",
+                           "swap128n32p", "swap128n32"}) {
+    SCOPED_TRACE(name);
+    setenv("MOELINK_EXPERTS_TILES", name, 1);
+    try {
+      moelink::ExpertConfig probe;
+      probe.num_experts = 1, probe.max_rows = 1, probe.hidden_dim = 128, probe.intermediate_dim = 128;
+      moelink::Experts::create(probe);
+    } catch (const moelink::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("MOELINK_EXPERTS_TILES"), std::string::npos) << e.what();
+      continue;  // not in this build
+    }
+    ++built;
+    run_grouped_gemm_case(ExpertDevice::kCUDA, ops, {{"Rows300", 3, 300, 512, 256}, CountPattern::kRandom});
+    run_grouped_gemm_case(ExpertDevice::kCUDA, ops, {small_shape(), CountPattern::kOne});
+    run_grouped_gemm_case(ExpertDevice::kCUDA, ops, {deepseek_shape(), CountPattern::kTop8});
+    run_forward_case(ExpertDevice::kCUDA, ops, {small_shape(), CountPattern::kTop8});
+    run_gemm_case(ExpertDevice::kCUDA, ops, 33, 384, 256, 17);
+  }
+  unsetenv("MOELINK_EXPERTS_TILES");
+  EXPECT_GE(built, 2) << "the default configurations rows64 and rows128 must be built";
+}
+
 TEST(GpuExpertsDense, QuantizeMatchesReference) {
   REQUIRE_HOPPER();
   GpuMemoryOps ops(0);
@@ -96,8 +129,10 @@ TEST(GpuExpertsErrors, CountsOutOfRangeAreClampedAndReported) {
 }
 
 // forward() captured once in a CUDA graph, replayed with new counts and new
-// activations written into the same buffers; each replay checked against the
-// reference on sampled rows, rows past the counts poisoned between replays.
+// activations written into the same buffers: each replay must give the bits
+// an eager forward() gives on the same inputs (checked elementwise by the
+// cases above), write no row past a count, and stay within the fp64
+// reference's relative L2 bound.
 TEST(GpuExpertsGraph, ForwardReplaysWithNewCounts) {
   REQUIRE_HOPPER();
   GpuMemoryOps ops(0);
@@ -155,27 +190,39 @@ TEST(GpuExpertsGraph, ForwardReplaysWithNewCounts) {
     CUDA_OK(cudaGraphLaunch(exec, ops.stream()));
     ops.sync();
     ex->check(ops.stream());
-    std::vector<uint16_t> y(L * C * H);
+    std::vector<uint16_t> y(L * C * H), y_eager(L * C * H);
     ops.d2h(y.data(), dy, y.size() * 2);
-    GemmCheck chk(std::ldexp(1.0, -9));
+    ops.fill(dy, 0x7F, L * C * H * 2);
+    call();
+    ex->check(ops.stream());
+    ops.d2h(y_eager.data(), dy, y_eager.size() * 2);
+    double err2 = 0, ref2 = 0;
     std::vector<double> v(I);
     std::vector<uint8_t> aq(I);
     std::vector<float> as(ib);
     for (int l = 0; l < L; ++l) {
-      for (int64_t r = 0; r < counts[l]; r += std::max<int64_t>(1, counts[l] / 3)) {
-        const int64_t row = l * C + r;
-        const RefRow gu = ref_gemm_row(&x[row * H], &xs[row * hb], &w13[l * 2 * I * H],
+      for (int64_t r = 0; r < C; ++r) {
+        const uint16_t* row = &y[(l * C + r) * H];
+        ASSERT_EQ(std::memcmp(row, &y_eager[(l * C + r) * H], H * 2), 0)
+            << "expert " << l << " row " << r << ": the replay differs from an eager forward()";
+        if (r >= counts[l]) {
+          ASSERT_EQ(row[0], 0x7F7F) << "expert " << l << " row " << r << " past the count written";
+          continue;
+        }
+        const int64_t at = l * C + r;
+        const RefRow gu = ref_gemm_row(&x[at * H], &xs[at * hb], &w13[l * 2 * I * H],
                                        &w13s[l * (2 * I / kGroup) * hb], 2 * I, H);
         for (int64_t i = 0; i < I; ++i) v[i] = ref_silu_mul(round_to_bf16(gu.y[i]), round_to_bf16(gu.y[I + i]));
         ref_quantize_row(v.data(), I, aq.data(), as.data());
-        chk.row(&y[row * H], ref_gemm_row(aq.data(), as.data(), &w2[l * H * I], &w2s[l * hb * ib], H, I),
-                "expert " + std::to_string(l) + " row " + std::to_string(r));
+        const RefRow ref = ref_gemm_row(aq.data(), as.data(), &w2[l * H * I], &w2s[l * hb * ib], H, I);
+        for (int64_t n = 0; n < H; ++n) {
+          const double d = bf16_to_double(row[n]) - ref.y[n];
+          err2 += d * d;
+          ref2 += ref.y[n] * ref.y[n];
+        }
       }
-      for (int64_t r = counts[l]; r < C; ++r)
-        ASSERT_EQ(y[(l * C + r) * H], 0x7F7F) << "expert " << l << " row " << r << " past the count written";
     }
-    EXPECT_EQ(chk.bad(), 0) << chk.first_bad();
-    EXPECT_LT(chk.rel_l2(), 1e-2);
+    if (ref2 > 0) EXPECT_LT(std::sqrt(err2 / ref2), 5e-2);
   }
   CUDA_OK(cudaGraphExecDestroy(exec));
   CUDA_OK(cudaGraphDestroy(graph));

@@ -16,8 +16,9 @@ EP8 rank; 8: EP32) and m rows per expert (uniform counts). For each (L, m):
 and the FLOP rate against the measured dense peak. Also the quantization
 kernels' bandwidth. Every configuration's output is checked against a
 dequantized fp32 torch matmul before it is timed, so a fast wrong result
-cannot win. Timing: CUDA events around each call, rounds interleaved
-(ours, torch, ours, torch, ...), medians.
+cannot win. Timing: each call captured (10 times over) in a CUDA graph whose
+replays are timed with CUDA events, so host overhead is left out; rounds
+interleaved (ours, torch, ours, torch, ...); medians.
 
     PYTHONPATH=build/python python3 tools/bench/experts_bench.py --json out.json
 """
@@ -37,6 +38,7 @@ FP8 = torch.float8_e4m3fn
 
 
 def median_us(fn, iters, warmup=3):
+    """Median time of fn() between CUDA events, one pair per call."""
     for _ in range(warmup):
         fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
@@ -49,11 +51,29 @@ def median_us(fn, iters, warmup=3):
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
 
 
+def graph_us(fn, iters, reps=10):
+    """Median GPU time of one fn() call: `reps` calls captured in one CUDA
+    graph, its replays timed, so that no host work (Python, argument checks,
+    launches) sits between the kernels."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up (and lazy initialization) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    us = median_us(g.replay, iters, warmup=1) / reps
+    del g
+    return us
+
+
 def copy_gbs(iters):
     n = 4 << 30
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    us = median_us(lambda: dst.copy_(src), iters)
+    us = graph_us(lambda: dst.copy_(src), iters, reps=2)
     del src, dst
     return 2 * n / (us * 1e-6) / 1e9
 
@@ -62,7 +82,7 @@ def dense_fp8_tflops(iters, n=8192):
     a = torch.randn(n, n, device="cuda").to(FP8)
     b = torch.randn(n, n, device="cuda").to(FP8).t()
     one = torch.ones((), device="cuda")
-    us = median_us(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), iters)
+    us = graph_us(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), iters, reps=4)
     return 2 * n ** 3 / (us * 1e-6) / 1e12
 
 
@@ -95,13 +115,17 @@ def dequant(q, s, block_rows):
 class Case:
     """One (L, m): our tensors and torch's views of the same data."""
 
-    def __init__(self, L, m, H, I, experts):
+    def __init__(self, L, m, H, I, experts, shared=None):
         self.L, self.m, self.H, self.I = L, m, H, I
         self.C = max(16, (m + 15) // 16 * 16)  # rows per expert: m padded to 16 (torch's rule)
         C = self.C
-        self.w13, self.w13_s = block_weight(L, 2 * I, H)
-        self.w2, self.w2_s = block_weight(L, H, I)
-        self.x, self.x_s = quant_rows(torch.randn(L, C, H, device="cuda"))
+        if shared is None:
+            self.w13, self.w13_s = block_weight(L, 2 * I, H)
+            self.w2, self.w2_s = block_weight(L, H, I)
+            self.x, self.x_s = quant_rows(torch.randn(L, C, H, device="cuda"))
+        else:  # another tile configuration on the same weights and tokens
+            self.w13, self.w13_s, self.w2, self.w2_s = shared.w13, shared.w13_s, shared.w2, shared.w2_s
+            self.x, self.x_s = shared.x, shared.x_s
         self.count = torch.full((L,), m, dtype=torch.int32, device="cuda")
         self.y = torch.empty(L, C, H, dtype=torch.bfloat16, device="cuda")
         self.gu = torch.empty(L, C, 2 * I, dtype=torch.bfloat16, device="cuda")
@@ -180,6 +204,9 @@ def main():
     p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--iters", type=int, default=20, help="timed calls per round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians taken over all)")
+    p.add_argument("--tiles", default="", help="GEMM tile configurations to compare (names as "
+                   "MOELINK_EXPERTS_TILES takes; needs a build with MOELINK_EXPERTS_TILE_SWEEP); "
+                   "empty: the library's choice ('auto')")
     p.add_argument("--machine", default="nvidia-h200")
     p.add_argument("--json", default="-")
     a = p.parse_args()
@@ -200,43 +227,60 @@ def main():
     rec["dense_fp8_tflops"] = dense_fp8_tflops(a.iters)
     print(f"copy {rec['copy_gbs']:.0f} GB/s (read + write), dense fp8 {rec['dense_fp8_tflops']:.0f} "
           f"TFLOP/s (8192^3 torch._scaled_mm)", file=sys.stderr)
+    tile_names = [t for t in a.tiles.split(",") if t] or ["auto"]
+    rec["tiles"] = tile_names
     rows = []
     for L in [int(v) for v in a.experts.split(",")]:
         for m in [int(v) for v in a.rows.split(",")]:
             C = max(16, (m + 15) // 16 * 16)
-            ex = moelink.Experts(L, C, H, I, expected_rows=m)
-            c = Case(L, m, H, I, ex)
-            err = c.check()
-            times = {k: [] for k in ("forward", "gemm1", "silu", "gemm2", "torch_gemm1",
-                                     "torch_gemm2", "torch_layer")}
-            for _ in range(a.rounds):
-                times["forward"].append(median_us(c.forward, a.iters))
-                times["torch_layer"].append(median_us(c.torch_layer, a.iters))
-                times["gemm1"].append(median_us(c.gemm1, a.iters))
-                times["torch_gemm1"].append(median_us(c.torch_gemm1, a.iters))
-                times["silu"].append(median_us(c.silu, a.iters))
-                times["gemm2"].append(median_us(c.gemm2, a.iters))
-                times["torch_gemm2"].append(median_us(c.torch_gemm2, a.iters))
-            t = {k: statistics.median(v) for k, v in times.items()}
-            floor_us = c.floor_bytes() / (rec["copy_gbs"] * 1e9) * 1e6
-            silu_bytes = L * m * (2 * I * 2 + I + I // 128 * 4)
+            cases = {}
+            for tiles in tile_names:
+                # MOELINK_EXPERTS_TILES is read when an Experts is created.
+                if tiles == "auto":
+                    os.environ.pop("MOELINK_EXPERTS_TILES", None)
+                else:
+                    os.environ["MOELINK_EXPERTS_TILES"] = tiles
+                ex = moelink.Experts(L, C, H, I, expected_rows=m)
+                cases[tiles] = Case(L, m, H, I, ex, shared=next(iter(cases.values()), None))
+            os.environ.pop("MOELINK_EXPERTS_TILES", None)
+            first = next(iter(cases.values()))
+            errs = {t: c.check() for t, c in cases.items()}
+            kinds = ("forward", "gemm1", "silu", "gemm2")
+            times = {t: {k: [] for k in kinds} for t in cases}
+            times["torch"] = {"layer": [], "gemm1": [], "gemm2": []}
+            for _ in range(a.rounds):  # interleaved: every implementation each round
+                for t, c in cases.items():
+                    for k in kinds:
+                        times[t][k].append(graph_us(getattr(c, k), a.iters))
+                times["torch"]["layer"].append(graph_us(first.torch_layer, a.iters))
+                times["torch"]["gemm1"].append(graph_us(first.torch_gemm1, a.iters))
+                times["torch"]["gemm2"].append(graph_us(first.torch_gemm2, a.iters))
+            med = {t: {k: statistics.median(v) for k, v in d.items()} for t, d in times.items()}
+            floor_us = first.floor_bytes() / (rec["copy_gbs"] * 1e9) * 1e6
             r = {"experts": L, "rows_per_expert": m, "rows_allocated": C,
-                 "rel_l2_vs_torch_fp32": err, "us": t, "us_rounds": times,
-                 "floor_bytes": c.floor_bytes(), "floor_us": floor_us,
-                 "forward_over_floor": t["forward"] / floor_us,
-                 "torch_over_forward": t["torch_layer"] / t["forward"],
-                 "forward_tflops": c.flops() / (t["forward"] * 1e-6) / 1e12,
-                 "torch_tflops": c.flops() / (t["torch_layer"] * 1e-6) / 1e12,
-                 "silu_gbs": silu_bytes / (t["silu"] * 1e-6) / 1e9}
-            r["forward_fraction_of_dense_peak"] = r["forward_tflops"] / rec["dense_fp8_tflops"]
+                 "floor_bytes": first.floor_bytes(), "floor_us": floor_us, "flops": first.flops(),
+                 "torch_us": med["torch"], "torch_us_rounds": times["torch"],
+                 "torch_tflops": first.flops() / (med["torch"]["layer"] * 1e-6) / 1e12,
+                 "ours": {}}
+            for t in cases:
+                fwd = med[t]["forward"]
+                r["ours"][t] = {
+                    "rel_l2_vs_torch_fp32": errs[t], "us": med[t], "us_rounds": times[t],
+                    "forward_over_floor": fwd / floor_us,
+                    "torch_over_forward": med["torch"]["layer"] / fwd,
+                    "tflops": first.flops() / (fwd * 1e-6) / 1e12,
+                    "fraction_of_dense_peak": first.flops() / (fwd * 1e-6) / 1e12 / rec["dense_fp8_tflops"],
+                    "silu_gbs": L * m * (2 * I * 2 + I + I // 128 * 4) / (med[t]["silu"] * 1e-6) / 1e9,
+                }
+                o = r["ours"][t]
+                print(f"L={L:2d} m={m:5d} {t:11s} ours {fwd:8.1f} us (gemm1 {med[t]['gemm1']:7.1f} "
+                      f"silu {med[t]['silu']:6.1f} gemm2 {med[t]['gemm2']:7.1f})  torch "
+                      f"{med['torch']['layer']:8.1f}  floor {floor_us:7.1f}  ours/floor "
+                      f"{o['forward_over_floor']:5.2f}  torch/ours {o['torch_over_forward']:5.2f}  "
+                      f"{o['tflops']:6.0f} TFLOP/s ({o['fraction_of_dense_peak']:.2f} of peak)  "
+                      f"err {errs[t]:.1e}", file=sys.stderr)
             rows.append(r)
-            print(f"L={L:2d} m={m:5d}  ours {t['forward']:8.1f} us (gemm1 {t['gemm1']:7.1f} silu "
-                  f"{t['silu']:6.1f} gemm2 {t['gemm2']:7.1f})  torch {t['torch_layer']:8.1f} us  "
-                  f"floor {floor_us:7.1f} us  ours/floor {r['forward_over_floor']:5.2f}  "
-                  f"torch/ours {r['torch_over_forward']:5.2f}  {r['forward_tflops']:6.0f} TFLOP/s "
-                  f"({r['forward_fraction_of_dense_peak']:.2f} of peak)  err {err:.1e}",
-                  file=sys.stderr)
-            del c, ex
+            del cases, first
             torch.cuda.empty_cache()
     rec["results"] = rows
 
@@ -247,7 +291,7 @@ def main():
         x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
         xq = torch.empty(M, K, dtype=FP8, device="cuda")
         xs = torch.empty(M, K // 128, dtype=torch.float32, device="cuda")
-        us = statistics.median(median_us(lambda: ex.quantize(xq, xs, x), a.iters)
+        us = statistics.median(graph_us(lambda: ex.quantize(xq, xs, x), a.iters)
                                for _ in range(a.rounds))
         moved = M * K * 2 + M * K + M * K // 128 * 4
         q.append({"kernel": "quantize", "rows": M, "cols": K, "us": us,
@@ -257,7 +301,7 @@ def main():
     cnt = torch.full((L,), C, dtype=torch.int32, device="cuda")
     act = torch.empty(L, C, I, dtype=FP8, device="cuda")
     act_s = torch.empty(L, C, I // 128, dtype=torch.float32, device="cuda")
-    us = statistics.median(median_us(lambda: ex.silu_mul_quant(act, act_s, gu, cnt), a.iters)
+    us = statistics.median(graph_us(lambda: ex.silu_mul_quant(act, act_s, gu, cnt), a.iters)
                            for _ in range(a.rounds))
     moved = L * C * (2 * I * 2 + I + I // 128 * 4)
     q.append({"kernel": "silu_mul_quant", "rows": L * C, "cols": I, "us": us,

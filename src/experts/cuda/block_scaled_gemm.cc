@@ -1,18 +1,72 @@
-// Picks the CUTLASS kernel of a tile configuration (each compiled in its own
-// translation unit: gemm_rows64.cu, gemm_rows128.cu).
+// Names of the tile configurations and the factory that picks one's CUTLASS
+// kernel (each compiled in its own generated translation unit).
 #include "experts/cuda/block_scaled_gemm.h"
+
+#include <cstring>
+#include <string>
+
+#include "moelink/errors.h"
 
 namespace moelink::detail::experts {
 
-std::unique_ptr<BlockScaledGemm> make_gemm_rows64(int groups);
-std::unique_ptr<BlockScaledGemm> make_gemm_rows128(int groups);
+#define MOELINK_DECLARE(name) std::unique_ptr<BlockScaledGemm> make_gemm_##name(int groups);
+MOELINK_DECLARE(kRows64)
+MOELINK_DECLARE(kRows128)
+#if defined(MOELINK_EXPERTS_TILE_SWEEP)
+MOELINK_DECLARE(kRows64C2)
+MOELINK_DECLARE(kRows128C2)
+MOELINK_DECLARE(kSwap128N16P)
+MOELINK_DECLARE(kSwap128N32P)
+MOELINK_DECLARE(kSwap128N32)
+#endif
+#undef MOELINK_DECLARE
 
 const char* gemm_tiles_name(GemmTiles t) {
-  return t == GemmTiles::kRows64 ? "64x128x128 ping-pong" : "128x128x128 cooperative";
+  switch (t) {
+    case GemmTiles::kRows64: return "rows64";
+    case GemmTiles::kRows128: return "rows128";
+    case GemmTiles::kRows64C2: return "rows64c2";
+    case GemmTiles::kRows128C2: return "rows128c2";
+    case GemmTiles::kSwap128N16P: return "swap128n16p";
+    case GemmTiles::kSwap128N32P: return "swap128n32p";
+    case GemmTiles::kSwap128N32: return "swap128n32";
+  }
+  return "?";
+}
+
+bool gemm_tiles_from_name(const char* name, GemmTiles* out) {
+  for (GemmTiles t : kAllGemmTiles)
+    if (std::strcmp(name, gemm_tiles_name(t)) == 0) {
+      *out = t;
+      return true;
+    }
+  return false;
+}
+
+bool gemm_tiles_built(GemmTiles t) {
+#if defined(MOELINK_EXPERTS_TILE_SWEEP)
+  (void)t;
+  return true;
+#else
+  return t == GemmTiles::kRows64 || t == GemmTiles::kRows128;
+#endif
 }
 
 std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups) {
-  return tiles == GemmTiles::kRows64 ? make_gemm_rows64(groups) : make_gemm_rows128(groups);
+  switch (tiles) {
+    case GemmTiles::kRows64: return make_gemm_kRows64(groups);
+    case GemmTiles::kRows128: return make_gemm_kRows128(groups);
+#if defined(MOELINK_EXPERTS_TILE_SWEEP)
+    case GemmTiles::kRows64C2: return make_gemm_kRows64C2(groups);
+    case GemmTiles::kRows128C2: return make_gemm_kRows128C2(groups);
+    case GemmTiles::kSwap128N16P: return make_gemm_kSwap128N16P(groups);
+    case GemmTiles::kSwap128N32P: return make_gemm_kSwap128N32P(groups);
+    case GemmTiles::kSwap128N32: return make_gemm_kSwap128N32(groups);
+#endif
+    default: break;
+  }
+  throw InvalidArgument(std::string("moelink: Experts: GEMM tiles '") + gemm_tiles_name(tiles) +
+                        "' are not in this build (configure with -DMOELINK_EXPERTS_TILE_SWEEP=ON)");
 }
 
 }  // namespace moelink::detail::experts

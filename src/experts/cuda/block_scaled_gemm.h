@@ -44,16 +44,32 @@ struct GemmOperands {
   ExpertOp op;            // named when a count is out of range
 };
 
-// Tile configurations compiled in (each is one CUTLASS kernel).
+// Tile configurations (gemm_tile_configs.cuh). The build always compiles
+// the defaults, kRows64 and kRows128; the others are candidates compiled
+// with -DMOELINK_EXPERTS_TILE_SWEEP=ON for tools/bench/experts_bench.py
+// --tiles, forced through MOELINK_EXPERTS_TILES=<name>.
 enum class GemmTiles {
-  // 64 x 128 x 128 tiles, ping-pong consumer warpgroups: decode (few rows
-  // per group), where the weights stream through and a 128-row tile would
-  // waste half of every tensor-core instruction.
+  // 64 x 128 x 128 tiles (rows x N x K), ping-pong consumer warpgroups: one
+  // warpgroup's scale promotion and epilogue overlap the other's wgmma.
   kRows64,
-  // 128 x 128 x 128 tiles, two cooperative consumer warpgroups: prefill.
+  // 128 x 128 x 128 tiles, two cooperative consumer warpgroups.
   kRows128,
+  // Candidates: the same with clusters of 2 along M (w tiles multicast to
+  // both CTAs), and swapped operands (D^T = w . x^T: 128 weight rows by 16
+  // or 32 token rows, for decode; "P" ping-pong, else cooperative).
+  kRows64C2,
+  kRows128C2,
+  kSwap128N16P,
+  kSwap128N32P,
+  kSwap128N32,
 };
-const char* gemm_tiles_name(GemmTiles t);
+constexpr GemmTiles kAllGemmTiles[] = {GemmTiles::kRows64,    GemmTiles::kRows128,
+                                       GemmTiles::kRows64C2,  GemmTiles::kRows128C2,
+                                       GemmTiles::kSwap128N16P, GemmTiles::kSwap128N32P,
+                                       GemmTiles::kSwap128N32};
+const char* gemm_tiles_name(GemmTiles t);  // "rows64", "swap128n16p", ...
+bool gemm_tiles_from_name(const char* name, GemmTiles* out);
+bool gemm_tiles_built(GemmTiles t);  // compiled into this build
 
 // One CUTLASS kernel with its device-side argument arrays for `groups`
 // groups. Calls on one object are ordered on one stream at a time (the
@@ -70,7 +86,8 @@ class BlockScaledGemm {
 };
 
 // For the current CUDA device. Throws SystemError when CUDA fails and
-// InvalidArgument when the device is not a Hopper GPU (sm_90).
+// InvalidArgument when the device is not a Hopper GPU (sm_90) or the tiles
+// are not in this build.
 std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups);
 
 }  // namespace moelink::detail::experts

@@ -28,27 +28,34 @@
 
 namespace moelink::detail::experts {
 
-// The CUTLASS kernel for one tile configuration. A row-major fp8 [rows, K],
-// B the weight [N, K] (K contiguous, "column-major" B in BLAS terms), D
-// row-major bf16 [rows, N], no C. Scales K-major: x_scale rows of K/128
-// floats, w_scale rows of K/128 floats per 128 rows of w (the checkpoint's
-// weight_scale_inv layout).
-template <class TileShape, class KernelSchedule, class EpilogueSchedule>
+// The CUTLASS kernel for one tile configuration. Scales K-major: x_scale
+// rows of K/128 floats, w_scale rows of K/128 floats per 128 rows of w (the
+// checkpoint's weight_scale_inv layout). No C operand.
+//   kSwapAB = false: A = x [rows, K] fp8 (row-major), B = w [N, K] (K
+//     contiguous: "column-major" B), D = y [rows, N] bf16 row-major; scale
+//     granularity 1 x 128 x 128 (M x N x K).
+//   kSwapAB = true: D^T = w . x^T: A = w [N, K], B = x [rows, K], D = y^T
+//     (column-major [N, rows], i.e. y row-major); granularity 128 x 1 x 128.
+//     A tile then holds 64 or 128 weight rows and only 16 or 32 token rows,
+//     which fits decode, where a GEMM has a handful of rows per expert.
+template <class TileShape, class ClusterShape_, class KernelSchedule, class EpilogueSchedule,
+          bool kSwapAB>
 struct Sm90BlockScaledKernel {
+  static constexpr bool kSwap = kSwapAB;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
   using ElementD = cutlass::bfloat16_t;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::ColumnMajor;
-  using LayoutD = cutlass::layout::RowMajor;
+  using LayoutD = std::conditional_t<kSwapAB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   static constexpr int kAlignA = 16;  // elements of 16 bytes: TMA's rule
   static constexpr int kAlignB = 16;
   static constexpr int kAlignD = 8;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using ClusterShape = ClusterShape_;  // 2 x 1: B tiles multicast to the two CTAs
 
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
-                                                                cute::GMMA::Major::K>;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<
+      kSwapAB ? 128 : 1, kSwapAB ? 1 : 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
@@ -104,25 +111,35 @@ __global__ void write_group_arguments(GroupArguments<K> args, GemmOperands op, i
   const int rows = static_cast<int>(clamp_rows(seen, op.capacity, &bad));
   if (bad) record_expert_error(error, op.op, g, seen, op.capacity);
 
-  args.problem[g] = typename K::Problem{rows, op.n, op.k};
-  args.a[g] = static_cast<const typename K::ElementA*>(op.x) + g * op.x_group_stride;
-  args.b[g] = static_cast<const typename K::ElementB*>(op.w) + g * op.w_group_stride;
-  args.d[g] = static_cast<typename K::ElementD*>(op.y) + g * op.y_group_stride;
-  args.sfa[g] = op.x_scale + g * op.x_scale_group_stride;
-  args.sfb[g] = op.w_scale + g * op.w_scale_group_stride;
+  const auto* x = static_cast<const typename K::ElementA*>(op.x) + g * op.x_group_stride;
+  const auto* w = static_cast<const typename K::ElementB*>(op.w) + g * op.w_group_stride;
+  const float* xs = op.x_scale + g * op.x_scale_group_stride;
+  const float* ws = op.w_scale + g * op.w_scale_group_stride;
   typename K::StrideA sa{};
-  cute::get<0>(sa) = op.x_row_stride;
-  args.stride_a[g] = sa;
   typename K::StrideB sb{};
-  cute::get<0>(sb) = op.w_row_stride;
-  args.stride_b[g] = sb;
   typename K::StrideD sd{};
-  cute::get<0>(sd) = op.y_row_stride;
+  int m = rows, n = op.n;
+  if constexpr (K::kSwap) {
+    m = op.n, n = rows;
+    args.a[g] = w, args.b[g] = x, args.sfa[g] = ws, args.sfb[g] = xs;
+    cute::get<0>(sa) = op.w_row_stride;
+    cute::get<0>(sb) = op.x_row_stride;
+    cute::get<1>(sd) = op.y_row_stride;  // D = y^T, column-major
+  } else {
+    args.a[g] = x, args.b[g] = w, args.sfa[g] = xs, args.sfb[g] = ws;
+    cute::get<0>(sa) = op.x_row_stride;
+    cute::get<0>(sb) = op.w_row_stride;
+    cute::get<0>(sd) = op.y_row_stride;
+  }
+  args.problem[g] = typename K::Problem{m, n, op.k};
+  args.d[g] = static_cast<typename K::ElementD*>(op.y) + g * op.y_group_stride;
+  args.stride_a[g] = sa;
+  args.stride_b[g] = sb;
   args.stride_d[g] = sd;
-  // The mainloop derives the scale layouts from (rows, N, K) itself (packed
+  // The mainloop derives the scale layouts from (M, N, K) itself (packed
   // K-major rows); these are kept consistent for any reader of the arrays.
-  args.layout_sfa[g] = K::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(rows, op.n, op.k, 1));
-  args.layout_sfb[g] = K::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(rows, op.n, op.k, 1));
+  args.layout_sfa[g] = K::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, op.k, 1));
+  args.layout_sfb[g] = K::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, op.k, 1));
 }
 
 template <class K>

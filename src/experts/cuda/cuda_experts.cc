@@ -3,7 +3,9 @@
 // checked Tensor views into the kernels' argument blocks.
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
 #include <map>
+#include <string>
 #include <utility>
 
 #include "experts/cuda/block_scaled_gemm.h"
@@ -25,10 +27,25 @@ using experts::GroupQuantArgs;
 using experts::GroupQuantInput;
 using experts::kQuantGroup;
 
-// Rows of a GEMM below which the 64-row tiles win (the weights stream
-// through once either way; a 128-row tile wastes half of each wgmma).
+// The tiles for a GEMM expected to have `rows` rows per group: the 64-row
+// ping-pong tiles for decode, 128-row cooperative tiles for prefill.
 GemmTiles tiles_for_rows(int64_t rows) {
   return rows <= 64 ? GemmTiles::kRows64 : GemmTiles::kRows128;
+}
+
+// MOELINK_EXPERTS_TILES=<name> forces one tile configuration for every GEMM
+// (tuning: experts_bench.py --tiles); unset, the rows decide.
+bool forced_tiles(GemmTiles* out) {
+  const char* v = std::getenv("MOELINK_EXPERTS_TILES");
+  if (v == nullptr || *v == '\0') return false;
+  if (!experts::gemm_tiles_from_name(v, out) || !experts::gemm_tiles_built(*out)) {
+    std::string built;
+    for (GemmTiles t : experts::kAllGemmTiles)
+      if (experts::gemm_tiles_built(t)) built += (built.empty() ? "" : ", ") + std::string(experts::gemm_tiles_name(t));
+    throw InvalidArgument(std::string("moelink: environment variable MOELINK_EXPERTS_TILES = '") + v +
+                          "' must name tiles this build has: " + built);
+  }
+  return true;
 }
 
 class CudaExperts final : public ExpertsImpl {
@@ -37,9 +54,10 @@ class CudaExperts final : public ExpertsImpl {
     int device = 0;
     MOELINK_CUDA_CHECK(cudaGetDevice(&device));
     MOELINK_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
+    forced_ = forced_tiles(&forced_tiles_);
     // The routed experts' GEMM first (it refuses a GPU other than Hopper), so
     // that a capture never allocates.
-    gemm_object(tiles_for_rows(c.expected_rows), c.num_experts);
+    gemm_object(tiles(c.expected_rows), c.num_experts);
     const int64_t L = c.num_experts, C = c.max_rows, I = c.intermediate_dim;
     const size_t gate_up = static_cast<size_t>(L * C * 2 * I) * 2;
     const size_t act_q = static_cast<size_t>(L * C * I);
@@ -59,7 +77,7 @@ class CudaExperts final : public ExpertsImpl {
                     cudaStream_t stream) override {
     GemmOperands o = operands(y, x, x_scale, w, w_scale, op);
     o.counts = static_cast<const int32_t*>(count.data);
-    gemm_object(tiles_for_rows(config_.expected_rows), config_.num_experts)
+    gemm_object(tiles(config_.expected_rows), config_.num_experts)
         .run(o, error_, stream);
   }
 
@@ -68,7 +86,7 @@ class CudaExperts final : public ExpertsImpl {
     GemmOperands o = operands(as_one_group(y), as_one_group(x), as_one_group(x_scale),
                               as_one_group(w), as_one_group(w_scale), ExpertOp::kGemm);
     o.counts = static_cast<const int32_t*>(bound_m.data);  // null: all M rows
-    gemm_object(tiles_for_rows(x.shape[0]), 1).run(o, error_, stream);
+    gemm_object(tiles(x.shape[0]), 1).run(o, error_, stream);
   }
 
   void silu_mul_quant(const Tensor& out_q, const Tensor& out_scale, const Tensor& gate_up,
@@ -104,6 +122,8 @@ class CudaExperts final : public ExpertsImpl {
   }
 
  private:
+  GemmTiles tiles(int64_t rows) const { return forced_ ? forced_tiles_ : tiles_for_rows(rows); }
+
   BlockScaledGemm& gemm_object(GemmTiles tiles, int groups) {
     auto key = std::make_pair(static_cast<int>(tiles), groups);
     auto it = gemms_.find(key);
@@ -156,6 +176,8 @@ class CudaExperts final : public ExpertsImpl {
   }
 
   ExpertConfig config_;
+  bool forced_ = false;
+  GemmTiles forced_tiles_ = GemmTiles::kRows64;
   int sm_count_ = 0;
   experts::DeviceBuffer workspace_, error_buffer_;
   size_t workspace_bytes_ = 0;

@@ -2,7 +2,8 @@
 // one group, eight consecutive elements each (one 16-byte load of bf16, two
 // for silu_mul's gate and up); a warp handles two groups at a time. The
 // group's amax is a 4-step butterfly over its 16 lanes, the scale and the
-// 8 fp8 bytes per lane follow, and lane 0 of the 16 writes the scale.
+// 8 fp8 bytes per lane follow (values times the scale's reciprocal), and
+// lane 0 of the 16 writes the scale.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -46,18 +47,27 @@ __device__ inline float group_amax(const float v[8]) {
   return a;
 }
 
-// Eight values divided by the scale, as 8 e4m3 bytes.
-__device__ inline uint2 to_e4m3x8(const float v[8], float scale) {
+// Eight values times the scale's reciprocal, as 8 e4m3 bytes.
+__device__ inline uint2 to_e4m3x8(const float v[8], float inv_scale) {
   uint32_t w[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 pair = make_float2(v[2 * i] / scale, v[2 * i + 1] / scale);
+    const float2 pair = make_float2(v[2 * i] * inv_scale, v[2 * i + 1] * inv_scale);
     const uint16_t two = __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
     w[i] = two;
   }
   return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
 }
 
+// silu(gate) * up with the SFU's exp and reciprocal (a few ulp from
+// expf and an IEEE division: far below the fp8 step that follows).
+__device__ inline float fast_silu_mul(float gate, float up) {
+  return gate * __frcp_rn(1.0f + __expf(-gate)) * up;
+}
+
+// Blocks take rows (block b: rows b, b + gridDim.x, ...) of group
+// blockIdx.y; a block's warps take the row's column groups two at a time.
+// No division in the loops: the row and its columns are loop counters.
 template <GroupQuantInput kInput>
 __global__ void __launch_bounds__(kThreads)
     group_quant_kernel(GroupQuantArgs a, ExpertErrorRecord* error) {
@@ -67,39 +77,39 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t rows = clamp_rows(seen, a.capacity, &bad);
   if (bad && blockIdx.x == 0 && threadIdx.x == 0) record_expert_error(error, a.op, g, seen, a.capacity);
 
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int half = lane / kLanesPerGroup, lane16 = lane % kLanesPerGroup;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
-  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kThreads / 32;
-  const int64_t jobs = rows * a.quant_groups_per_row;  // (row, column group) pairs
-  // The loop bound is the same for the whole warp, so every lane reaches the
-  // shuffles; a half whose job is past the end computes on zeros and stores
-  // nothing.
-  for (int64_t pair = warp * 2; pair < jobs; pair += num_warps * 2) {
-    const int64_t job = pair + half;
-    const bool valid = job < jobs;
-    const int64_t row = valid ? job / a.quant_groups_per_row : 0;
-    const int64_t col_group = valid ? job % a.quant_groups_per_row : 0;
-    const int64_t col = col_group * kQuantGroup + lane16 * kValuesPerLane;
-    float v[8];
-    if (valid) {
-      const uint16_t* src = a.src + g * a.src_group_stride + row * a.src_row_stride + col;
-      load_bf16x8(src, v);
-      if constexpr (kInput == GroupQuantInput::kSiluMul) {
-        float up[8];
-        load_bf16x8(src + a.up_offset, up);
+  const int col_groups = a.quant_groups_per_row;
+  const uint16_t* src_group = a.src + g * a.src_group_stride;
+  uint8_t* q_group = a.q + g * a.q_group_stride;
+  float* scale_group = a.scale + g * a.scale_s0;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const uint16_t* src = src_group + row * a.src_row_stride;
+    // The loop bound is the same for the whole warp, so every lane reaches
+    // the shuffles; a half past the row's end computes on zeros and stores
+    // nothing.
+    for (int pair = warp * 2; pair < col_groups; pair += kThreads / 32 * 2) {
+      const int col_group = pair + half;
+      const bool valid = col_group < col_groups;
+      const int col = col_group * kQuantGroup + lane16 * kValuesPerLane;
+      float v[8];
+      if (valid) {
+        load_bf16x8(src + col, v);
+        if constexpr (kInput == GroupQuantInput::kSiluMul) {
+          float up[8];
+          load_bf16x8(src + a.up_offset + col, up);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = silu_mul(v[i], up[i]);
+          for (int i = 0; i < 8; ++i) v[i] = fast_silu_mul(v[i], up[i]);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = 0.0f;
       }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = 0.0f;
-    }
-    const float scale = group_scale(group_amax(v));
-    if (valid) {
-      *reinterpret_cast<uint2*>(a.q + g * a.q_group_stride + row * a.q_row_stride + col) =
-          to_e4m3x8(v, scale);
-      if (lane16 == 0) a.scale[g * a.scale_s0 + row * a.scale_s1 + col_group * a.scale_s2] = scale;
+      const float scale = group_scale(group_amax(v));
+      if (valid) {
+        *reinterpret_cast<uint2*>(q_group + row * a.q_row_stride + col) = to_e4m3x8(v, 1.0f / scale);
+        if (lane16 == 0) scale_group[row * a.scale_s1 + col_group * a.scale_s2] = scale;
+      }
     }
   }
 }
@@ -109,13 +119,12 @@ __global__ void __launch_bounds__(kThreads)
 void launch_group_quant(const GroupQuantArgs& args, GroupQuantInput input, int sm_count,
                         ExpertErrorRecord* error, cudaStream_t stream) {
   if (args.groups <= 0) return;
-  // Enough warps for every (row, column group) pair of a full group, capped
-  // so that all groups together keep about 8 blocks per SM; blocks loop
-  // over what is left. Groups with fewer rows leave blocks idle at once.
-  const int64_t warps_per_group = (args.capacity * args.quant_groups_per_row + 1) / 2;
-  const int64_t blocks_needed = std::max<int64_t>(1, (warps_per_group + kThreads / 32 - 1) / (kThreads / 32));
+  // A block per row of a full group, capped so that all groups together
+  // keep about 8 blocks per SM; blocks loop over the rows left. Groups with
+  // fewer rows leave blocks idle at once.
   const int64_t cap = std::max<int64_t>(1, int64_t{sm_count} * 8 / args.groups);
-  const dim3 grid(static_cast<unsigned>(std::min(blocks_needed, cap)), static_cast<unsigned>(args.groups));
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(std::max<int64_t>(args.capacity, 1), cap)),
+                  static_cast<unsigned>(args.groups));
   if (input == GroupQuantInput::kSiluMul)
     group_quant_kernel<GroupQuantInput::kSiluMul><<<grid, kThreads, 0, stream>>>(args, error);
   else

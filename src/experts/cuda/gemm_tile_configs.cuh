@@ -1,0 +1,48 @@
+// The CUTLASS kernel of each GemmTiles value (block_scaled_gemm.h): tile
+// shape, cluster shape, schedule, operand order. Each is compiled in its own
+// translation unit, generated from gemm_tile_config.cu.in by CMake.
+#pragma once
+
+#include "experts/cuda/block_scaled_gemm_sm90.cuh"
+
+namespace moelink::detail::experts {
+
+namespace tiles {
+using cute::_1;
+using cute::_128;
+using cute::_16;
+using cute::_2;
+using cute::_32;
+using cute::_64;
+using PingPong = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
+using PingPongEpilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+using Cooperative = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+using CooperativeEpilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+template <class M, class N>
+using Shape = cute::Shape<M, N, _128>;
+template <class Cm>
+using Cluster = cute::Shape<Cm, _1, _1>;
+}  // namespace tiles
+
+template <GemmTiles T>
+struct TileConfig;
+
+#define MOELINK_TILE_CONFIG(name, m, n, cm, schedule, swap)                                   \
+  template <>                                                                                 \
+  struct TileConfig<GemmTiles::name> {                                                        \
+    using Kernel = Sm90BlockScaledKernel<tiles::Shape<tiles::m, tiles::n>, tiles::Cluster<tiles::cm>, \
+                                         tiles::schedule, tiles::schedule##Epilogue, swap>;   \
+  };
+
+// Swapped operands need 128-row tiles: the weights' scales come per 128 rows.
+// name           tile M  tile N  cluster M  schedule     swap A/B
+MOELINK_TILE_CONFIG(kRows64,      _64,   _128,  _1,  PingPong,    false)
+MOELINK_TILE_CONFIG(kRows128,     _128,  _128,  _1,  Cooperative, false)
+MOELINK_TILE_CONFIG(kRows64C2,    _64,   _128,  _2,  PingPong,    false)
+MOELINK_TILE_CONFIG(kRows128C2,   _128,  _128,  _2,  Cooperative, false)
+MOELINK_TILE_CONFIG(kSwap128N16P, _128,  _16,   _1,  PingPong,    true)
+MOELINK_TILE_CONFIG(kSwap128N32P, _128,  _32,   _1,  PingPong,    true)
+MOELINK_TILE_CONFIG(kSwap128N32,  _128,  _32,   _1,  Cooperative, true)
+#undef MOELINK_TILE_CONFIG
+
+}  // namespace moelink::detail::experts
