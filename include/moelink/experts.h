@@ -47,7 +47,8 @@ struct ExpertConfig {
   int intermediate_dim = 0;  // I: per expert, multiple of 128
   ExpertDevice device = ExpertDevice::kCUDA;
   // Rows an expert is expected to hold; picks the GEMM tiles on the GPU
-  // (<= 64: 64-row tiles for decode, else 128-row tiles). 0: max_rows.
+  // (<= 32: weight-major tiles with 32 token rows, <= 64: 64-row tiles,
+  // else 128-row tiles; docs/experts.md). 0: max_rows.
   int64_t expected_rows = 0;
   // Run check() after every call (synchronizing the stream). < 0: read
   // MOELINK_DEBUG.

@@ -222,9 +222,11 @@ std::vector<ExpertCase> expert_cases() {
                          CountPattern::kZero, CountPattern::kOne, CountPattern::kTop8,
                          CountPattern::kRandom})
     cases.push_back({small_shape(), p});
+#if !defined(MOELINK_EXPERTS_SMALL_SHAPES_ONLY)
   for (ExpertShape s : {deepseek_shape(), qwen3_shape()})
     for (CountPattern p : {CountPattern::kOne, CountPattern::kTop8, CountPattern::kSkewed})
       cases.push_back({s, p});
+#endif
   return cases;
 }
 

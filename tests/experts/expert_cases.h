@@ -48,7 +48,8 @@ struct ExpertCase {
   std::string name() const;
 };
 // Shapes x count patterns: every pattern on the small shape, the decode
-// ones on DeepSeek-V3 and Qwen3.
+// ones on DeepSeek-V3 and Qwen3 (not in the sanitizer build, where
+// MOELINK_EXPERTS_SMALL_SHAPES_ONLY keeps the CPU loops affordable).
 std::vector<ExpertCase> expert_cases();
 
 // A fresh seed, and the trace line naming it.

@@ -54,11 +54,12 @@ TEST_P(GpuExperts, GroupedGemmMatchesReference) { run_grouped_gemm_case(ExpertDe
 TEST_P(GpuExperts, SiluMulQuantMatchesReference) { run_silu_mul_quant_case(ExpertDevice::kCUDA, *ops_, GetParam()); }
 TEST_P(GpuExperts, ForwardMatchesReference) { run_forward_case(ExpertDevice::kCUDA, *ops_, GetParam()); }
 
-// Every case with the decode tiles (64-row) and the prefill tiles (128-row).
+// Every case with each default tile configuration: expected_rows 16
+// (swapped operands), 48 (64-row tiles) and 128 (128-row tiles).
 std::vector<ExpertCase> gpu_cases() {
   std::vector<ExpertCase> out;
   for (ExpertCase c : expert_cases()) {
-    for (int64_t rows : {16, 128}) {
+    for (int64_t rows : {16, 48, 128}) {
       c.expected_rows = rows;
       out.push_back(c);
     }
@@ -66,6 +67,7 @@ std::vector<ExpertCase> gpu_cases() {
   // Larger groups: several tiles along M, a partial last tile.
   out.push_back({{"Rows300", 2, 300, 512, 256}, CountPattern::kRandom, 128});
   out.push_back({{"Rows300", 2, 300, 512, 256}, CountPattern::kFull, 16});
+  out.push_back({{"Rows300", 2, 300, 512, 256}, CountPattern::kRandom, 48});
   return out;
 }
 
@@ -79,8 +81,8 @@ TEST(GpuExpertsTiles, EveryBuiltConfigurationMatchesReference) {
   REQUIRE_HOPPER();
   GpuMemoryOps ops(0);
   int built = 0;
-  for (const char* name : {"rows64", "rows128", "rows64c2", "rows128c2", "swap128n16p",
-                           "swap128n32p", "swap128n32"}) {
+  for (const char* name : {"swap128n32", "rows64", "rows128", "rows64c2", "rows128c2",
+                           "swap128n16p", "swap128n32p"}) {
     SCOPED_TRACE(name);
     setenv("MOELINK_EXPERTS_TILES", name, 1);
     try {
@@ -99,7 +101,7 @@ TEST(GpuExpertsTiles, EveryBuiltConfigurationMatchesReference) {
     run_gemm_case(ExpertDevice::kCUDA, ops, 33, 384, 256, 17);
   }
   unsetenv("MOELINK_EXPERTS_TILES");
-  EXPECT_GE(built, 2) << "the default configurations rows64 and rows128 must be built";
+  EXPECT_GE(built, 3) << "the default configurations swap128n32, rows64 and rows128 must be built";
 }
 
 TEST(GpuExpertsDense, QuantizeMatchesReference) {

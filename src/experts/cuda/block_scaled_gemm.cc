@@ -10,6 +10,7 @@
 namespace moelink::detail::experts {
 
 #define MOELINK_DECLARE(name) std::unique_ptr<BlockScaledGemm> make_gemm_##name(int groups);
+MOELINK_DECLARE(kSwap128N32)
 MOELINK_DECLARE(kRows64)
 MOELINK_DECLARE(kRows128)
 #if defined(MOELINK_EXPERTS_TILE_SWEEP)
@@ -17,7 +18,6 @@ MOELINK_DECLARE(kRows64C2)
 MOELINK_DECLARE(kRows128C2)
 MOELINK_DECLARE(kSwap128N16P)
 MOELINK_DECLARE(kSwap128N32P)
-MOELINK_DECLARE(kSwap128N32)
 #endif
 #undef MOELINK_DECLARE
 
@@ -48,12 +48,13 @@ bool gemm_tiles_built(GemmTiles t) {
   (void)t;
   return true;
 #else
-  return t == GemmTiles::kRows64 || t == GemmTiles::kRows128;
+  return t == GemmTiles::kSwap128N32 || t == GemmTiles::kRows64 || t == GemmTiles::kRows128;
 #endif
 }
 
 std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups) {
   switch (tiles) {
+    case GemmTiles::kSwap128N32: return make_gemm_kSwap128N32(groups);
     case GemmTiles::kRows64: return make_gemm_kRows64(groups);
     case GemmTiles::kRows128: return make_gemm_kRows128(groups);
 #if defined(MOELINK_EXPERTS_TILE_SWEEP)
@@ -61,7 +62,6 @@ std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int gro
     case GemmTiles::kRows128C2: return make_gemm_kRows128C2(groups);
     case GemmTiles::kSwap128N16P: return make_gemm_kSwap128N16P(groups);
     case GemmTiles::kSwap128N32P: return make_gemm_kSwap128N32P(groups);
-    case GemmTiles::kSwap128N32: return make_gemm_kSwap128N32(groups);
 #endif
     default: break;
   }

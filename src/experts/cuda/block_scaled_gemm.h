@@ -45,28 +45,30 @@ struct GemmOperands {
 };
 
 // Tile configurations (gemm_tile_configs.cuh). The build always compiles
-// the defaults, kRows64 and kRows128; the others are candidates compiled
-// with -DMOELINK_EXPERTS_TILE_SWEEP=ON for tools/bench/experts_bench.py
-// --tiles, forced through MOELINK_EXPERTS_TILES=<name>.
+// the defaults, kSwap128N32, kRows64 and kRows128 (cuda_experts.cc picks one
+// by the expected rows per group); the others are candidates compiled with
+// -DMOELINK_EXPERTS_TILE_SWEEP=ON for tools/bench/experts_bench.py --tiles.
+// MOELINK_EXPERTS_TILES=<name> forces one.
 enum class GemmTiles {
   // 64 x 128 x 128 tiles (rows x N x K), ping-pong consumer warpgroups: one
   // warpgroup's scale promotion and epilogue overlap the other's wgmma.
   kRows64,
   // 128 x 128 x 128 tiles, two cooperative consumer warpgroups.
   kRows128,
-  // Candidates: the same with clusters of 2 along M (w tiles multicast to
-  // both CTAs), and swapped operands (D^T = w . x^T: 128 weight rows by 16
-  // or 32 token rows, for decode; "P" ping-pong, else cooperative).
+  // Swapped operands (D^T = w . x^T): 128 weight rows by 32 token rows,
+  // cooperative. Decode: a tile's wgmma is not mostly padding.
+  kSwap128N32,
+  // Candidates: clusters of 2 along M (w tiles multicast to both CTAs), and
+  // swapped operands with ping-pong warpgroups ("P"), 16 or 32 token rows.
   kRows64C2,
   kRows128C2,
   kSwap128N16P,
   kSwap128N32P,
-  kSwap128N32,
 };
-constexpr GemmTiles kAllGemmTiles[] = {GemmTiles::kRows64,    GemmTiles::kRows128,
-                                       GemmTiles::kRows64C2,  GemmTiles::kRows128C2,
-                                       GemmTiles::kSwap128N16P, GemmTiles::kSwap128N32P,
-                                       GemmTiles::kSwap128N32};
+constexpr GemmTiles kAllGemmTiles[] = {GemmTiles::kRows64,       GemmTiles::kRows128,
+                                       GemmTiles::kSwap128N32,   GemmTiles::kRows64C2,
+                                       GemmTiles::kRows128C2,    GemmTiles::kSwap128N16P,
+                                       GemmTiles::kSwap128N32P};
 const char* gemm_tiles_name(GemmTiles t);  // "rows64", "swap128n16p", ...
 bool gemm_tiles_from_name(const char* name, GemmTiles* out);
 bool gemm_tiles_built(GemmTiles t);  // compiled into this build

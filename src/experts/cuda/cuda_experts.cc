@@ -27,9 +27,13 @@ using experts::GroupQuantArgs;
 using experts::GroupQuantInput;
 using experts::kQuantGroup;
 
-// The tiles for a GEMM expected to have `rows` rows per group: the 64-row
-// ping-pong tiles for decode, 128-row cooperative tiles for prefill.
+// The tiles for a GEMM expected to have `rows` rows per group, from
+// experts_bench.py --tiles on an H200 (bench/results, docs/experts.md):
+// swapped operands (128 weight rows x 32 token rows) up to 32 rows, where a
+// tile's wgmma would otherwise be mostly padding; 64-row ping-pong tiles up
+// to 64; 128-row cooperative tiles above.
 GemmTiles tiles_for_rows(int64_t rows) {
+  if (rows <= 32) return GemmTiles::kSwap128N32;
   return rows <= 64 ? GemmTiles::kRows64 : GemmTiles::kRows128;
 }
 

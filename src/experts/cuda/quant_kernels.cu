@@ -65,9 +65,29 @@ __device__ inline float fast_silu_mul(float gate, float up) {
   return gate * __frcp_rn(1.0f + __expf(-gate)) * up;
 }
 
-// Blocks take rows (block b: rows b, b + gridDim.x, ...) of group
-// blockIdx.y; a block's warps take the row's column groups two at a time.
-// No division in the loops: the row and its columns are loop counters.
+// A group's 8 values of this lane (zeros when the group is past the row's
+// end): x, or silu(gate) * up.
+template <GroupQuantInput kInput>
+__device__ inline void load_group_values(const uint16_t* row, int64_t up_offset, int col,
+                                         bool valid, float v[8]) {
+  if (!valid) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+    return;
+  }
+  load_bf16x8(row + col, v);
+  if constexpr (kInput == GroupQuantInput::kSiluMul) {
+    float up[8];
+    load_bf16x8(row + up_offset + col, up);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = fast_silu_mul(v[i], up[i]);
+  }
+}
+
+// Blocks take rows two at a time (block b: rows b and b + gridDim.x, then
+// b + 2 gridDim.x ...), so that every lane has two groups' loads in flight;
+// a block's warps take a row's column groups two at a time. No division in
+// the loops: rows and columns are loop counters.
 template <GroupQuantInput kInput>
 __global__ void __launch_bounds__(kThreads)
     group_quant_kernel(GroupQuantArgs a, ExpertErrorRecord* error) {
@@ -83,8 +103,9 @@ __global__ void __launch_bounds__(kThreads)
   const uint16_t* src_group = a.src + g * a.src_group_stride;
   uint8_t* q_group = a.q + g * a.q_group_stride;
   float* scale_group = a.scale + g * a.scale_s0;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const uint16_t* src = src_group + row * a.src_row_stride;
+  for (int64_t row0 = blockIdx.x; row0 < rows; row0 += 2 * int64_t{gridDim.x}) {
+    const int64_t row1 = row0 + gridDim.x;
+    const bool has_row1 = row1 < rows;  // the same for the whole block
     // The loop bound is the same for the whole warp, so every lane reaches
     // the shuffles; a half past the row's end computes on zeros and stores
     // nothing.
@@ -92,23 +113,18 @@ __global__ void __launch_bounds__(kThreads)
       const int col_group = pair + half;
       const bool valid = col_group < col_groups;
       const int col = col_group * kQuantGroup + lane16 * kValuesPerLane;
-      float v[8];
+      float v0[8], v1[8];
+      load_group_values<kInput>(src_group + row0 * a.src_row_stride, a.up_offset, col, valid, v0);
+      load_group_values<kInput>(src_group + row1 * a.src_row_stride, a.up_offset, col,
+                                valid && has_row1, v1);
+      const float s0 = group_scale(group_amax(v0)), s1 = group_scale(group_amax(v1));
       if (valid) {
-        load_bf16x8(src + col, v);
-        if constexpr (kInput == GroupQuantInput::kSiluMul) {
-          float up[8];
-          load_bf16x8(src + a.up_offset + col, up);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) v[i] = fast_silu_mul(v[i], up[i]);
+        *reinterpret_cast<uint2*>(q_group + row0 * a.q_row_stride + col) = to_e4m3x8(v0, 1.0f / s0);
+        if (lane16 == 0) scale_group[row0 * a.scale_s1 + col_group * a.scale_s2] = s0;
+        if (has_row1) {
+          *reinterpret_cast<uint2*>(q_group + row1 * a.q_row_stride + col) = to_e4m3x8(v1, 1.0f / s1);
+          if (lane16 == 0) scale_group[row1 * a.scale_s1 + col_group * a.scale_s2] = s1;
         }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = 0.0f;
-      }
-      const float scale = group_scale(group_amax(v));
-      if (valid) {
-        *reinterpret_cast<uint2*>(q_group + row * a.q_row_stride + col) = to_e4m3x8(v, 1.0f / scale);
-        if (lane16 == 0) scale_group[row * a.scale_s1 + col_group * a.scale_s2] = scale;
       }
     }
   }
