@@ -59,10 +59,11 @@ __device__ inline uint2 to_e4m3x8(const float v[8], float inv_scale) {
   return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
 }
 
-// silu(gate) * up with the SFU's exp and reciprocal (a few ulp from
-// expf and an IEEE division: far below the fp8 step that follows).
+// silu(gate) * up with the SFU's exp and an approximate division (a few
+// ulp from expf and an IEEE division: far below the fp8 step that follows;
+// the kernel is bound by instructions, not bytes, with the exact ones).
 __device__ inline float fast_silu_mul(float gate, float up) {
-  return gate * __frcp_rn(1.0f + __expf(-gate)) * up;
+  return __fdividef(gate, 1.0f + __expf(-gate)) * up;
 }
 
 // A group's 8 values of this lane (zeros when the group is past the row's
@@ -84,10 +85,11 @@ __device__ inline void load_group_values(const uint16_t* row, int64_t up_offset,
   }
 }
 
-// Blocks take rows two at a time (block b: rows b and b + gridDim.x, then
-// b + 2 gridDim.x ...), so that every lane has two groups' loads in flight;
-// a block's warps take a row's column groups two at a time. No division in
-// the loops: rows and columns are loop counters.
+// Blocks take rows (block b: rows b, b + gridDim.x, ...) of group
+// blockIdx.y; a block's warps take the row's column groups two at a time.
+// No division in the loops: the row and its columns are loop counters.
+// (Two rows per block in flight measured slower for quantize on the H200:
+// 126 against 95 us for 16384 x 7168; bench/results/README.md.)
 template <GroupQuantInput kInput>
 __global__ void __launch_bounds__(kThreads)
     group_quant_kernel(GroupQuantArgs a, ExpertErrorRecord* error) {
@@ -103,9 +105,7 @@ __global__ void __launch_bounds__(kThreads)
   const uint16_t* src_group = a.src + g * a.src_group_stride;
   uint8_t* q_group = a.q + g * a.q_group_stride;
   float* scale_group = a.scale + g * a.scale_s0;
-  for (int64_t row0 = blockIdx.x; row0 < rows; row0 += 2 * int64_t{gridDim.x}) {
-    const int64_t row1 = row0 + gridDim.x;
-    const bool has_row1 = row1 < rows;  // the same for the whole block
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     // The loop bound is the same for the whole warp, so every lane reaches
     // the shuffles; a half past the row's end computes on zeros and stores
     // nothing.
@@ -113,18 +113,12 @@ __global__ void __launch_bounds__(kThreads)
       const int col_group = pair + half;
       const bool valid = col_group < col_groups;
       const int col = col_group * kQuantGroup + lane16 * kValuesPerLane;
-      float v0[8], v1[8];
-      load_group_values<kInput>(src_group + row0 * a.src_row_stride, a.up_offset, col, valid, v0);
-      load_group_values<kInput>(src_group + row1 * a.src_row_stride, a.up_offset, col,
-                                valid && has_row1, v1);
-      const float s0 = group_scale(group_amax(v0)), s1 = group_scale(group_amax(v1));
+      float v[8];
+      load_group_values<kInput>(src_group + row * a.src_row_stride, a.up_offset, col, valid, v);
+      const float scale = group_scale(group_amax(v));
       if (valid) {
-        *reinterpret_cast<uint2*>(q_group + row0 * a.q_row_stride + col) = to_e4m3x8(v0, 1.0f / s0);
-        if (lane16 == 0) scale_group[row0 * a.scale_s1 + col_group * a.scale_s2] = s0;
-        if (has_row1) {
-          *reinterpret_cast<uint2*>(q_group + row1 * a.q_row_stride + col) = to_e4m3x8(v1, 1.0f / s1);
-          if (lane16 == 0) scale_group[row1 * a.scale_s1 + col_group * a.scale_s2] = s1;
-        }
+        *reinterpret_cast<uint2*>(q_group + row * a.q_row_stride + col) = to_e4m3x8(v, 1.0f / scale);
+        if (lane16 == 0) scale_group[row * a.scale_s1 + col_group * a.scale_s2] = scale;
       }
     }
   }
