@@ -23,41 +23,12 @@ foreach(_v MOELINK_CUTLASS_DIR CUTLASS_HOME)
   endif()
 endforeach()
 
-set(_moelink_cutlass_py "${Python_EXECUTABLE}")
-if(NOT _moelink_cutlass_py)
-  set(_moelink_cutlass_py "${Python3_EXECUTABLE}")
+include(${CMAKE_CURRENT_LIST_DIR}/site_packages.cmake)
+moelink_find_in_site_packages(_moelink_cutlass_wheel cutlass_library/source include/cutlass/cutlass.h)
+if(_moelink_cutlass_wheel)
+  list(APPEND _moelink_cutlass_hints "${_moelink_cutlass_wheel}")
 endif()
-if(NOT _moelink_cutlass_py)
-  find_program(_moelink_cutlass_py_found NAMES python3 python)
-  set(_moelink_cutlass_py "${_moelink_cutlass_py_found}")
-endif()
-if(_moelink_cutlass_py)
-  execute_process(
-    COMMAND "${_moelink_cutlass_py}" -c [=[
-import os, site, sysconfig
-dirs = []
-try:
-    dirs += site.getsitepackages()
-except Exception:
-    pass
-try:
-    dirs.append(site.getusersitepackages())
-except Exception:
-    pass
-dirs += [sysconfig.get_paths().get(k) for k in ("purelib", "platlib")]
-for d in dirs:
-    p = os.path.join(d or "", "cutlass_library", "source")
-    if os.path.isfile(os.path.join(p, "include", "cutlass", "cutlass.h")):
-        print(p)
-        break
-]=]
-    OUTPUT_VARIABLE _moelink_cutlass_wheel
-    OUTPUT_STRIP_TRAILING_WHITESPACE
-    ERROR_QUIET)
-  if(_moelink_cutlass_wheel)
-    list(APPEND _moelink_cutlass_hints "${_moelink_cutlass_wheel}")
-  endif()
-endif()
+set(_moelink_cutlass_py "${MOELINK_SITE_PYTHON}")
 
 find_path(MOELINK_CUTLASS_INCLUDE_DIR cutlass/cutlass.h
   HINTS ${_moelink_cutlass_hints}

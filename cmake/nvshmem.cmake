@@ -30,43 +30,13 @@ elseif(DEFINED ENV{NVSHMEM_HOME} AND NOT "$ENV{NVSHMEM_HOME}" STREQUAL "")
   list(APPEND _moelink_nvshmem_hints "$ENV{NVSHMEM_HOME}")
 endif()
 
-# The wheel: ask the interpreter where its site-packages are (user and
-# system), and keep the first that holds nvidia/nvshmem/include/nvshmem.h.
-set(_moelink_nvshmem_py "${Python_EXECUTABLE}")
-if(NOT _moelink_nvshmem_py)
-  set(_moelink_nvshmem_py "${Python3_EXECUTABLE}")
+# The wheel, in the site-packages of the Python CMake knows.
+include(${CMAKE_CURRENT_LIST_DIR}/site_packages.cmake)
+moelink_find_in_site_packages(_moelink_nvshmem_wheel nvidia/nvshmem include/nvshmem.h)
+if(_moelink_nvshmem_wheel)
+  list(APPEND _moelink_nvshmem_hints "${_moelink_nvshmem_wheel}")
 endif()
-if(NOT _moelink_nvshmem_py)
-  find_program(_moelink_nvshmem_py_found NAMES python3 python)
-  set(_moelink_nvshmem_py "${_moelink_nvshmem_py_found}")
-endif()
-if(_moelink_nvshmem_py)
-  execute_process(
-    COMMAND "${_moelink_nvshmem_py}" -c [=[
-import os, site, sysconfig
-dirs = []
-try:
-    dirs += site.getsitepackages()
-except Exception:
-    pass
-try:
-    dirs.append(site.getusersitepackages())
-except Exception:
-    pass
-dirs += [sysconfig.get_paths().get(k) for k in ("purelib", "platlib")]
-for d in dirs:
-    p = os.path.join(d or "", "nvidia", "nvshmem")
-    if os.path.isfile(os.path.join(p, "include", "nvshmem.h")):
-        print(p)
-        break
-]=]
-    OUTPUT_VARIABLE _moelink_nvshmem_wheel
-    OUTPUT_STRIP_TRAILING_WHITESPACE
-    ERROR_QUIET)
-  if(_moelink_nvshmem_wheel)
-    list(APPEND _moelink_nvshmem_hints "${_moelink_nvshmem_wheel}")
-  endif()
-endif()
+set(_moelink_nvshmem_py "${MOELINK_SITE_PYTHON}")
 
 find_path(MOELINK_NVSHMEM_INCLUDE_DIR nvshmem.h
   HINTS ${_moelink_nvshmem_hints}

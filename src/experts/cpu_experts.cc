@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/float_convert.h"
+#include "core/layout.h"
 #include "experts/experts_impl.h"
 #include "experts/fp8_group_quant.h"
 
@@ -108,18 +109,18 @@ class CpuExperts final : public ExpertsImpl {
   }
 
   int64_t rows_of(const Tensor& count, int64_t g, int64_t limit, ExpertOp op) {
-    const int64_t seen = *at<int32_t>(count, g, 0);
+    const int32_t seen = *at<int32_t>(count, g, 0);
     bool bad = false;
-    const int64_t rows = experts::clamp_rows(seen, limit, &bad);
+    const int64_t rows = clamp_m(seen, limit, &bad);
     if (bad) record(op, g, seen, limit);
     return rows;
   }
 
   int64_t dense_rows(const Tensor& bound_m, int64_t limit, ExpertOp op) {
     if (!bound_m.defined()) return limit;
-    const int64_t seen = *static_cast<const int32_t*>(bound_m.data);
+    const int32_t seen = *static_cast<const int32_t*>(bound_m.data);
     bool bad = false;
-    const int64_t rows = experts::clamp_rows(seen, limit, &bad);
+    const int64_t rows = clamp_m(seen, limit, &bad);
     if (bad) record(op, 0, seen, limit);
     return rows;
   }

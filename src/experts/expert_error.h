@@ -1,12 +1,12 @@
 // What the expert kernels report about their input while they run: a row
-// count outside [0, C] (clamped, never used to index past C), recorded by the
-// first kernel that sees it and read by Experts::check(). Plain data shared by
-// the CUDA kernels, the CPU implementation and the host.
+// count outside [0, C] (clamped with core/layout.h's clamp_m, never used to
+// index past C), recorded by the first kernel that sees it and read by
+// Experts::check(). Plain data shared by the CUDA kernels, the CPU
+// implementation and the host.
 #pragma once
 
 #include <cstdint>
 
-#include "core/layout.h"  // MOELINK_HD
 
 namespace moelink::detail::experts {
 
@@ -32,19 +32,5 @@ struct ExpertErrorRecord {
   int64_t value;  // the count seen
   int64_t limit;  // the rows the tensor has (C, or M for the dense calls)
 };
-
-// The rows of a group that a kernel may touch: `count` clamped to [0, limit].
-// Sets *bad when it had to clamp.
-MOELINK_HD int64_t clamp_rows(int64_t count, int64_t limit, bool* bad) {
-  if (count < 0) {
-    *bad = true;
-    return 0;
-  }
-  if (count > limit) {
-    *bad = true;
-    return limit;
-  }
-  return count;
-}
 
 }  // namespace moelink::detail::experts

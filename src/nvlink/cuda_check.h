@@ -29,19 +29,26 @@ namespace moelink::detail {
 
 namespace moelink::detail {
 
-// The error record a backend's kernels write in device memory, read after
-// the work on `stream` finished; cleared unless it is a timeout (final).
-// Inside a capture nothing can be waited for: reports nothing.
-inline ErrorRecord take_device_error(cudaStream_t stream, ErrorRecord* device_record) {
-  ErrorRecord e{};
+// An error record kernels write in device memory (a `code` of 0 is none),
+// read after the work on `stream` finished and cleared when `clear(record)`
+// says so. Inside a capture nothing can be waited for: reports nothing.
+template <class Record, class Clear>
+Record take_device_record(cudaStream_t stream, Record* device_record, Clear clear) {
+  Record e{};
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
   if (capturing != cudaStreamCaptureStatusNone) return e;
   MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream));
   MOELINK_CUDA_CHECK(cudaMemcpy(&e, device_record, sizeof(e), cudaMemcpyDeviceToHost));
-  if (e.code != 0 && static_cast<ErrorCode>(e.code) != ErrorCode::kTimeout)
-    MOELINK_CUDA_CHECK(cudaMemset(device_record, 0, sizeof(ErrorRecord)));
+  if (e.code != 0 && clear(e)) MOELINK_CUDA_CHECK(cudaMemset(device_record, 0, sizeof(Record)));
   return e;
+}
+
+// A backend's error record: cleared unless it is a timeout (final).
+inline ErrorRecord take_device_error(cudaStream_t stream, ErrorRecord* device_record) {
+  return take_device_record(stream, device_record, [](const ErrorRecord& e) {
+    return static_cast<ErrorCode>(e.code) != ErrorCode::kTimeout;
+  });
 }
 
 }  // namespace moelink::detail

@@ -115,6 +115,43 @@ std::string where(int l, int64_t r) {
   return "expert " + std::to_string(l) + " row " + std::to_string(r);
 }
 
+// forward()'s inputs for a shape and counts: random fp8 tokens (1x128
+// scales) and weights (128x128 scales) on the host, copied into `ops`'
+// memory, with the views forward() takes.
+struct ForwardInputs {
+  ForwardInputs(MemoryOps& ops, std::mt19937_64& rng, const ExpertShape& s,
+                const std::vector<int32_t>& count_values)
+      : L(s.num_experts), C(s.rows), H(s.hidden), I(s.intermediate),
+        x(static_cast<size_t>(L * C * H)), xs(static_cast<size_t>(L * C * (H / kGroup))),
+        w13(random_weights(rng, L, 2 * I, H)), w2(random_weights(rng, L, H, I)), counts(count_values),
+        dx(ops, x.size()), dw13(ops, w13.q.size()), dw2(ops, w2.q.size()), dxs(ops, xs.size()),
+        dw13s(ops, w13.scale.size()), dw2s(ops, w2.scale.size()), dcount(ops, counts.size()) {
+    random_fp8_rows(rng, L * C, H, x.data(), xs.data());
+    dx.upload(x), dxs.upload(xs), dw13.upload(w13.q), dw13s.upload(w13.scale), dw2.upload(w2.q),
+        dw2s.upload(w2.scale), dcount.upload(counts);
+  }
+  Tensor count() const { return dcount.tensor(DType::kInt32, {L}); }
+  Tensor tx() const { return dx.tensor(DType::kFloat8E4M3, {L, C, H}); }
+  Tensor txs() const { return dxs.tensor(DType::kFloat32, {L, C, H / kGroup}); }
+  Tensor tw13() const { return dw13.tensor(DType::kFloat8E4M3, {L, 2 * I, H}); }
+  Tensor tw13s() const { return dw13s.tensor(DType::kFloat32, {L, 2 * I / kGroup, H / kGroup}); }
+  Tensor tw2() const { return dw2.tensor(DType::kFloat8E4M3, {L, H, I}); }
+  Tensor tw2s() const { return dw2s.tensor(DType::kFloat32, {L, H / kGroup, I / kGroup}); }
+  void forward(Experts& ex, const Tensor& y, MemoryOps& ops) const {
+    ex.forward(y, count(), tx(), txs(), tw13(), tw13s(), tw2(), tw2s(), ops.stream());
+  }
+
+  const int L;
+  const int64_t C, H, I;
+  std::vector<uint8_t> x;
+  std::vector<float> xs;
+  const Weights w13, w2;
+  const std::vector<int32_t> counts;
+  Buffer<uint8_t> dx, dw13, dw2;
+  Buffer<float> dxs, dw13s, dw2s;
+  Buffer<int32_t> dcount;
+};
+
 // One grouped GEMM (y [L, C, n] from x [L, C, k] and w [L, n, k]) through
 // `ex` against the reference, rows past the counts untouched.
 void check_grouped_gemm(Experts& ex, MemoryOps& ops, std::mt19937_64& rng, int L, int64_t C,
@@ -299,26 +336,18 @@ void run_forward_case(ExpertDevice device, MemoryOps& ops, const ExpertCase& c) 
   const ExpertShape& s = c.shape;
   const int L = s.num_experts;
   const int64_t C = s.rows, H = s.hidden, I = s.intermediate, hb = H / kGroup, ib = I / kGroup;
-  const std::vector<int32_t> counts = make_counts(c.counts, L, C, rng);
-  std::vector<uint8_t> x(static_cast<size_t>(L * C * H));
-  std::vector<float> xs(static_cast<size_t>(L * C * hb));
-  random_fp8_rows(rng, L * C, H, x.data(), xs.data());
-  const Weights w13 = random_weights(rng, L, 2 * I, H), w2 = random_weights(rng, L, H, I);
-  Buffer<uint8_t> dx(ops, x.size()), dw13(ops, w13.q.size()), dw2(ops, w2.q.size());
-  Buffer<float> dxs(ops, xs.size()), dw13s(ops, w13.scale.size()), dw2s(ops, w2.scale.size());
-  Buffer<int32_t> dcount(ops, counts.size());
+  const ForwardInputs in(ops, rng, s, make_counts(c.counts, L, C, rng));
+  const std::vector<int32_t>& counts = in.counts;
+  const std::vector<uint8_t>& x = in.x;
+  const std::vector<float>& xs = in.xs;
+  const Weights &w13 = in.w13, &w2 = in.w2;
   Buffer<uint16_t> dy(ops, static_cast<size_t>(L * C * H)), dy_steps(ops, static_cast<size_t>(L * C * H)),
       dgu(ops, static_cast<size_t>(L * C * 2 * I));
   Buffer<uint8_t> dact(ops, static_cast<size_t>(L * C * I));
   Buffer<float> dact_s(ops, static_cast<size_t>(L * C * ib));
-  dx.upload(x), dxs.upload(xs), dw13.upload(w13.q), dw13s.upload(w13.scale), dw2.upload(w2.q),
-      dw2s.upload(w2.scale), dcount.upload(counts);
   dy.poison(), dy_steps.poison();
-  const Tensor tcount = dcount.tensor(DType::kInt32, {L}), tx = dx.tensor(DType::kFloat8E4M3, {L, C, H}),
-               txs = dxs.tensor(DType::kFloat32, {L, C, hb}),
-               tw13 = dw13.tensor(DType::kFloat8E4M3, {L, 2 * I, H}),
-               tw13s = dw13s.tensor(DType::kFloat32, {L, 2 * I / kGroup, hb}),
-               tw2 = dw2.tensor(DType::kFloat8E4M3, {L, H, I}), tw2s = dw2s.tensor(DType::kFloat32, {L, hb, ib});
+  const Tensor tcount = in.count(), tx = in.tx(), txs = in.txs(), tw13 = in.tw13(), tw13s = in.tw13s(),
+               tw2 = in.tw2(), tw2s = in.tw2s();
   auto ex = make_experts(device, s, c.expected_rows);
   ex->forward(dy.tensor(DType::kBFloat16, {L, C, H}), tcount, tx, txs, tw13, tw13s, tw2, tw2s, ops.stream());
   ex->check(ops.stream());
@@ -470,19 +499,9 @@ void run_out_of_range_case(ExpertDevice device, MemoryOps& ops) {
   };
 
   // grouped_gemm and forward: expert 1 claims C + 7 rows, expert 2 -2.
-  const std::vector<int32_t> counts{5, static_cast<int32_t>(C + 7), -2};
-  std::vector<uint8_t> x(static_cast<size_t>(L * C * H));
-  std::vector<float> xs(static_cast<size_t>(L * C * hb));
-  random_fp8_rows(rng, L * C, H, x.data(), xs.data());
-  const Weights w13 = random_weights(rng, L, 2 * I, H), w2 = random_weights(rng, L, H, I);
-  Buffer<uint8_t> dx(ops, x.size()), dw13(ops, w13.q.size()), dw2(ops, w2.q.size());
-  Buffer<float> dxs(ops, xs.size()), dw13s(ops, w13.scale.size()), dw2s(ops, w2.scale.size());
-  Buffer<int32_t> dcount(ops, counts.size());
+  const ForwardInputs in(ops, rng, s, {5, static_cast<int32_t>(C + 7), -2});
   Buffer<uint16_t> dy(ops, static_cast<size_t>(L * C * H));
-  dx.upload(x), dxs.upload(xs), dw13.upload(w13.q), dw13s.upload(w13.scale), dw2.upload(w2.q),
-      dw2s.upload(w2.scale), dcount.upload(counts);
-  const Tensor tx = dx.tensor(DType::kFloat8E4M3, {L, C, H}), txs = dxs.tensor(DType::kFloat32, {L, C, hb}),
-               tcount = dcount.tensor(DType::kInt32, {L}), ty = dy.tensor(DType::kBFloat16, {L, C, H});
+  const Tensor tx = in.tx(), txs = in.txs(), tcount = in.count(), ty = dy.tensor(DType::kBFloat16, {L, C, H});
   auto check_rows = [&](const char* call) {
     const std::vector<uint16_t> y = dy.download();
     EXPECT_TRUE(dy.guard_intact()) << call << ": bytes after y were written";
@@ -495,17 +514,13 @@ void run_out_of_range_case(ExpertDevice device, MemoryOps& ops) {
   // GEMM1's shape (2I = H here, so y serves both calls).
   ASSERT_EQ(2 * I, H);
   dy.poison();
-  ex->grouped_gemm(ty, tcount, tx, txs, dw13.tensor(DType::kFloat8E4M3, {L, 2 * I, H}),
-                   dw13s.tensor(DType::kFloat32, {L, 2 * I / kGroup, hb}), ops.stream());
+  ex->grouped_gemm(ty, tcount, tx, txs, in.tw13(), in.tw13s(), ops.stream());
   expect_input_error("Experts.grouped_gemm: expert_num_tokens[1] = " + std::to_string(C + 7) +
                      " is outside [0, " + std::to_string(C) + "]");
   check_rows("grouped_gemm");
 
   dy.poison();
-  ex->forward(ty, tcount, tx, txs, dw13.tensor(DType::kFloat8E4M3, {L, 2 * I, H}),
-              dw13s.tensor(DType::kFloat32, {L, 2 * I / kGroup, hb}),
-              dw2.tensor(DType::kFloat8E4M3, {L, H, I}), dw2s.tensor(DType::kFloat32, {L, hb, ib}),
-              ops.stream());
+  in.forward(*ex, ty, ops);
   expect_input_error("Experts.forward: expert_num_tokens[1] = " + std::to_string(C + 7));
   check_rows("forward");
 
@@ -550,9 +565,9 @@ void run_out_of_range_case(ExpertDevice device, MemoryOps& ops) {
     dyg.poison();
     BoundM negative(ops, 0);
     negative.buf.upload({-1});
-    ex->gemm(dyg.tensor(DType::kBFloat16, {M, H}), dx.tensor(DType::kFloat8E4M3, {M, H}),
-             dxs.tensor(DType::kFloat32, {M, hb}), dw13.tensor(DType::kFloat8E4M3, {2 * I, H}),
-             dw13s.tensor(DType::kFloat32, {2 * I / kGroup, hb}), negative.tensor(), ops.stream());
+    ex->gemm(dyg.tensor(DType::kBFloat16, {M, H}), in.dx.tensor(DType::kFloat8E4M3, {M, H}),
+             in.dxs.tensor(DType::kFloat32, {M, hb}), in.dw13.tensor(DType::kFloat8E4M3, {2 * I, H}),
+             in.dw13s.tensor(DType::kFloat32, {2 * I / kGroup, hb}), negative.tensor(), ops.stream());
     expect_input_error("Experts.gemm: bound_m = -1");
     const std::vector<uint16_t> yg = dyg.download();
     EXPECT_TRUE(all_poison(yg.data(), yg.size())) << "gemm with bound_m = -1 wrote rows";

@@ -106,9 +106,9 @@ __global__ void write_group_arguments(GroupArguments<K> args, GemmOperands op, i
                                       ExpertErrorRecord* error) {
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= groups) return;
-  const int64_t seen = op.counts ? op.counts[g] : op.capacity;
+  const int32_t seen = op.counts ? op.counts[g] : static_cast<int32_t>(op.capacity);
   bool bad = false;
-  const int rows = static_cast<int>(clamp_rows(seen, op.capacity, &bad));
+  const int rows = static_cast<int>(clamp_m(seen, op.capacity, &bad));
   if (bad) record_expert_error(error, op.op, g, seen, op.capacity);
 
   const auto* x = static_cast<const typename K::ElementA*>(op.x) + g * op.x_group_stride;

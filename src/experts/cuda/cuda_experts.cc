@@ -115,14 +115,7 @@ class CudaExperts final : public ExpertsImpl {
   size_t workspace_bytes() const override { return workspace_bytes_; }
 
   ExpertErrorRecord take_error(cudaStream_t stream) override {
-    ExpertErrorRecord e{};
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-    if (capturing != cudaStreamCaptureStatusNone) return e;
-    MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream));
-    MOELINK_CUDA_CHECK(cudaMemcpy(&e, error_, sizeof(e), cudaMemcpyDeviceToHost));
-    if (e.code != 0) MOELINK_CUDA_CHECK(cudaMemset(error_, 0, sizeof(ExpertErrorRecord)));
-    return e;
+    return take_device_record(stream, error_, [](const ExpertErrorRecord&) { return true; });
   }
 
  private:

@@ -94,9 +94,9 @@ template <GroupQuantInput kInput>
 __global__ void __launch_bounds__(kThreads)
     group_quant_kernel(GroupQuantArgs a, ExpertErrorRecord* error) {
   const int g = blockIdx.y;
-  const int64_t seen = a.counts ? a.counts[g] : a.capacity;
+  const int32_t seen = a.counts ? a.counts[g] : static_cast<int32_t>(a.capacity);
   bool bad = false;
-  const int64_t rows = clamp_rows(seen, a.capacity, &bad);
+  const int64_t rows = clamp_m(seen, a.capacity, &bad);
   if (bad && blockIdx.x == 0 && threadIdx.x == 0) record_expert_error(error, a.op, g, seen, a.capacity);
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
