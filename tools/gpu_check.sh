@@ -57,6 +57,8 @@ if has test; then
     "${MOELINK_GTEST_FILTER:-*}" tests.log
   run_gtests "expert kernels (CUDA and CPU)" build-gpu/tests/moelink_experts_tests \
     "${MOELINK_EXPERTS_FILTER:-*}" experts-tests.log
+  run_gtests "MoE layer (cpu and nvlink backends, ranks sharing the GPUs)" \
+    build-gpu/tests/moelink_layer_tests "${MOELINK_LAYER_FILTER:-*}" layer-tests.log
   run_gtests "TransferEngine GPU tests (a kernel polls signal_on_imm's flag; shm / tcp)" \
     build-gpu/src/fabric/tests/moelink_fabric_tests "${MOELINK_FABRIC_FILTER:-*Gpu*}" fabric-tests.log \
     optional

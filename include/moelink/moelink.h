@@ -4,4 +4,5 @@
 #include "moelink/config.h"
 #include "moelink/errors.h"
 #include "moelink/experts.h"
+#include "moelink/moe_layer.h"
 #include "moelink/types.h"

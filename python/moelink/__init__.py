@@ -15,6 +15,7 @@ from . import _C
 from ._C import (
     Bootstrap,
     Config,
+    MoEModelConfig,
     EnvBootstrap,
     Error,
     InputError,
@@ -27,6 +28,7 @@ from ._C import (
 )
 from ._all_to_all import AllToAll, stream_handle
 from ._experts import Experts
+from ._moe_layer import MoELayer, model_config
 from ._torch import TorchGroupBootstrap
 
 __version__ = "0.1.0"
@@ -38,8 +40,11 @@ __all__ = [
     "EnvBootstrap",
     "Error",
     "Experts",
+    "MoELayer",
+    "model_config",
     "InputError",
     "InvalidArgument",
+    "MoEModelConfig",
     "TcpBootstrap",
     "TorchGroupBootstrap",
     "env_local_rank",

@@ -92,7 +92,14 @@ Tensor fill(const ConvertContext& ctx, const Array& a, const char* name, DType* 
   if (ndim > 3)
     bad(ctx, name, "has " + std::to_string(ndim) + " dimensions; moelink takes at most 3");
   const int dev = a.device_type();
-  if (ctx.place == Place::kCuda) {
+  if (ctx.place == Place::kAny) {
+    const bool host = dev == nb::device::cpu::value || dev == nb::device::cuda_host::value;
+    if (!host && dev != nb::device::cuda::value)
+      bad(ctx, name, std::string("is on device ") + device_name(dev) + ", expected host or CUDA memory");
+    if (!host && ctx.device_id >= 0 && a.device_id() != ctx.device_id)
+      bad(ctx, name, "is on cuda:" + std::to_string(a.device_id()) + ", but this object was created on cuda:" +
+                         std::to_string(ctx.device_id));
+  } else if (ctx.place == Place::kCuda) {
     if (dev != nb::device::cuda::value)
       bad(ctx, name,
           std::string("is on device ") + device_name(dev) +

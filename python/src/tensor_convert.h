@@ -18,6 +18,7 @@ namespace nb = nanobind;
 enum class Place {
   kHost,  // CPU memory (or pinned host memory): the CPU backend
   kCuda,  // CUDA device memory of device `device_id`: the NVLink backend
+  kAny,   // either (weights copied in by MoELayer.set_weights)
 };
 
 // Keeps the imported arrays (and any temporary views made for fp8/bf16 numpy

@@ -1,0 +1,64 @@
+// Where a MoELayer's memory lives and how its own small steps run: host
+// loops for the host backends (cpu, internode-cpu), CUDA otherwise. The
+// heavy steps (quantization, expert GEMMs, dispatch, combine) are Experts'
+// and AllToAll's; these are the rest.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "layer/router.h"
+#include "moelink/types.h"
+
+namespace moelink::detail::layer {
+
+class LayerDevice {
+ public:
+  virtual ~LayerDevice() = default;
+  virtual bool host_memory() const = 0;
+  // Zeroed memory of the layer's kind; freed by free().
+  virtual void* alloc(size_t bytes) = 0;
+  virtual void free(void* p) = 0;
+  // From host or device memory into the layer's memory (and back), synchronous.
+  virtual void copy_in(void* dst, const void* src, size_t bytes) = 0;
+  virtual void copy_out(void* dst, const void* src, size_t bytes) = 0;
+
+  // logits [rows, E] fp32 = x [rows, H] bf16 . gate[E, H]^T (gate bf16 or
+  // fp32, as stored), for rows < min(m, rows) at least (m = bound_m[0]).
+  // x_f32: scratch of rows * H floats for an fp32 gate.
+  virtual void gate_logits(float* logits, const Tensor& x, const void* gate, DType gate_dtype,
+                           int num_experts, const int32_t* bound_m, float* x_f32,
+                           cudaStream_t stream) = 0;
+  // router.h for rows < min(m, rows).
+  virtual void route(const float* logits, const float* bias, const RouterParams& p,
+                     const int32_t* bound_m, int64_t rows, int32_t* indices, float* weights,
+                     cudaStream_t stream) = 0;
+  // m = clamp(bound_m[0], 0, rows): m0 = min(m, half), m1 = m - m0.
+  virtual void split_bound(const int32_t* bound_m, int64_t rows, int64_t half, int32_t* m0,
+                           int32_t* m1, cudaStream_t stream) = 0;
+  // The first min(m, rows) rows of src into dst (and bound_m into
+  // bound_m_dst when non-null): the CUDA-graph staging copies.
+  virtual void copy_rows(void* dst, int64_t dst_stride_bytes, const void* src,
+                         int64_t src_stride_bytes, int64_t row_bytes, const int32_t* bound_m,
+                         int64_t rows, int32_t* bound_m_dst, cudaStream_t stream) = 0;
+
+  // CUDA graphs (GPU only; the host device throws InvalidArgument): what
+  // `record` issues on `stream` becomes one executable graph.
+  struct Graph;
+  virtual std::shared_ptr<Graph> capture(cudaStream_t stream, const std::function<void()>& record) = 0;
+  virtual void replay(Graph& g, cudaStream_t stream) = 0;
+
+  // Stage timing (profile): marks the stream at stage boundaries; the
+  // durations between consecutive marks of the last round, in microseconds.
+  virtual void mark(int index, cudaStream_t stream) = 0;
+  virtual double between(int first, int second) = 0;  // waits for the marks
+  virtual void sync(cudaStream_t stream) = 0;
+};
+
+std::unique_ptr<LayerDevice> make_cpu_layer_device();
+// Throws InvalidArgument in a build without CUDA.
+std::unique_ptr<LayerDevice> make_cuda_layer_device();
+
+}  // namespace moelink::detail::layer

@@ -1,0 +1,691 @@
+// MoELayer: the stages of a MoE layer on one stream, in the order of the
+// chosen overlap mode (seed article 002):
+//
+//   quantize x (1x128 fp8) -> router (gate GEMM, fused top-k)
+//   none:             shared expert -> dispatch -> experts -> combine (+= shared)
+//   dispatch-overlap: dispatch send -> shared expert -> dispatch recv -> experts -> combine
+//   micro-batch:      rows split in two halves a and b, each with its own AllToAll:
+//                     send(a) send(b) shared recv(a) experts(a) csend(a) recv(b)
+//                     experts(b) csend(b) crecv(a) crecv(b)
+//
+// The shared expert writes its output into `out` first; combine adds the
+// routed experts' sum to it (accumulate). Everything reads m on the device.
+#include "moelink/moe_layer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "core/arg_checks.h"
+#include "core/float_convert.h"
+#include "layer/block_quant.h"
+#include "layer/checkpoint.h"
+#include "layer/layer_device.h"
+#include "moelink/errors.h"
+#include "moelink/experts.h"
+
+namespace moelink {
+namespace detail {
+
+using layer::LayerDevice;
+
+namespace {
+
+constexpr int64_t kMaxTokens = 65536;
+
+// Layer memory that frees itself.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(LayerDevice& dev, size_t bytes) : dev_(&dev), p_(dev.alloc(bytes)), bytes_(bytes) {}
+  Buffer(Buffer&& o) noexcept : dev_(o.dev_), p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr; }
+  Buffer& operator=(Buffer&& o) noexcept {
+    std::swap(dev_, o.dev_);
+    std::swap(p_, o.p_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~Buffer() {
+    if (p_ != nullptr) dev_->free(p_);
+  }
+  void* get() const { return p_; }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  LayerDevice* dev_ = nullptr;
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Rows [row0, row0 + rows) of a row-major matrix.
+Tensor rows_of(const Tensor& t, int64_t row0, int64_t rows) {
+  Tensor v = t;
+  v.data = static_cast<char*>(t.data) + row0 * t.stride[0] * static_cast<int64_t>(dtype_size(t.dtype));
+  v.shape[0] = rows;
+  return v;
+}
+
+// A [rows, cols] tensor viewed as [1, rows, cols] (the shared expert is an
+// Experts of one expert).
+Tensor as_single_expert(const Tensor& t) {
+  Tensor v = t;
+  v.ndim = 3;
+  v.shape[2] = t.shape[1];
+  v.shape[1] = t.shape[0];
+  v.shape[0] = 1;
+  v.stride[2] = t.stride[1];
+  v.stride[1] = t.stride[0];
+  v.stride[0] = t.shape[0] * t.stride[0];
+  return v;
+}
+
+// [L, C', cols] view of an [L, C, cols] buffer (C' <= C rows per expert).
+Tensor first_rows_per_expert(Tensor t, int64_t rows) {
+  t.shape[1] = rows;
+  return t;
+}
+
+}  // namespace
+
+class MoELayerImpl {
+ public:
+  MoELayerImpl(const MoEModelConfig& model, const MoELayerOptions& options, Bootstrap& boot)
+      : model_(model), options_(options), router_(layer::router_params(model)) {
+    model_.validate();
+    if (options_.max_tokens < 1 || options_.max_tokens > kMaxTokens)
+      throw InvalidArgument("moelink: MoELayerOptions.max_tokens = " +
+                            std::to_string(options_.max_tokens) + " must be in [1, 65536]");
+    if (options_.micro_batch_min_tokens < 2)
+      throw InvalidArgument("moelink: MoELayerOptions.micro_batch_min_tokens = " +
+                            std::to_string(options_.micro_batch_min_tokens) + " must be >= 2");
+    if (options_.overlap == MoEOverlap::kMicroBatch && options_.max_tokens < 2)
+      throw InvalidArgument("moelink: MoELayerOptions.overlap = micro-batch needs max_tokens >= 2, "
+                            "got " + std::to_string(options_.max_tokens));
+    const bool host = backend_uses_host_memory(options_.all_to_all.backend);
+    if (options_.cuda_graphs && host)
+      throw InvalidArgument(std::string("moelink: MoELayerOptions.cuda_graphs needs a GPU backend, "
+                                        "got ") + backend_name(options_.all_to_all.backend));
+    dev_ = host ? layer::make_cpu_layer_device() : layer::make_cuda_layer_device();
+    rank_ = boot.rank();
+    world_ = boot.world_size();
+    if (model_.n_routed_experts % world_ != 0)
+      throw InvalidArgument("moelink: MoELayer: n_routed_experts = " +
+                            std::to_string(model_.n_routed_experts) +
+                            " must be divisible by the world size " + std::to_string(world_));
+    L_ = model_.n_routed_experts / world_;
+    const int64_t T = options_.max_tokens, H = model_.hidden_size, E = model_.n_routed_experts,
+                  k = model_.num_experts_per_tok;
+
+    // The AllToAlls: one of T tokens unless the layer only ever micro-batches,
+    // two of ceil(T / 2) when it may.
+    const bool full = options_.overlap != MoEOverlap::kMicroBatch;
+    const bool micro = T >= 2 && (options_.overlap == MoEOverlap::kMicroBatch ||
+                                  (options_.overlap == MoEOverlap::kAuto &&
+                                   T >= options_.micro_batch_min_tokens));
+    half_ = (T + 1) / 2;
+    auto make_a2a = [&](int64_t tokens) {
+      Config c;
+      c.max_num_tokens = tokens;
+      c.num_experts = model_.n_routed_experts;
+      c.experts_per_token = model_.num_experts_per_tok;
+      c.hidden_dim = H;
+      c.hidden_dim_scale = static_cast<int>(H / 128);
+      c.in_dtype = DType::kFloat8E4M3;
+      c.out_dtype = DType::kBFloat16;
+      c.rank = rank_;
+      c.world_size = world_;
+      c.dp_size = options_.dp_size;
+      return AllToAll::create(c, boot, options_.all_to_all);
+    };
+    if (full) a2a_ = make_a2a(T);
+    if (micro) {
+      mb_[0] = make_a2a(half_);
+      mb_[1] = make_a2a(half_);
+    }
+    const AllToAll& any = full ? *a2a_ : *mb_[0];
+    G_ = any.config().num_dp_groups();
+    C_ = (full ? T : half_) * G_;
+
+    ExpertConfig ec;
+    ec.num_experts = L_;
+    ec.max_rows = C_;
+    ec.hidden_dim = static_cast<int>(H);
+    ec.intermediate_dim = model_.moe_intermediate_size;
+    ec.device = host ? ExpertDevice::kCPU : ExpertDevice::kCUDA;
+    // Rows an expert gets on average: the tile choice.
+    ec.expected_rows = std::max<int64_t>(1, std::min<int64_t>(C_, T * G_ * k / E));
+    experts_ = Experts::create(ec);
+    if (model_.n_shared_experts > 0) {
+      ExpertConfig sc = ec;
+      sc.num_experts = 1;
+      sc.max_rows = T;
+      sc.intermediate_dim = model_.shared_intermediate_size();
+      sc.expected_rows = T;
+      shared_ = Experts::create(sc);
+    }
+
+    // Workspaces.
+    LayerDevice& d = *dev_;
+    const int64_t I = model_.moe_intermediate_size, Is = model_.shared_intermediate_size();
+    xq_ = Buffer(d, T * H);
+    xs_ = Buffer(d, T * (H / 128) * 4);
+    logits_ = Buffer(d, T * E * 4);
+    indices_ = Buffer(d, T * k * 4);
+    weights_ = Buffer(d, T * k * 4);
+    counts_ = Buffer(d, L_ * 4);
+    ex_x_ = Buffer(d, L_ * C_ * H);
+    ex_xs_ = Buffer(d, L_ * C_ * (H / 128) * 4);
+    ex_y_ = Buffer(d, L_ * C_ * H * 2);
+    bounds_ = Buffer(d, 4 * 4);  // m of the two micro-batches, the staged m
+    // Weights (the gate as fp32 at most).
+    gate_ = Buffer(d, E * H * 4);
+    bias_ = Buffer(d, E * 4);
+    w13_ = Buffer(d, L_ * 2 * I * H);
+    w13s_ = Buffer(d, L_ * (2 * I / 128) * (H / 128) * 4);
+    w2_ = Buffer(d, L_ * H * I);
+    w2s_ = Buffer(d, L_ * (H / 128) * (I / 128) * 4);
+    if (Is > 0) {
+      sw13_ = Buffer(d, 2 * Is * H);
+      sw13s_ = Buffer(d, (2 * Is / 128) * (H / 128) * 4);
+      sw2_ = Buffer(d, H * Is);
+      sw2s_ = Buffer(d, (H / 128) * (Is / 128) * 4);
+    }
+    if (options_.cuda_graphs) {
+      x_static_ = Buffer(d, T * H * 2);
+      out_static_ = Buffer(d, T * H * 2);
+    }
+  }
+
+  // ------------------------------------------------------------ weights
+
+  void set_weights(const MoEWeights& w) {
+    const char* call = "MoELayer.set_weights";
+    const int64_t E = model_.n_routed_experts, H = model_.hidden_size, I = model_.moe_intermediate_size,
+                  Is = model_.shared_intermediate_size();
+    check_tensor(call, "gate", w.gate, {DType::kBFloat16, DType::kFloat32}, {H}, false);
+    if (w.gate.shape[0] != E) bad(call, "gate", "has shape " + shape_str(w.gate) + ", expected [" + std::to_string(E) + ", " + std::to_string(H) + "]");
+    require_packed(call, "gate", w.gate);
+    gate_dtype_ = w.gate.dtype;
+    dev_->copy_in(gate_.get(), w.gate.data, E * H * dtype_size(w.gate.dtype));
+    if (model_.score_correction_bias) {
+      check_tensor(call, "gate_bias", w.gate_bias, {DType::kFloat32}, {}, false);
+      if (w.gate_bias.shape[0] != E) bad(call, "gate_bias", "has shape " + shape_str(w.gate_bias) + ", expected [" + std::to_string(E) + "] (e_score_correction_bias)");
+      require_packed(call, "gate_bias", w.gate_bias);
+      dev_->copy_in(bias_.get(), w.gate_bias.data, E * 4);
+    } else if (w.gate_bias.defined()) {
+      bad(call, "gate_bias", "is given, but " + model_.name + " has no e_score_correction_bias");
+    }
+    copy_projection(call, "w13", "w13_scale", w.w13, w.w13_scale, {L_, 2 * I, H}, w13_, w13s_);
+    copy_projection(call, "w2", "w2_scale", w.w2, w.w2_scale, {L_, H, I}, w2_, w2s_);
+    if (Is > 0) {
+      copy_projection(call, "shared_w13", "shared_w13_scale", w.shared_w13, w.shared_w13_scale,
+                      {2 * Is, H}, sw13_, sw13s_);
+      copy_projection(call, "shared_w2", "shared_w2_scale", w.shared_w2, w.shared_w2_scale, {H, Is},
+                      sw2_, sw2s_);
+    } else if (w.shared_w13.defined() || w.shared_w2.defined()) {
+      bad(call, "shared_w13", "is given, but " + model_.name + " has no shared experts");
+    }
+    has_weights_ = true;
+  }
+
+  void load_checkpoint(const std::string& dir, int layer_index) {
+    if (layer_index < 0)
+      throw InvalidArgument("moelink: MoELayer.load_checkpoint: layer_index = " +
+                            std::to_string(layer_index) + " must be >= 0");
+    const layer::SafetensorsDir files(dir);
+    layer::HostLayerWeights w = layer::read_layer_weights(files, model_, layer_index, rank_, L_);
+    set_weights(w.view(model_, L_));
+  }
+
+  // ------------------------------------------------------------ calls
+
+  MoEOverlap overlap_for(int64_t tokens) const {
+    if (options_.overlap != MoEOverlap::kAuto) return options_.overlap;
+    return mb_[0] && tokens >= options_.micro_batch_min_tokens ? MoEOverlap::kMicroBatch
+                                                               : MoEOverlap::kDispatchOverlap;
+  }
+
+  void forward(const Tensor& out, const Tensor& x, const Tensor& bound_m, cudaStream_t stream,
+               int64_t num_tokens) {
+    const char* call = "MoELayer.forward";
+    const int64_t rows = check_io(call, out, x, bound_m);
+    if (num_tokens < 0 || num_tokens > options_.max_tokens)
+      throw InvalidArgument("moelink: MoELayer.forward: num_tokens = " + std::to_string(num_tokens) +
+                            " must be in [0, " + std::to_string(options_.max_tokens) +
+                            "] (max_tokens; 0 = unknown)");
+    const int64_t tokens = num_tokens > 0 ? std::min(num_tokens, rows) : rows;
+    const MoEOverlap mode = overlap_for(tokens);
+    if (!options_.cuda_graphs) {
+      run(out, x, bound_m, tokens, mode, stream, profile());
+      return;
+    }
+    // A captured graph per (bucket, mode) on the staging buffers: x's first
+    // m rows in, the layer, out's first m rows back.
+    int64_t bucket = 1;
+    while (bucket < tokens) bucket *= 2;
+    bucket = std::min(bucket, options_.max_tokens);
+    const int64_t H = model_.hidden_size;
+    const Tensor xs = Tensor::contiguous(x_static_.get(), DType::kBFloat16, {bucket, H});
+    const Tensor os = Tensor::contiguous(out_static_.get(), DType::kBFloat16, {bucket, H});
+    int32_t* staged_m = bounds_.as<int32_t>() + 2;
+    const Tensor sm = Tensor::contiguous(staged_m, DType::kInt32, {1});
+    dev_->copy_rows(x_static_.get(), H * 2, x.data, x.stride[0] * 2, H * 2,
+                    static_cast<const int32_t*>(bound_m.data), std::min(rows, bucket), staged_m, stream);
+    auto key = std::make_pair(bucket, static_cast<int>(mode));
+    auto it = graphs_.find(key);
+    if (it == graphs_.end())
+      it = graphs_.emplace(key, dev_->capture(stream, [&] { run(os, xs, sm, bucket, mode, stream, false); })).first;
+    dev_->replay(*it->second, stream);
+    dev_->copy_rows(out.data, out.stride[0] * 2, out_static_.get(), H * 2, H * 2,
+                    static_cast<const int32_t*>(bound_m.data), std::min(rows, bucket), nullptr, stream);
+  }
+
+  void route(const Tensor& indices, const Tensor& weights, const Tensor& x, const Tensor& bound_m,
+             cudaStream_t stream) {
+    const char* call = "MoELayer.route";
+    const int64_t k = model_.num_experts_per_tok;
+    const int64_t rows = check_tensor(call, "x", x, {DType::kBFloat16}, {model_.hidden_size}, true);
+    check_rows_limit(call, "x", rows);
+    check_bound(call, bound_m);
+    check_tensor(call, "indices", indices, {DType::kInt32}, {k}, false);
+    check_tensor(call, "weights", weights, {DType::kFloat32}, {k}, false);
+    if (indices.shape[0] != rows || weights.shape[0] != rows)
+      bad(call, indices.shape[0] != rows ? "indices" : "weights",
+          "must have the rows x has (" + std::to_string(rows) + ")");
+    require_packed(call, "indices", indices);
+    require_packed(call, "weights", weights);
+    require_weights(call);
+    route_into(x, bound_m, rows, static_cast<int32_t*>(indices.data), static_cast<float*>(weights.data),
+               stream);
+  }
+
+  void check(cudaStream_t stream) {
+    if (a2a_) a2a_->check();
+    for (auto& m : mb_)
+      if (m) m->check();
+    experts_->check(stream);
+    if (shared_) shared_->check(stream);
+  }
+
+  MoEStageTimes stage_times() {
+    MoEStageTimes t;
+    if (!timed_) return t;
+    auto d = [&](Stage a, Stage b) { return dev_->between(static_cast<int>(a), static_cast<int>(b)); };
+    t.total_us = d(kStart, kDone);
+    if (timed_mode_ == MoEOverlap::kMicroBatch) return t;  // the stages interleave: total only
+    t.quantize_us = d(kStart, kQuantized);
+    t.router_us = d(kQuantized, kRouted);
+    if (timed_mode_ == MoEOverlap::kNone) {
+      t.shared_expert_us = d(kRouted, kShared);
+      t.dispatch_send_us = d(kShared, kDispatchSent);
+      t.dispatch_recv_us = d(kDispatchSent, kDispatchReceived);
+    } else {
+      t.dispatch_send_us = d(kRouted, kDispatchSent);
+      t.shared_expert_us = d(kDispatchSent, kShared);
+      t.dispatch_recv_us = d(kShared, kDispatchReceived);
+    }
+    t.gemm1_us = d(kDispatchReceived, kGemm1);
+    t.silu_mul_us = d(kGemm1, kSiluMul);
+    t.gemm2_us = d(kSiluMul, kGemm2);
+    t.combine_send_us = d(kGemm2, kCombineSent);
+    t.combine_recv_us = d(kCombineSent, kDone);
+    return t;
+  }
+
+  const MoEModelConfig& model() const { return model_; }
+  const MoELayerOptions& options() const { return options_; }
+  int rank() const { return rank_; }
+  int world_size() const { return world_; }
+  int num_local_experts() const { return L_; }
+
+ private:
+  // Stage boundaries of a timed forward (the order depends on the mode).
+  enum Stage {
+    kStart, kQuantized, kRouted, kDispatchSent, kShared, kDispatchReceived, kGemm1, kSiluMul,
+    kGemm2, kCombineSent, kDone
+  };
+
+  bool profile() const {
+    return options_.all_to_all.profile > 0 ||
+           (options_.all_to_all.profile < 0 && env_flag("MOELINK_PROFILE"));
+  }
+
+  // One forward on `rows` rows of x and out, m = bound_m[0] <= rows. With
+  // `timed`, the stream is marked at every stage boundary (stage_times()).
+  void run(const Tensor& out, const Tensor& x, const Tensor& bound_m, int64_t rows, MoEOverlap mode,
+           cudaStream_t stream, bool timed) {
+    require_weights("MoELayer.forward");
+    const int32_t* m = static_cast<const int32_t*>(bound_m.data);
+    const int64_t H = model_.hidden_size;
+    timed_ = timed;
+    timed_mode_ = mode;
+    auto mark = [&](Stage s) {
+      if (timed_) dev_->mark(static_cast<int>(s), stream);
+    };
+    const Tensor xv = rows_of(x, 0, rows), outv = rows_of(out, 0, rows);
+    const Tensor xq = Tensor::contiguous(xq_.get(), DType::kFloat8E4M3, {rows, H});
+    const Tensor xs = Tensor::contiguous(xs_.get(), DType::kFloat32, {rows, H / 128});
+    mark(kStart);
+    experts_->quantize(xq, xs, xv, bound_m, stream);
+    mark(kQuantized);
+    route_into(xv, bound_m, rows, indices_.as<int32_t>(), weights_.as<float>(), stream);
+    mark(kRouted);
+    const bool shared = shared_ != nullptr;
+    auto shared_expert = [&] {
+      if (shared) run_shared(outv, xq, xs, bound_m, stream);
+    };
+    if (mode == MoEOverlap::kMicroBatch) {
+      int32_t* m01 = bounds_.as<int32_t>();
+      dev_->split_bound(m, rows, half_, m01, m01 + 1, stream);
+      const int64_t h = std::min(half_, rows);
+      const Batch a{mb_[0].get(), 0, h, Tensor::contiguous(m01, DType::kInt32, {1})};
+      const Batch b{mb_[1].get(), h, rows - h, Tensor::contiguous(m01 + 1, DType::kInt32, {1})};
+      dispatch(a, xq, xs, true, false, stream);
+      dispatch(b, xq, xs, true, false, stream);
+      shared_expert();
+      dispatch(a, xq, xs, false, true, stream);
+      experts<decltype(mark)>(a, stream, nullptr);
+      combine(a, outv, true, false, shared, stream);
+      dispatch(b, xq, xs, false, true, stream);
+      experts<decltype(mark)>(b, stream, nullptr);
+      combine(b, outv, true, false, shared, stream);
+      combine(a, outv, false, true, shared, stream);
+      combine(b, outv, false, true, shared, stream);
+      mark(kDone);
+      return;
+    }
+    const Batch all{a2a_.get(), 0, rows, bound_m};
+    if (mode == MoEOverlap::kNone) {
+      shared_expert();
+      mark(kShared);
+      dispatch(all, xq, xs, true, false, stream);
+      mark(kDispatchSent);
+    } else {
+      dispatch(all, xq, xs, true, false, stream);
+      mark(kDispatchSent);
+      shared_expert();
+      mark(kShared);
+    }
+    dispatch(all, xq, xs, false, true, stream);
+    mark(kDispatchReceived);
+    experts(all, stream, timed_ ? &mark : nullptr);
+    combine(all, outv, true, false, shared, stream);
+    mark(kCombineSent);
+    combine(all, outv, false, true, shared, stream);
+    mark(kDone);
+  }
+
+  // Rows [row0, row0 + rows) of the layer's tokens on one AllToAll, m on the device.
+  struct Batch {
+    AllToAll* a2a;
+    int64_t row0, rows;
+    Tensor bound_m;
+  };
+
+  int64_t batch_capacity(const Batch& b) const { return b.a2a->config().expert_capacity(); }
+
+  void dispatch(const Batch& b, const Tensor& xq, const Tensor& xs, bool send, bool recv,
+                cudaStream_t stream) {
+    const int64_t H = model_.hidden_size, C = batch_capacity(b);
+    b.a2a->dispatch(Tensor::contiguous(counts_.get(), DType::kInt32, {L_}),
+                    expert_tensor(ex_x_, DType::kFloat8E4M3, H, C),
+                    expert_tensor(ex_xs_, DType::kFloat32, H / 128, C), rows_of(xq, b.row0, b.rows),
+                    rows_of(xs, b.row0, b.rows), rows_of(indices_tensor(), b.row0, b.rows),
+                    rows_of(weights_tensor(), b.row0, b.rows), b.bound_m, stream, send, recv);
+  }
+
+  // The routed experts on what the dispatch delivered. Timed, it runs
+  // forward()'s three steps itself (on buffers of its own) to mark between
+  // them; otherwise Experts::forward.
+  template <class Mark>
+  void experts(const Batch& b, cudaStream_t stream, const Mark* mark) {
+    const int64_t H = model_.hidden_size, I = model_.moe_intermediate_size, C = batch_capacity(b);
+    const Tensor y = expert_tensor(ex_y_, DType::kBFloat16, H, C),
+                 count = Tensor::contiguous(counts_.get(), DType::kInt32, {L_}),
+                 x = expert_tensor(ex_x_, DType::kFloat8E4M3, H, C),
+                 xs = expert_tensor(ex_xs_, DType::kFloat32, H / 128, C);
+    if (mark == nullptr) {
+      experts_->forward(y, count, x, xs, w13(), w13_scale(), w2(), w2_scale(), stream);
+      return;
+    }
+    if (!profile_gu_.get()) {
+      profile_gu_ = Buffer(*dev_, L_ * C_ * 2 * I * 2);
+      profile_act_ = Buffer(*dev_, L_ * C_ * I);
+      profile_acts_ = Buffer(*dev_, L_ * C_ * (I / 128) * 4);
+    }
+    const Tensor gu = expert_tensor(profile_gu_, DType::kBFloat16, 2 * I, C),
+                 act = expert_tensor(profile_act_, DType::kFloat8E4M3, I, C),
+                 acts = expert_tensor(profile_acts_, DType::kFloat32, I / 128, C);
+    experts_->grouped_gemm(gu, count, x, xs, w13(), w13_scale(), stream);
+    (*mark)(kGemm1);
+    experts_->silu_mul_quant(act, acts, gu, count, stream);
+    (*mark)(kSiluMul);
+    experts_->grouped_gemm(y, count, act, acts, w2(), w2_scale(), stream);
+    (*mark)(kGemm2);
+  }
+
+  void combine(const Batch& b, const Tensor& out, bool send, bool recv, bool accumulate,
+               cudaStream_t stream) {
+    const int64_t H = model_.hidden_size, C = batch_capacity(b);
+    b.a2a->combine(rows_of(out, b.row0, b.rows), rows_of(indices_tensor(), b.row0, b.rows),
+                   rows_of(weights_tensor(), b.row0, b.rows),
+                   expert_tensor(ex_y_, DType::kBFloat16, H, C), b.bound_m, stream, send, recv,
+                   accumulate);
+  }
+
+  // out[t] = shared expert(x[t]) for t < m: an Experts of one expert whose
+  // count is m itself.
+  void run_shared(const Tensor& out, const Tensor& xq, const Tensor& xs, const Tensor& bound_m,
+                  cudaStream_t stream) {
+    const int64_t H = model_.hidden_size, Is = model_.shared_intermediate_size();
+    shared_->forward(as_single_expert(out), bound_m, as_single_expert(xq), as_single_expert(xs),
+                     Tensor::contiguous(sw13_.get(), DType::kFloat8E4M3, {1, 2 * Is, H}),
+                     Tensor::contiguous(sw13s_.get(), DType::kFloat32, {1, 2 * Is / 128, H / 128}),
+                     Tensor::contiguous(sw2_.get(), DType::kFloat8E4M3, {1, H, Is}),
+                     Tensor::contiguous(sw2s_.get(), DType::kFloat32, {1, H / 128, Is / 128}), stream);
+  }
+
+  void route_into(const Tensor& x, const Tensor& bound_m, int64_t rows, int32_t* indices,
+                  float* weights, cudaStream_t stream) {
+    const int32_t* m = static_cast<const int32_t*>(bound_m.data);
+    float* x_f32 = nullptr;
+    if (gate_dtype_ == DType::kFloat32) {
+      if (x_f32_.bytes() < static_cast<size_t>(options_.max_tokens * model_.hidden_size * 4))
+        x_f32_ = Buffer(*dev_, options_.max_tokens * model_.hidden_size * 4);
+      x_f32 = x_f32_.as<float>();
+    }
+    dev_->gate_logits(logits_.as<float>(), x, gate_.get(), gate_dtype_, model_.n_routed_experts, m,
+                      x_f32, stream);
+    dev_->route(logits_.as<float>(), model_.score_correction_bias ? bias_.as<float>() : nullptr,
+                router_, m, rows, indices, weights, stream);
+  }
+
+  // [L, C, cols] over an expert buffer of C_ rows per expert.
+  Tensor expert_tensor(const Buffer& buf, DType t, int64_t cols, int64_t rows) const {
+    return first_rows_per_expert(Tensor::contiguous(buf.get(), t, {L_, C_, cols}), rows);
+  }
+  Tensor indices_tensor() const {
+    return Tensor::contiguous(indices_.get(), DType::kInt32,
+                              {options_.max_tokens, model_.num_experts_per_tok});
+  }
+  Tensor weights_tensor() const {
+    return Tensor::contiguous(weights_.get(), DType::kFloat32,
+                              {options_.max_tokens, model_.num_experts_per_tok});
+  }
+  Tensor w13() const {
+    return Tensor::contiguous(w13_.get(), DType::kFloat8E4M3,
+                              {L_, 2 * model_.moe_intermediate_size, model_.hidden_size});
+  }
+  Tensor w13_scale() const {
+    return Tensor::contiguous(w13s_.get(), DType::kFloat32,
+                              {L_, 2 * model_.moe_intermediate_size / 128, model_.hidden_size / 128});
+  }
+  Tensor w2() const {
+    return Tensor::contiguous(w2_.get(), DType::kFloat8E4M3,
+                              {L_, model_.hidden_size, model_.moe_intermediate_size});
+  }
+  Tensor w2_scale() const {
+    return Tensor::contiguous(w2s_.get(), DType::kFloat32,
+                              {L_, model_.hidden_size / 128, model_.moe_intermediate_size / 128});
+  }
+
+  // ------------------------------------------------------------ checks
+
+  void require_weights(const char* call) const {
+    if (!has_weights_)
+      throw InvalidArgument(std::string("moelink: ") + call +
+                            ": no weights yet (call set_weights or load_checkpoint first)");
+  }
+
+  static void require_packed(const char* call, const char* field, const Tensor& t) {
+    int64_t expect = 1;
+    for (int d = t.ndim - 1; d >= 0; --d) {
+      if (t.shape[d] > 1 && t.stride[d] != expect)
+        bad(call, field, "must be contiguous (packed rows), got shape " + shape_str(t));
+      expect *= t.shape[d];
+    }
+  }
+
+  void check_rows_limit(const char* call, const char* field, int64_t rows) const {
+    if (rows < 1 || rows > options_.max_tokens)
+      bad(call, field, "has " + std::to_string(rows) + " rows, expected 1.." +
+                           std::to_string(options_.max_tokens) + " (max_tokens)");
+  }
+
+  static void check_bound(const char* call, const Tensor& t) {
+    int64_t n = 1;
+    for (int i = 0; i < t.ndim; ++i) n *= t.shape[i];
+    if (!t.defined() || n != 1 || t.dtype != DType::kInt32)
+      bad(call, "bound_m", "must be a one-element int32 tensor, got dtype " +
+                               std::string(dtype_name(t.dtype)) + " shape " + shape_str(t));
+  }
+
+  int64_t check_io(const char* call, const Tensor& out, const Tensor& x, const Tensor& bound_m) const {
+    const int64_t H = model_.hidden_size;
+    const int64_t rows = check_tensor(call, "x", x, {DType::kBFloat16}, {H}, true);
+    check_rows_limit(call, "x", rows);
+    if (check_tensor(call, "out", out, {DType::kBFloat16}, {H}, true) != rows)
+      bad(call, "out", "has shape " + shape_str(out) + ", expected [" + std::to_string(rows) + ", " +
+                           std::to_string(H) + "] (x's rows)");
+    check_bound(call, bound_m);
+    return rows;
+  }
+
+  // One projection (fp8 with scales, or bf16 / fp32 quantized here) into
+  // layer memory.
+  void copy_projection(const char* call, const char* field, const char* scale_field, const Tensor& w,
+                       const Tensor& scale, std::initializer_list<int64_t> shape, Buffer& dst,
+                       Buffer& dst_scale) {
+    const std::vector<int64_t> dims(shape);
+    const int nd = static_cast<int>(dims.size());
+    if (!w.defined()) bad(call, field, "is missing (null data pointer)");
+    bool shape_ok = w.ndim == nd;
+    for (int i = 0; shape_ok && i < nd; ++i) shape_ok = w.shape[i] == dims[i];
+    if (!shape_ok) {
+      std::string want = "[";
+      for (int i = 0; i < nd; ++i) want += (i ? ", " : "") + std::to_string(dims[i]);
+      bad(call, field, "has shape " + shape_str(w) + ", expected " + want + "]");
+    }
+    require_packed(call, field, w);
+    int64_t count = 1;
+    for (int64_t v : dims) count *= v;
+    const int64_t rows = dims[nd - 2], cols = dims[nd - 1], mats = count / (rows * cols);
+    const int64_t scales = mats * (rows / 128) * (cols / 128);
+    if (w.dtype == DType::kFloat8E4M3 || w.dtype == DType::kUInt8) {
+      if (!scale.defined()) bad(call, scale_field, "is missing: fp8 weights need their 128x128 block scales");
+      int64_t n = 1;
+      for (int i = 0; i < scale.ndim; ++i) n *= scale.shape[i];
+      if (scale.dtype != DType::kFloat32 || n != scales || scale.ndim != nd)
+        bad(call, scale_field, "must be fp32 of " + std::to_string(scales) +
+                                   " elements (one per 128x128 block of " + field + "), got dtype " +
+                                   std::string(dtype_name(scale.dtype)) + " shape " + shape_str(scale));
+      require_packed(call, scale_field, scale);
+      dev_->copy_in(dst.get(), w.data, count);
+      dev_->copy_in(dst_scale.get(), scale.data, scales * 4);
+      return;
+    }
+    if (w.dtype != DType::kBFloat16 && w.dtype != DType::kFloat32)
+      bad(call, field, "has dtype " + std::string(dtype_name(w.dtype)) +
+                           ", expected float8_e4m3 (with scales), bfloat16 or float32");
+    if (scale.defined()) bad(call, scale_field, "must be absent for " + std::string(dtype_name(w.dtype)) + " weights (they are quantized here)");
+    // Quantize on the host, one matrix at a time.
+    const size_t es = dtype_size(w.dtype);
+    std::vector<char> raw(count * es);
+    dev_->copy_out(raw.data(), w.data, raw.size());
+    std::vector<float> f(rows * cols);
+    std::vector<uint8_t> q(count);
+    std::vector<float> s(scales);
+    for (int64_t mi = 0; mi < mats; ++mi) {
+      for (int64_t i = 0; i < rows * cols; ++i) {
+        const char* p = raw.data() + (mi * rows * cols + i) * es;
+        if (es == 4) {
+          std::memcpy(&f[i], p, 4);
+        } else {
+          uint16_t h;
+          std::memcpy(&h, p, 2);
+          f[i] = bf16_to_f32(h);
+        }
+      }
+      layer::quantize_weight_blocks(f.data(), rows, cols, q.data() + mi * rows * cols,
+                                    s.data() + mi * (rows / 128) * (cols / 128));
+    }
+    dev_->copy_in(dst.get(), q.data(), count);
+    dev_->copy_in(dst_scale.get(), s.data(), scales * 4);
+  }
+
+  MoEModelConfig model_;
+  MoELayerOptions options_;
+  layer::RouterParams router_;
+  std::unique_ptr<LayerDevice> dev_;
+  int rank_ = 0, world_ = 1, L_ = 0;
+  int64_t G_ = 1, C_ = 0, half_ = 0;
+  std::unique_ptr<AllToAll> a2a_, mb_[2];
+  std::unique_ptr<Experts> experts_, shared_;
+  Buffer xq_, xs_, logits_, indices_, weights_, counts_, ex_x_, ex_xs_, ex_y_, bounds_, x_f32_;
+  Buffer gate_, bias_, w13_, w13s_, w2_, w2s_, sw13_, sw13s_, sw2_, sw2s_, x_static_, out_static_;
+  DType gate_dtype_ = DType::kBFloat16;
+  Buffer profile_gu_, profile_act_, profile_acts_;  // experts' intermediates when timed
+  bool has_weights_ = false;
+  bool timed_ = false;
+  MoEOverlap timed_mode_ = MoEOverlap::kNone;
+  std::map<std::pair<int64_t, int>, std::shared_ptr<LayerDevice::Graph>> graphs_;
+};
+
+}  // namespace detail
+
+std::unique_ptr<MoELayer> MoELayer::create(const MoEModelConfig& model, const MoELayerOptions& options,
+                                           Bootstrap& bootstrap) {
+  return std::unique_ptr<MoELayer>(
+      new MoELayer(std::make_unique<detail::MoELayerImpl>(model, options, bootstrap)));
+}
+
+MoELayer::MoELayer(std::unique_ptr<detail::MoELayerImpl> impl) : impl_(std::move(impl)) {}
+MoELayer::~MoELayer() = default;
+
+const MoEModelConfig& MoELayer::model() const { return impl_->model(); }
+const MoELayerOptions& MoELayer::options() const { return impl_->options(); }
+int MoELayer::rank() const { return impl_->rank(); }
+int MoELayer::world_size() const { return impl_->world_size(); }
+int MoELayer::num_local_experts() const { return impl_->num_local_experts(); }
+void MoELayer::set_weights(const MoEWeights& w) { impl_->set_weights(w); }
+void MoELayer::load_checkpoint(const std::string& directory, int layer_index) {
+  impl_->load_checkpoint(directory, layer_index);
+}
+void MoELayer::forward(const Tensor& out, const Tensor& x, const Tensor& bound_m, cudaStream_t stream,
+                       int64_t num_tokens) {
+  impl_->forward(out, x, bound_m, stream, num_tokens);
+}
+void MoELayer::route(const Tensor& indices, const Tensor& weights, const Tensor& x,
+                     const Tensor& bound_m, cudaStream_t stream) {
+  impl_->route(indices, weights, x, bound_m, stream);
+}
+MoEOverlap MoELayer::overlap_for(int64_t num_tokens) const { return impl_->overlap_for(num_tokens); }
+void MoELayer::check(cudaStream_t stream) { impl_->check(stream); }
+MoEStageTimes MoELayer::stage_times() { return impl_->stage_times(); }
+
+}  // namespace moelink

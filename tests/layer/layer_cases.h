@@ -1,0 +1,40 @@
+// MoELayer cases, run on forked ranks (rank_harness.h) on any backend:
+// every rank builds the same random model from one fresh seed, takes its
+// experts, runs forward() on its own tokens, and checks its rows against the
+// fp64 reference (layer_reference.h); rows past m must stay poisoned.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moelink/moe_layer.h"
+
+namespace moelink_test {
+
+// Small models with each routing kind (H 256):
+//   DeepSeekLike: 16 experts, top-4 in 2 of 4 groups, sigmoid, bias, one shared expert
+//   MixtralLike: 8 experts, top-2, softmax, no shared expert
+//   QwenLike: 16 experts, top-4, softmax, renormalized, no shared expert
+moelink::MoEModelConfig deepseek_like_model();
+moelink::MoEModelConfig mixtral_like_model();
+moelink::MoEModelConfig qwen_like_model();
+
+struct LayerCase {
+  std::string name;
+  moelink::MoEModelConfig model;
+  moelink::Backend backend = moelink::Backend::kCPU;
+  int world = 2;
+  int dp_size = 1;
+  int64_t max_tokens = 24;
+  moelink::MoEOverlap overlap = moelink::MoEOverlap::kAuto;
+  bool cuda_graphs = false;
+  int rounds = 2;  // forward() calls, each with new tokens and m
+};
+
+// Every overlap mode on worlds 1, 2 and 4 (and DP 2) for the three models.
+std::vector<LayerCase> layer_cases(moelink::Backend backend);
+
+void run_layer_case(const LayerCase& c);
+
+}  // namespace moelink_test
