@@ -72,7 +72,7 @@ class CpuLayerDevice final : public LayerDevice {
     if (bound_m_dst != nullptr) *bound_m_dst = *bound_m;
   }
 
-  std::shared_ptr<Graph> capture(cudaStream_t, const std::function<void()>&) override {
+  std::shared_ptr<Graph> capture(const std::function<void(cudaStream_t)>&) override {
     throw InvalidArgument("moelink: MoELayer: cuda_graphs needs a GPU backend");
   }
   void replay(Graph&, cudaStream_t) override {

@@ -45,9 +45,11 @@ class LayerDevice {
                          int64_t rows, int32_t* bound_m_dst, cudaStream_t stream) = 0;
 
   // CUDA graphs (GPU only; the host device throws InvalidArgument): what
-  // `record` issues on `stream` becomes one executable graph.
+  // `record` issues on the stream it is given becomes one executable graph.
+  // The capture runs on a stream of the device's own, so that callers on
+  // the legacy default stream (which cannot be captured) get graphs too.
   struct Graph;
-  virtual std::shared_ptr<Graph> capture(cudaStream_t stream, const std::function<void()>& record) = 0;
+  virtual std::shared_ptr<Graph> capture(const std::function<void(cudaStream_t)>& record) = 0;
   virtual void replay(Graph& g, cudaStream_t stream) = 0;
 
   // Stage timing (profile): marks the stream at stage boundaries; the

@@ -279,7 +279,8 @@ class MoELayerImpl {
     auto key = std::make_pair(bucket, static_cast<int>(mode));
     auto it = graphs_.find(key);
     if (it == graphs_.end())
-      it = graphs_.emplace(key, dev_->capture(stream, [&] { run(os, xs, sm, bucket, mode, stream, false); })).first;
+      it = graphs_.emplace(key, dev_->capture([&](cudaStream_t s) { run(os, xs, sm, bucket, mode, s, false); }))
+               .first;
     dev_->replay(*it->second, stream);
     dev_->copy_rows(out.data, out.stride[0] * 2, out_static_.get(), H * 2, H * 2,
                     static_cast<const int32_t*>(bound_m.data), std::min(rows, bucket), nullptr, stream);

@@ -42,6 +42,7 @@ class CudaLayerDevice final : public LayerDevice {
   }
   ~CudaLayerDevice() override {
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    if (capture_stream_) cudaStreamDestroy(capture_stream_);
     cublasDestroy(cublas_);
     cudaFree(cublas_workspace_);
   }
@@ -103,10 +104,13 @@ class CudaLayerDevice final : public LayerDevice {
                      bound_m_dst, stream);
   }
 
-  std::shared_ptr<Graph> capture(cudaStream_t stream, const std::function<void()>& record) override {
+  std::shared_ptr<Graph> capture(const std::function<void(cudaStream_t)>& record) override {
+    if (capture_stream_ == nullptr)
+      MOELINK_CUDA_CHECK(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking));
+    cudaStream_t stream = capture_stream_;
     MOELINK_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     try {
-      record();
+      record(stream);
     } catch (...) {
       cudaGraph_t broken = nullptr;
       cudaStreamEndCapture(stream, &broken);
@@ -142,6 +146,7 @@ class CudaLayerDevice final : public LayerDevice {
  private:
   static constexpr size_t kCublasWorkspace = 32 << 20;
   std::vector<cudaEvent_t> events_;
+  cudaStream_t capture_stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   void* cublas_workspace_ = nullptr;
 };
