@@ -26,5 +26,5 @@ for f in "$debs"/*.deb; do dpkg -x "$f" "$deps/sysroot"; done
 rm -rf "$debs" "$deps/sysroot/usr/share"
 # CUTLASS, the version .ci/run pins, as its wheel (7 MB; 27 MB unpacked).
 python3 -m pip download -q --no-deps --disable-pip-version-check -d "$deps/wheels" \
-  "nvidia-cutlass==$(sed -n 's/^cutlass_version=//p' "$root/tools/deps.sh")"
+  "nvidia-cutlass==$(sed -n 's/^cutlass_version=\([^ ]*\).*/\1/p' "$root/tools/deps.sh")"
 du -sh "$deps"

@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
 # Builds moelink and runs every test this machine can run:
-#  1. the full build (CUDA code compiles wherever nvcc exists) and the
-#     GoogleTest suite (GPU tests skip, saying so, when there is no GPU);
+#  0. what the build and the tests need (tools/deps.sh: installed as root,
+#     else the commands to run are printed);
+#  1. the full build (CUDA code compiles wherever nvcc exists, the Python
+#     module too) and the GoogleTest suites (GPU tests skip, saying so, when
+#     there is no GPU);
 #  2. the CPU tests again under AddressSanitizer + UndefinedBehaviorSanitizer;
-#  3. the Python package (pip install .) and its pytest suite.
-# On the H200 machine, tools/gpu_check.sh runs the GPU suite and the benchmark.
+#  3. pytest on the module of step 1, and `pip install .` of the package
+#     (CPU-only, to check the packaging) with an import.
+# On the H200 machine, tools/gpu_check.sh runs the GPU suite and the benchmarks.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+source tools/deps.sh
+moelink_deps test
 jobs=${MOELINK_JOBS:-$(nproc)}
 
 echo "== build (build/)"
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOELINK_BUILD_PYTHON=ON \
+  -DPython_EXECUTABLE="$(command -v python3)" >/dev/null
 cmake --build build -j "$jobs"
 echo "== tests"
 ctest --test-dir build --output-on-failure -j 1
@@ -23,6 +30,10 @@ cmake --build build-asan -j "$jobs"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build-asan --output-on-failure -j 1
 
-echo "== Python package and binding tests"
-python3 -m pip install -q --disable-pip-version-check --no-build-isolation . 
-python3 -m pytest -q tests/python
+echo "== Python binding tests (the module of build/)"
+MOELINK_PYTHONPATH="$root/build/python" python3 -m pytest -q tests/python
+
+echo "== Python package (pip install ., CPU-only build)"
+CMAKE_ARGS="-DMOELINK_WITH_CUDA=OFF" python3 -m pip install -q --disable-pip-version-check \
+  --no-build-isolation .
+(cd /tmp && python3 -c "import moelink; print('moelink', moelink.__version__, 'installed')")

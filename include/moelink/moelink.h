@@ -6,3 +6,4 @@
 #include "moelink/experts.h"
 #include "moelink/moe_layer.h"
 #include "moelink/types.h"
+#include "moelink/version.h"

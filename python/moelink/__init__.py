@@ -31,7 +31,7 @@ from ._experts import Experts
 from ._moe_layer import MoELayer, model_config
 from ._torch import TorchGroupBootstrap
 
-__version__ = "0.1.0"
+__version__ = _C.version  # include/moelink/version.h
 
 __all__ = [
     "AllToAll",

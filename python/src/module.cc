@@ -549,6 +549,7 @@ void bind_all_to_all(nb::module_& m) {
 NB_MODULE(_C, m) {
   using namespace moelink::python;
   m.doc() = "moelink C++ bindings (use the moelink package)";
+  m.attr("version") = moelink::version();
 #if defined(NDEBUG)
   // Objects still referenced from __main__ at interpreter exit (an AllToAll
   // over a Python Bootstrap subclass, say) outlive this module's teardown;

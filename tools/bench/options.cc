@@ -1,4 +1,5 @@
 #include "options.h"
+#include "moelink/version.h"
 
 #include <cctype>
 #include <cstdio>
@@ -38,6 +39,7 @@ bool parse_options(int argc, char** argv, BenchOptions& o, int& exit_code) {
   CLI::App app{
       "moelink-bench: latency of moelink dispatch/combine against NCCL baselines and the "
       "NVLink bandwidth floor"};
+  app.set_version_flag("--version", std::string("moelink-bench ") + moelink::version());
   app.add_option("--nproc", o.nproc,
                  "fork this many ranks on this machine (rank i uses GPU i % device_count); "
                  "without it, read RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK (torchrun)")

@@ -41,6 +41,7 @@
 #include "cpu_cost.h"
 #include "ops.h"
 #include "transports.h"
+#include "moelink/version.h"
 
 namespace moelink_fabric_bench {
 
@@ -530,6 +531,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "moelink-fabric-bench: TransferEngine overhead vs the same operations written directly on "
       "libfabric, in the same run (engine / raw)"};
+  app.set_version_flag("--version", std::string("moelink-fabric-bench ") + moelink::version());
   RunOptions o;
   std::vector<std::string> providers{"shm", "tcp"};
   std::vector<int> peers{2, 4, 8};

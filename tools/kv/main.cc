@@ -30,6 +30,7 @@
 #include "moelink/errors.h"
 #include "moelink/kv_transfer.h"
 #include "moelink/transfer_engine.h"
+#include "moelink/version.h"
 
 namespace {
 
@@ -319,6 +320,7 @@ int main(int argc, char** argv) {
       "TransferEngine (paged RDMA writes + immediate counters), verifies it byte for byte and "
       "reports throughput. Forks both processes, or runs as rank 0 (prefill) / 1 (decode) under "
       "torchrun (RANK, WORLD_SIZE=2, MASTER_ADDR, MASTER_PORT)."};
+  app.set_version_flag("--version", std::string("moelink-kv-transfer ") + moelink::version());
   app.add_option("--provider", o.provider, "libfabric provider: shm, tcp, efa, or '' (first of these)");
   app.add_option("--layers", o.layers, "layers (planes) of the cache")->check(CLI::Range(1, 4096));
   app.add_option("--bytes-per-token", o.bytes_per_token,

@@ -10,6 +10,7 @@
 #include "moelink/plan/profiles.h"
 #include "moelink/plan/report.h"
 #include "moelink/plan/svg.h"
+#include "moelink/version.h"
 
 using namespace moelink::plan;
 
@@ -32,6 +33,7 @@ std::string join(const std::vector<std::string>& v) {
 
 int main(int argc, char** argv) {
   CLI::App app{"moelink-plan: deployment planner for MoE decode (roofline, overlap, Pareto frontiers)"};
+  app.set_version_flag("--version", std::string("moelink-plan ") + moelink::version());
   std::string profiles_dir = default_profiles_dir(), model = "deepseek-v3", gpu = "h200", network;
   int ep = 8, dp = 0, tp = 1, gpn = 0, batch = 32, kv_len = 5000, mtp = 1;
   double acceptance = 0.6;
