@@ -7,6 +7,8 @@
 #   experts: tools/bench/experts_bench.py, the expert kernels beside
 #   torch._scaled_grouped_mm, the copy bandwidth and the dense fp8 peak
 #   (MOELINK_EXPERTS_BENCH_ARGS adds arguments).
+#   layer (not in the default): tools/bench/layer_bench.py, the MoE layer
+#   stage by stage (MOELINK_LAYER_BENCH_ARGS adds arguments).
 #   internode: moelink-bench with the internode backend beside nvlink, over
 #   libfabric's shm provider (GPUs of this machine treated as nodes).
 #   fabric (not in the default): moelink-fabric-bench, the TransferEngine
@@ -24,7 +26,7 @@ cd "$root"
 steps=${*:-build test python sanitize bench internode experts}
 source "$root/tools/device_env.sh"
 python_build=OFF
-{ has python || has experts; } && python_build=ON
+{ has python || has experts || has layer; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
@@ -81,6 +83,12 @@ if has sanitize; then
       >"$OUT/sanitizer-$tool.log" 2>&1 || status=1
     grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/sanitizer-$tool.log" | tail -6
   done
+  echo "== compute-sanitizer memcheck on the MoE layer (one small case per mode, world 2)"
+  compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+    build-gpu/tests/moelink_layer_tests \
+    --gtest_filter="${MOELINK_LAYER_SANITIZE_FILTER:-*GpuMoELayer*DeepSeekLike_W2_*}" \
+    >"$OUT/sanitizer-layer-memcheck.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/sanitizer-layer-memcheck.log" | tail -6
   echo "== compute-sanitizer memcheck on the expert kernels (small cases, graph replay, errors)"
   compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/moelink_experts_tests \
     --gtest_filter="${MOELINK_EXPERTS_SANITIZE_FILTER:-*GpuExperts*Small*:*GpuExpertsDense*:*GpuExpertsErrors*:*GpuExpertsGraph*}" \
@@ -110,6 +118,14 @@ if has experts; then
        ${MOELINK_EXPERTS_BENCH_ARGS:-})
   echo "${cmd[*]}"
   PYTHONPATH="$root/build-gpu/python" "${cmd[@]}" 2>&1 | tee "$OUT/experts-bench.log" | tail -30 ||
+    status=1
+fi
+if has layer; then
+  echo "== MoE layer: tools/bench/layer_bench.py"
+  cmd=($py tools/bench/layer_bench.py --machine "nvidia-h200-x$ngpu" --json "$OUT/layer.json"
+       ${MOELINK_LAYER_BENCH_ARGS:-})
+  echo "${cmd[*]}"
+  PYTHONPATH="$root/build-gpu/python" "${cmd[@]}" 2>&1 | tee "$OUT/layer-bench.log" | tail -40 ||
     status=1
 fi
 if has fabric; then
