@@ -30,17 +30,33 @@ double Workload::tokens_per_step() const {
   return t;
 }
 
+std::string ep_problem(int ep, int gpus_per_node, const ModelSpec& m, const NetworkProfile& net) {
+  if (ep < 1 || gpus_per_node < 1) return "EP and GPUs per node must be >= 1";
+  if (m.num_experts % ep != 0)
+    return "the " + std::to_string(m.num_experts) + " experts of " + m.name + " are not divisible by EP " +
+           std::to_string(ep) + " (EP must divide them)";
+  if (ep > gpus_per_node && !net.inter_node) {
+    const int nodes = (ep + gpus_per_node - 1) / gpus_per_node;
+    return "spans " + std::to_string(nodes) + " nodes but network '" + net.name + "' is NVLink only (at most " +
+           std::to_string(gpus_per_node) + " GPUs)";
+  }
+  return "";
+}
+
+std::string layout_problem(const Layout& l, const ModelSpec& m, const NetworkProfile& net) {
+  if (l.ep < 1 || l.tp < 1 || l.gpus_per_node < 1) return "EP, TP and GPUs per node must be >= 1";
+  if (l.ep % l.tp != 0) return "TP " + std::to_string(l.tp) + " does not divide EP " + std::to_string(l.ep);
+  if (l.dp < 1 || l.dp * l.tp != l.ep) return "EP must equal DP x TP";
+  if (l.tp > l.gpus_per_node)
+    return "a TP group must fit in one node (TP <= " + std::to_string(l.gpus_per_node) + ")";
+  if (m.num_heads % l.tp != 0)
+    return "TP " + std::to_string(l.tp) + " does not divide the " + std::to_string(m.num_heads) + " attention heads";
+  return ep_problem(l.ep, l.gpus_per_node, m, net);
+}
+
 void validate(const Layout& l, const ModelSpec& m, const NetworkProfile& net) {
-  auto bad = [&](const std::string& why) { throw PlanError("layout " + l.str() + ": " + why); };
-  if (l.ep < 1 || l.dp < 1 || l.tp < 1 || l.gpus_per_node < 1) bad("EP, DP, TP and GPUs per node must be >= 1");
-  if (l.dp * l.tp != l.ep) bad("EP must equal DP x TP");
-  if (l.tp > l.gpus_per_node) bad("a TP group must fit in one node (TP <= " + std::to_string(l.gpus_per_node) + ")");
-  if (m.num_experts % l.ep != 0)
-    bad("EP must divide the " + std::to_string(m.num_experts) + " experts of " + m.name);
-  if (m.num_heads % l.tp != 0) bad("TP must divide the " + std::to_string(m.num_heads) + " attention heads");
-  if (l.ep > l.gpus_per_node && !net.inter_node)
-    bad("spans " + std::to_string(l.nodes()) + " nodes but network '" + net.name +
-        "' is NVLink only (at most " + std::to_string(l.gpus_per_node) + " GPUs)");
+  const std::string why = layout_problem(l, m, net);
+  if (!why.empty()) throw PlanError("layout " + l.str() + ": " + why);
 }
 
 }  // namespace moelink::plan

@@ -156,32 +156,45 @@ std::string format_sweep_table(const std::vector<SweepPoint>& pts) {
   return s;
 }
 
-std::string sweep_json(const std::vector<SweepPoint>& pts) {
+std::string sweep_json(const std::vector<SweepPoint>& pts, const std::vector<SkippedLayout>& skipped) {
   json j = json::object();
   j["points"] = json::array();
   for (const auto& p : pts) j["points"].push_back(point_json(p));
+  const bool several = count_gpus(pts) > 1;
   json fr = json::object();
-  for (const auto& [ep, f] : frontiers_by_ep(pts)) {
+  for (const auto& [key, f] : frontiers_by_gpu_and_ep(pts)) {
     json a = json::array();
     for (const auto& p : f) a.push_back(point_json(p));
-    fr["EP" + std::to_string(ep)] = a;
+    fr[frontier_name(key, several)] = a;
   }
   j["frontiers"] = fr;
+  j["skipped"] = json::array();
+  for (const auto& s : skipped) {
+    j["skipped"].push_back({{"gpu", s.gpu}, {"ep", s.ep}, {"tp", s.tp}, {"dp", s.dp}, {"batches", s.batches},
+                            {"whole_layout", s.whole_layout}, {"reason", s.reason}, {"text", s.str()}});
+  }
   return j.dump(1) + "\n";
 }
 
 std::string sweep_csv(const std::vector<SweepPoint>& pts) {
   std::string s = "ep,dp,tp,batch,overlap,gpu,output_tok_s,throughput_node,throughput_gpu,step_us,tokens_per_expert,"
                   "groupgemm_memory_bound,pareto\n";
-  auto fr = frontiers_by_ep(pts);
+  auto fr = frontiers_by_gpu_and_ep(pts);
   for (const auto& p : pts) {
     bool on = false;
-    for (const auto& q : fr[p.layout.ep])
+    for (const auto& q : fr[{p.gpu, p.layout.ep}])
       on |= q.layout.tp == p.layout.tp && q.work.batch == p.work.batch && q.work.overlap == p.work.overlap;
     s += fmt("%d,%d,%d,%d,%s,%s,%.6g,%.6g,%.6g,%.6g,%.6g,%d,%d\n", p.layout.ep, p.layout.dp, p.layout.tp,
              p.work.batch, to_string(p.work.overlap), p.gpu.c_str(), p.output_tok_s, p.throughput_node,
              p.throughput_gpu, p.step_us, p.tokens_per_expert, p.groupgemm_memory_bound ? 1 : 0, on ? 1 : 0);
   }
+  return s;
+}
+
+std::string format_skipped(const std::vector<SkippedLayout>& skipped) {
+  if (skipped.empty()) return "";
+  std::string s = fmt("Left out of the sweep (%zu):\n", skipped.size());
+  for (const auto& k : skipped) s += "  " + k.str() + "\n";
   return s;
 }
 

@@ -1,5 +1,4 @@
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -39,20 +38,6 @@ bool well_formed(const std::string& s, std::string* why) {
   return true;
 }
 
-struct CliRun {
-  int rc;
-  std::string out;
-};
-CliRun run(const std::string& args) {
-  std::string cmd = std::string(MOELINK_PLAN_EXE) + " --profiles-dir " + MOELINK_SOURCE_DIR + "/profiles " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
 }  // namespace
 
 TEST(PlanOutput, StepJsonCsvTable) {

@@ -34,7 +34,14 @@ struct Workload {
   double tokens_per_step() const;
 };
 
-// Throws PlanError when the layout is inconsistent with the model/hardware.
+// Why no layout with this EP size can serve the model over the network ("" when
+// some can): the experts must split evenly, and an NVLink-only network cannot
+// span nodes. Sweeps use it to leave out a whole EP size with one reason.
+std::string ep_problem(int ep, int gpus_per_node, const ModelSpec& m, const NetworkProfile& net);
+// Why the layout cannot serve the model ("" when it can): ep_problem plus the
+// DP x TP split (TP must divide EP and the heads, and fit in one node).
+std::string layout_problem(const Layout& l, const ModelSpec& m, const NetworkProfile& net);
+// Throws PlanError ("layout EP.. DP.. TP..: <layout_problem>") when the layout is invalid.
 void validate(const Layout& l, const ModelSpec& m, const NetworkProfile& net);
 
 }  // namespace moelink::plan

@@ -14,8 +14,13 @@ std::string step_json(const PlanInput& in, const StepResult& r, const MemoryRepo
 std::string step_csv(const PlanInput& in, const StepResult& r);  // one row per kernel
 
 std::string format_sweep_table(const std::vector<SweepPoint>& pts);
-std::string sweep_json(const std::vector<SweepPoint>& pts);
+// "frontiers" are keyed "EP8" (one GPU type) or "EP8 on H200-SXM" (several);
+// "skipped" lists what the sweep left out and why.
+std::string sweep_json(const std::vector<SweepPoint>& pts, const std::vector<SkippedLayout>& skipped = {});
+// One row per point; 'pareto' is 1 on its (GPU, EP) frontier.
 std::string sweep_csv(const std::vector<SweepPoint>& pts);
+// "Left out of the sweep (N):" and one line per skipped layout; "" when none.
+std::string format_skipped(const std::vector<SkippedLayout>& skipped);
 
 // Model vs measurement for each bench sample (layout EP = DP = world size).
 struct CalibrationRow {
