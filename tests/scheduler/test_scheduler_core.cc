@@ -1,0 +1,652 @@
+// SchedulerCore without the network: routing, request lifecycle, failures,
+// recovery and every bad input, with recording sinks and a hand-driven clock.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "moelink/scheduler/block_hash.h"
+#include "scheduler/core/scheduler_core.h"
+#include "scheduler_test_util.h"
+
+namespace moelink::scheduler {
+namespace {
+
+using grpc::Status;
+using grpc::StatusCode;
+using testing::expect_status;
+using testing::generate_request;
+using testing::random_tokens;
+using testing::RecordingSink;
+using testing::TempDir;
+using AssignmentSink = RecordingSink<v1::Assignment>;
+using EventSink = RecordingSink<v1::GenerateEvent>;
+using P = v1::RequestProgress;
+
+std::string engine_name(int i) {
+  std::string s = "e";  // (not "e" + to_string: GCC 12 warns falsely, -Wrestrict)
+  s += std::to_string(i);
+  return s;
+}
+
+struct TestEngine {
+  std::string id;
+  uint64_t incarnation = 0;
+  uint64_t seq = 0;
+  std::shared_ptr<AssignmentSink> sink;
+  // Request ids of the RunRequests received so far.
+  std::vector<std::string> runs() const {
+    std::vector<std::string> out;
+    for (const auto& a : sink->messages())
+      if (a.has_run()) out.push_back(a.run().request_id());
+    return out;
+  }
+};
+
+class CoreTest : public ::testing::Test {
+ protected:
+  void make(SchedulerOptions o = {}, RequestLog* log = nullptr,
+            std::vector<RequestLog::LiveRequest> recovered = {}) {
+    options = o;
+    core = std::make_unique<SchedulerCore>(o, log, std::move(recovered), now);
+  }
+  void SetUp() override { make(); }
+
+  v1::RegisterRequest registration(const std::string& id, uint64_t blocks = 4096, uint32_t batch = 8,
+                                   const std::string& address = "") {
+    v1::RegisterRequest r;
+    v1::EngineInfo* i = r.mutable_engine();
+    i->set_engine_id(id);
+    i->set_kv_capacity_blocks(blocks);
+    i->set_block_size(options.block_size);
+    i->set_max_batch(batch);
+    i->set_address(address);
+    i->set_prefill_us_per_token(100);
+    i->set_decode_step_us(20000);
+    return r;
+  }
+
+  TestEngine add(const std::string& id, uint64_t blocks = 4096, const std::string& address = "",
+                 std::vector<v1::HeldRequest> held = {}) {
+    v1::RegisterRequest req = registration(id, blocks, 8, address);
+    for (auto& h : held) *req.add_held() = h;
+    v1::RegisterResponse resp;
+    Status s = core->register_engine(req, &resp, now);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    TestEngine e{id, resp.incarnation(), 0, std::make_shared<AssignmentSink>()};
+    released = {resp.released().begin(), resp.released().end()};
+    v1::ReceiveAssignmentsRequest ra;
+    ra.set_engine_id(id);
+    ra.set_incarnation(e.incarnation);
+    s = core->attach_engine(ra, e.sink, now);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return e;
+  }
+
+  Status report(TestEngine& e, std::vector<P> progress = {}, std::vector<v1::KvEvent> events = {},
+                v1::ReportResponse* out = nullptr) {
+    v1::EngineReport r;
+    r.set_engine_id(e.id);
+    r.set_incarnation(e.incarnation);
+    r.set_seq(++e.seq);
+    for (auto& p : progress) *r.add_progress() = p;
+    for (auto& ev : events) *r.add_kv_events() = ev;
+    v1::ReportResponse resp;
+    Status s = core->report(r, out ? out : &resp, now);
+    if (!s.ok()) --e.seq;
+    return s;
+  }
+
+  std::shared_ptr<EventSink> submit(const v1::GenerateRequest& req, Status* status = nullptr) {
+    auto sink = std::make_shared<EventSink>();
+    Status s = core->submit(req, sink, now);
+    if (status) {
+      *status = s;
+    } else {
+      EXPECT_TRUE(s.ok()) << s.error_message();
+    }
+    return sink;
+  }
+
+  static P progress(const std::string& id, P::Phase phase, std::vector<uint32_t> tokens = {},
+                    uint32_t offset = 0, uint32_t cached = 0) {
+    P p;
+    p.set_request_id(id);
+    p.set_phase(phase);
+    p.mutable_new_tokens()->Add(tokens.begin(), tokens.end());
+    p.set_token_offset(offset);
+    p.set_cached_tokens(cached);
+    return p;
+  }
+
+  static v1::KvEvent stored(const std::vector<uint64_t>& hashes, const uint64_t* parent = nullptr,
+                            const std::vector<uint32_t>& tokens = {}) {
+    v1::KvEvent ev;
+    auto* st = ev.mutable_stored();
+    st->mutable_block_hashes()->Add(hashes.begin(), hashes.end());
+    if (parent) st->set_parent_block_hash(*parent);
+    st->mutable_token_ids()->Add(tokens.begin(), tokens.end());
+    return ev;
+  }
+
+  // The engine an accepted request went to (from its Accepted event).
+  static std::string engine_of(const EventSink& s) {
+    for (const auto& ev : s.messages())
+      if (ev.has_accepted()) return ev.accepted().engine_id();
+    return "";
+  }
+  static std::string id_of(const EventSink& s) {
+    for (const auto& ev : s.messages())
+      if (ev.has_accepted()) return ev.accepted().request_id();
+    return "";
+  }
+  static std::vector<uint32_t> tokens_of(const EventSink& s) {
+    std::vector<uint32_t> out;
+    for (const auto& ev : s.messages())
+      if (ev.has_tokens()) {
+        EXPECT_EQ(ev.tokens().offset(), out.size());
+        out.insert(out.end(), ev.tokens().token_ids().begin(), ev.tokens().token_ids().end());
+      }
+    return out;
+  }
+
+  void advance(int ms) {
+    now += std::chrono::milliseconds(ms);
+    core->tick(now);
+  }
+
+  v1::Stats stats() const {
+    v1::Stats s;
+    core->stats(&s);
+    return s;
+  }
+
+  SchedulerOptions options;
+  Clock::time_point now = Clock::now();
+  std::unique_ptr<SchedulerCore> core;
+  std::vector<std::string> released;
+  std::mt19937 rng{std::random_device{}()};
+};
+
+// ------------------------------------------------------------------ routing
+
+TEST_F(CoreTest, RoutesToTheEngineHoldingTheSharedPrefix) {
+  std::vector<TestEngine> e;
+  for (int i = 0; i < 4; ++i) e.push_back(add(engine_name(i)));
+  const auto prefix = random_tokens(256, rng);  // 16 blocks
+  ASSERT_TRUE(report(e[2], {}, {stored(prompt_block_hashes(prefix, 16))}).ok());
+  auto prompt = prefix;
+  for (uint32_t t : random_tokens(40, rng)) prompt.push_back(t);
+  auto s = submit(generate_request(prompt, 8));
+  EXPECT_EQ(engine_of(*s), "e2");
+  EXPECT_EQ(s->messages()[0].accepted().expected_cached_tokens(), 256u);
+  ASSERT_EQ(e[2].runs().size(), 1u);
+  EXPECT_EQ(e[2].sink->messages()[0].run().expected_cached_tokens(), 256u);
+  EXPECT_EQ(e[2].sink->messages()[0].run().prompt_tokens_size(), 296);
+}
+
+TEST_F(CoreTest, EngineHashesWithTokenIdsAreMapped) {
+  TestEngine a = add("a"), b = add("b");
+  const auto prefix = random_tokens(64, rng);  // 4 blocks, the engine's own hashes 101..104
+  const uint64_t parent = 102;
+  ASSERT_TRUE(report(b, {}, {stored({101, 102}, nullptr, {prefix.begin(), prefix.begin() + 32})}).ok());
+  ASSERT_TRUE(report(b, {}, {stored({103, 104}, &parent, {prefix.begin() + 32, prefix.end()})}).ok());
+  auto s = submit(generate_request(prefix, 4));
+  EXPECT_EQ(engine_of(*s), "b");
+  EXPECT_EQ(s->messages()[0].accepted().expected_cached_tokens(), 64u);
+  EXPECT_EQ(stats().engines(1).indexed_blocks(), 4u);
+  // Removing by the engine's hash removes the mapped block.
+  v1::KvEvent rm;
+  rm.mutable_removed()->add_block_hashes(101);
+  ASSERT_TRUE(report(b, {}, {rm}).ok());
+  EXPECT_EQ(stats().engines(1).indexed_blocks(), 3u);
+}
+
+TEST_F(CoreTest, RecentRoutingsCountUntilEventsArrive) {
+  options.provisional_ttl_ms = 1000;
+  make(options);
+  std::vector<TestEngine> e;
+  for (int i = 0; i < 4; ++i) e.push_back(add(engine_name(i)));
+  const auto prefix = random_tokens(512, rng);
+  auto first = submit(generate_request(prefix, 4));
+  const std::string home = engine_of(*first);
+  // No events yet: the second request follows the first.
+  auto with_suffix = prefix;
+  with_suffix.push_back(7);
+  EXPECT_EQ(engine_of(*submit(generate_request(with_suffix, 4))), home);
+  // Once the provisional entries expire with no event, the prefix is no longer credited.
+  advance(1500);
+  auto third = submit(generate_request(with_suffix, 4));
+  EXPECT_EQ(third->messages()[0].accepted().expected_cached_tokens(), 0u);
+}
+
+TEST_F(CoreTest, SpreadsRequestsWhenNothingIsShared) {
+  std::vector<TestEngine> e;
+  for (int i = 0; i < 4; ++i) e.push_back(add(engine_name(i)));
+  std::map<std::string, int> count;
+  for (int i = 0; i < 40; ++i) ++count[engine_of(*submit(generate_request(random_tokens(300, rng), 16)))];
+  ASSERT_EQ(count.size(), 4u);
+  for (const auto& [id, n] : count) EXPECT_EQ(n, 10) << id;
+}
+
+TEST_F(CoreTest, LoadBoundKeepsAHotPrefixFromPilingUp) {
+  options.imbalance_bound = 1.5;
+  options.imbalance_slack_tokens = 0;
+  make(options);
+  std::vector<TestEngine> e;
+  for (int i = 0; i < 4; ++i) e.push_back(add(engine_name(i)));
+  const auto prefix = random_tokens(512, rng);
+  std::map<std::string, int> count;
+  for (int i = 0; i < 40; ++i) {
+    auto p = prefix;
+    p.push_back(static_cast<uint32_t>(i));
+    ++count[engine_of(*submit(generate_request(p, 16)))];
+  }
+  // Without the bound all 40 would go to one engine.
+  int most = 0;
+  for (const auto& [id, n] : count) most = std::max(most, n);
+  EXPECT_LE(most, 16);
+  EXPECT_GE(count.size(), 3u);
+}
+
+TEST_F(CoreTest, StickySessionsStayOnTheirEngine) {
+  options.policy = "round-robin";
+  make(options);
+  for (int i = 0; i < 4; ++i) add(engine_name(i));
+  const std::string home = engine_of(*submit(generate_request(random_tokens(64, rng), 4, "", "chat-1")));
+  for (int turn = 0; turn < 5; ++turn)
+    EXPECT_EQ(engine_of(*submit(generate_request(random_tokens(64, rng), 4, "", "chat-1"))), home);
+  EXPECT_NE(engine_of(*submit(generate_request(random_tokens(64, rng), 4))), home);
+}
+
+TEST_F(CoreTest, WaitsForAnEngineThenTimesOut) {
+  options.queue_timeout_ms = 1000;
+  make(options);
+  auto early = submit(generate_request(random_tokens(20, rng), 4));
+  EXPECT_TRUE(early->messages().empty());  // pending: no engine yet
+  TestEngine e = add("late");
+  EXPECT_EQ(engine_of(*early), "late");
+  v1::LeaveRequest leave;
+  leave.set_engine_id("late");
+  leave.set_incarnation(e.incarnation);
+  v1::LeaveResponse left;
+  ASSERT_TRUE(core->leave(leave, &left, now).ok());
+  auto orphan = submit(generate_request(random_tokens(20, rng), 4));
+  advance(500);
+  EXPECT_FALSE(orphan->closed());
+  advance(700);
+  ASSERT_TRUE(orphan->closed());
+  expect_status(orphan->status(), StatusCode::RESOURCE_EXHAUSTED, {"no engine", "1000 ms"});
+}
+
+// ------------------------------------------------------------------ lifecycle
+
+TEST_F(CoreTest, StreamsTokensAndFinishes) {
+  TestEngine e = add("e");
+  auto req = generate_request(random_tokens(40, rng), 10, "req-1");
+  req.set_stream_interval(4);
+  auto s = submit(req);
+  ASSERT_EQ(e.runs(), std::vector<std::string>{"req-1"});
+  ASSERT_TRUE(report(e, {progress("req-1", P::STARTED, {}, 0, 16)}).ok());
+  ASSERT_TRUE(report(e, {progress("req-1", P::RUNNING, {1}, 0)}).ok());        // first token: at once
+  ASSERT_TRUE(report(e, {progress("req-1", P::RUNNING, {2, 3}, 1)}).ok());     // held (interval 4)
+  EXPECT_EQ(s->messages().size(), 2u);
+  ASSERT_TRUE(report(e, {progress("req-1", P::RUNNING, {2, 3, 4, 5}, 1)}).ok());  // a retry: 2, 3 known
+  ASSERT_TRUE(report(e, {progress("req-1", P::FINISHED, {6, 7, 8, 9, 10}, 5)}).ok());
+  ASSERT_TRUE(s->closed());
+  EXPECT_TRUE(s->status().ok());
+  EXPECT_EQ(tokens_of(*s), (std::vector<uint32_t>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}));
+  const auto msgs = s->messages();
+  const auto& fin = msgs.back();
+  ASSERT_TRUE(fin.has_finished());
+  EXPECT_EQ(fin.finished().output_tokens(), 10u);
+  EXPECT_EQ(fin.finished().cached_tokens(), 16u);
+  EXPECT_EQ(fin.finished().engine_id(), "e");
+  EXPECT_EQ(stats().finished(), 1u);
+  EXPECT_EQ(stats().engines(0).outstanding(), 0u);
+}
+
+TEST_F(CoreTest, ProgressOfARequestNoLongerTheEnginesIsRevoked) {
+  TestEngine e = add("e");
+  auto s = submit(generate_request(random_tokens(40, rng), 10, "gone"));
+  ASSERT_TRUE(core->cancel("gone").ok());
+  expect_status(s->status(), StatusCode::CANCELLED, {"gone"});
+  ASSERT_TRUE(e.sink->messages().back().has_cancel());
+  v1::ReportResponse resp;
+  ASSERT_TRUE(report(e, {progress("gone", P::STARTED)}, {}, &resp).ok());
+  ASSERT_EQ(resp.revoked_size(), 1);
+  EXPECT_EQ(resp.revoked(0), "gone");
+}
+
+TEST_F(CoreTest, RejectedRequestsMoveOnAndFailWhenNobodyTakesThem) {
+  options.queue_timeout_ms = 100;
+  make(options);
+  TestEngine a = add("a"), b = add("b");
+  auto s = submit(generate_request(random_tokens(40, rng), 4, "r"));
+  TestEngine& first = engine_of(*s) == "a" ? a : b;
+  TestEngine& second = engine_of(*s) == "a" ? b : a;
+  ASSERT_TRUE(report(first, {progress("r", P::REJECTED)}).ok());
+  EXPECT_EQ(second.runs(), std::vector<std::string>{"r"});
+  ASSERT_TRUE(report(second, {progress("r", P::REJECTED)}).ok());
+  advance(200);
+  expect_status(s->status(), StatusCode::RESOURCE_EXHAUSTED, {"no engine"});
+  EXPECT_EQ(stats().rerouted(), 2u);
+}
+
+TEST_F(CoreTest, ClientGoneCancelsAtTheEngine) {
+  TestEngine e = add("e");
+  auto s = submit(generate_request(random_tokens(40, rng), 4, "r"));
+  core->client_gone("r", s.get());
+  advance(1);
+  ASSERT_TRUE(e.sink->messages().back().has_cancel());
+  EXPECT_EQ(e.sink->messages().back().cancel().request_id(), "r");
+  EXPECT_EQ(stats().requests_in_flight(), 0u);
+}
+
+TEST_F(CoreTest, RedirectNamesAnEngineWithAnAddress) {
+  Status st;
+  auto none = submit([&] {
+    auto r = generate_request(random_tokens(40, rng), 4);
+    r.set_redirect(true);
+    return r;
+  }());
+  expect_status(none->status(), StatusCode::UNAVAILABLE, {"address"});
+  add("no-address");
+  add("web", 4096, "http://10.0.0.7:30000");
+  auto r = generate_request(random_tokens(40, rng), 4);
+  r.set_redirect(true);
+  for (int i = 0; i < 3; ++i) {
+    auto s = submit(r);
+    ASSERT_EQ(s->messages().size(), 1u);
+    ASSERT_TRUE(s->messages()[0].has_redirect());
+    EXPECT_EQ(s->messages()[0].redirect().address(), "http://10.0.0.7:30000");
+    EXPECT_TRUE(s->status().ok());
+  }
+}
+
+// ------------------------------------------------------------------ failures
+
+TEST_F(CoreTest, SilentEngineIsDrainedQueuedMovesStartedFails) {
+  options.heartbeat_interval_ms = 100;
+  options.heartbeat_timeout_ms = 300;
+  make(options);
+  TestEngine a = add("a"), b = add("b");
+  std::vector<std::shared_ptr<EventSink>> on_a;
+  std::vector<std::string> a_ids;
+  while (on_a.size() < 2) {
+    auto s = submit(generate_request(random_tokens(100, rng), 8));
+    if (engine_of(*s) == "a") {
+      on_a.push_back(s);
+      a_ids.push_back(id_of(*s));
+    }
+  }
+  ASSERT_TRUE(report(a, {progress(a_ids[0], P::STARTED), progress(a_ids[0], P::RUNNING, {5}, 0)}).ok());
+  // b keeps reporting, a goes silent.
+  for (int t = 0; t < 4; ++t) {
+    advance(100);
+    ASSERT_TRUE(report(b).ok());
+  }
+  expect_status(on_a[0]->status(), StatusCode::UNAVAILABLE, {"'a'", "after request", "started"});
+  EXPECT_FALSE(on_a[1]->closed());  // queued: re-routed, still running
+  const auto b_runs = b.runs();
+  EXPECT_NE(std::find(b_runs.begin(), b_runs.end(), a_ids[1]), b_runs.end());
+  EXPECT_TRUE(a.sink->closed());
+  expect_status(a.sink->status(), StatusCode::UNAVAILABLE, {"heartbeat"});
+  // The fenced incarnation's reports are refused; it registers again, empty.
+  expect_status(report(a), StatusCode::FAILED_PRECONDITION, {"drained", "register again"});
+  TestEngine a2 = add("a");
+  EXPECT_NE(a2.incarnation, a.incarnation);
+  EXPECT_EQ(stats().engines(0).indexed_blocks(), 0u);
+  EXPECT_TRUE(stats().engines(0).alive());
+  expect_status(report(a), StatusCode::FAILED_PRECONDITION, {"incarnation", "not the current"});
+}
+
+TEST_F(CoreTest, RegisteringAgainKeepsHeldRequestsAndMovesTheRest) {
+  TestEngine a = add("a"), b = add("b");
+  std::vector<std::shared_ptr<EventSink>> on_a;
+  std::vector<std::string> ids;
+  while (on_a.size() < 3) {
+    auto s = submit(generate_request(random_tokens(100, rng), 8));
+    if (engine_of(*s) == "a") {
+      on_a.push_back(s);
+      ids.push_back(id_of(*s));
+    }
+  }
+  ASSERT_TRUE(report(a, {progress(ids[0], P::STARTED), progress(ids[0], P::RUNNING, {1, 2}, 0)}).ok());
+  ASSERT_TRUE(report(a, {progress(ids[1], P::STARTED)}).ok());
+  // The assignment stream broke; a registers again holding ids[0] (3 tokens
+  // by now) but not ids[1] (lost after start) nor ids[2] (never received),
+  // and something the scheduler never gave it.
+  v1::HeldRequest h0, stray;
+  h0.set_request_id(ids[0]);
+  h0.set_started(true);
+  for (uint32_t t : {1u, 2u, 3u}) h0.add_output_tokens(t);
+  stray.set_request_id("stray");
+  TestEngine a2 = add("a", 4096, "", {h0, stray});
+  EXPECT_EQ(released, std::vector<std::string>{"stray"});
+  EXPECT_EQ(tokens_of(*on_a[0]), (std::vector<uint32_t>{1, 2, 3}));
+  expect_status(on_a[1]->status(), StatusCode::UNAVAILABLE, {"registered again without request"});
+  const auto b_runs = b.runs();
+  EXPECT_NE(std::find(b_runs.begin(), b_runs.end(), ids[2]), b_runs.end());
+  ASSERT_TRUE(report(a2, {progress(ids[0], P::FINISHED, {4}, 3)}).ok());
+  EXPECT_EQ(tokens_of(*on_a[0]), (std::vector<uint32_t>{1, 2, 3, 4}));
+  EXPECT_TRUE(on_a[0]->status().ok());
+}
+
+TEST_F(CoreTest, LeaveWithAndWithoutDrain) {
+  TestEngine a = add("a");
+  auto s = submit(generate_request(random_tokens(40, rng), 4, "r1"));
+  v1::LeaveRequest l;
+  l.set_engine_id("a");
+  l.set_incarnation(a.incarnation);
+  l.set_drain(true);
+  v1::LeaveResponse resp;
+  ASSERT_TRUE(core->leave(l, &resp, now).ok());
+  auto s2 = submit(generate_request(random_tokens(40, rng), 4, "r2"));
+  EXPECT_TRUE(s2->messages().empty());  // nothing new goes to a draining engine
+  ASSERT_TRUE(report(a, {progress("r1", P::FINISHED, {9}, 0)}).ok());  // it finishes what it held
+  EXPECT_TRUE(s->status().ok());
+  TestEngine b = add("b");
+  EXPECT_EQ(engine_of(*s2), "b");
+  ASSERT_TRUE(report(b, {progress("r2", P::STARTED)}).ok());
+  l.set_engine_id("b");
+  l.set_incarnation(b.incarnation);
+  l.set_drain(false);
+  ASSERT_TRUE(core->leave(l, &resp, now).ok());
+  EXPECT_TRUE(b.sink->closed());
+  expect_status(s2->status(), StatusCode::UNAVAILABLE, {"'b'", "left"});
+  expect_status(report(b), StatusCode::FAILED_PRECONDITION, {"left"});
+}
+
+TEST_F(CoreTest, RecoversLoggedRequestsAfterARestart) {
+  TempDir dir;
+  const std::string path = dir.file("log");
+  options.recovery_grace_ms = 500;
+  std::vector<std::string> ids;
+  {
+    std::vector<RequestLog::LiveRequest> live;
+    RequestLog log(path, &live);
+    make(options, &log);
+    TestEngine a = add("a");
+    for (int i = 0; i < 4; ++i) submit(generate_request(random_tokens(40, rng), 8, "q" + std::to_string(i)));
+    log.sync();  // durable -> routed
+    core->tick(now);
+    ASSERT_EQ(a.runs().size(), 4u);
+    ASSERT_TRUE(report(a, {progress("q0", P::STARTED), progress("q0", P::RUNNING, {1, 2}, 0),
+                           progress("q1", P::STARTED), progress("q3", P::STARTED),
+                           progress("q3", P::FINISHED, {7}, 0)})
+                    .ok());
+    log.sync();
+    core.reset();  // the scheduler dies
+  }
+  std::vector<RequestLog::LiveRequest> live;
+  RequestLog log(path, &live);
+  ASSERT_EQ(live.size(), 3u);  // q3 finished
+  make(options, &log, std::move(live));
+  // The engine comes back holding q0 (3 tokens now) and q2 (queued); q1
+  // started on an engine that never returns.
+  v1::HeldRequest h0, h2;
+  h0.set_request_id("q0");
+  h0.set_started(true);
+  for (uint32_t t : {1u, 2u, 3u}) h0.add_output_tokens(t);
+  h2.set_request_id("q2");
+  TestEngine a = add("a", 4096, "", {h0, h2});
+  EXPECT_TRUE(released.empty());
+  auto c0 = std::make_shared<EventSink>();
+  v1::ResumeRequest rr;
+  rr.set_request_id("q0");
+  rr.set_from_token(2);
+  ASSERT_TRUE(core->resume(rr, c0).ok());
+  EXPECT_EQ(c0->messages().back().tokens().offset(), 2u);
+  ASSERT_TRUE(report(a, {progress("q0", P::FINISHED, {4}, 3)}).ok());
+  EXPECT_TRUE(c0->status().ok());
+  advance(600);  // grace over: q1 fails (it had started), q2 stays with a
+  auto c1 = std::make_shared<EventSink>();
+  rr.set_request_id("q1");
+  rr.set_from_token(0);
+  ASSERT_TRUE(core->resume(rr, c1).ok());
+  expect_status(c1->status(), StatusCode::UNAVAILABLE, {"q1", "did not return"});
+  EXPECT_EQ(stats().engines(0).outstanding(), 1u);  // q2
+}
+
+TEST_F(CoreTest, UnclaimedLoggedRequestsAreRoutedAfterTheGrace) {
+  TempDir dir;
+  const std::string path = dir.file("log");
+  options.recovery_grace_ms = 300;
+  {
+    std::vector<RequestLog::LiveRequest> live;
+    RequestLog log(path, &live);
+    make(options, &log);
+    submit(generate_request(random_tokens(40, rng), 8, "w"));
+    log.sync();
+    core.reset();
+  }
+  std::vector<RequestLog::LiveRequest> live;
+  RequestLog log(path, &live);
+  make(options, &log, std::move(live));
+  TestEngine a = add("a");  // holds nothing
+  advance(100);
+  EXPECT_TRUE(a.runs().empty());
+  advance(300);
+  EXPECT_EQ(a.runs(), std::vector<std::string>{"w"});
+}
+
+// ------------------------------------------------------------------ bad input
+
+TEST_F(CoreTest, BadEngineInput) {
+  v1::RegisterResponse resp;
+  auto reg = registration("e1");
+  reg.mutable_engine()->set_block_size(32);
+  expect_status(core->register_engine(reg, &resp, now), StatusCode::FAILED_PRECONDITION,
+                {"block_size 32", "'e1'", "block size 16"});
+  reg = registration("bad id!");
+  expect_status(core->register_engine(reg, &resp, now), StatusCode::INVALID_ARGUMENT,
+                {"engine.engine_id", "bad id!", "[A-Za-z0-9._:-]"});
+  reg = registration("e1", 0);
+  expect_status(core->register_engine(reg, &resp, now), StatusCode::INVALID_ARGUMENT,
+                {"kv_capacity_blocks 0"});
+  reg = registration("e1", 8, 0);
+  expect_status(core->register_engine(reg, &resp, now), StatusCode::INVALID_ARGUMENT, {"max_batch 0"});
+
+  TestEngine ghost{"ghost", 1, 0, nullptr};
+  expect_status(report(ghost), StatusCode::NOT_FOUND, {"engine_id 'ghost'", "not registered"});
+  v1::ReceiveAssignmentsRequest ra;
+  ra.set_engine_id("ghost");
+  expect_status(core->attach_engine(ra, std::make_shared<AssignmentSink>(), now), StatusCode::NOT_FOUND,
+                {"'ghost'"});
+
+  TestEngine e = add("e1");
+  ASSERT_TRUE(report(e).ok());
+  TestEngine replay = e;
+  replay.seq = 0;  // seq 1 again
+  expect_status(report(replay), StatusCode::FAILED_PRECONDITION,
+                {"seq 1", "last accepted 1", "out of order or repeated"});
+  TestEngine stale = e;
+  stale.incarnation += 99;
+  expect_status(report(stale), StatusCode::FAILED_PRECONDITION, {"incarnation", "register again"});
+
+  const uint64_t unknown_parent = 0xabcdef;
+  expect_status(report(e, {}, {stored({1, 2}, nullptr, {1, 2, 3})}), StatusCode::INVALID_ARGUMENT,
+                {"kv_events[0].stored.token_ids has 3 tokens", "need 32"});
+  expect_status(report(e, {}, {stored({}, nullptr)}), StatusCode::INVALID_ARGUMENT,
+                {"block_hashes is empty"});
+  expect_status(report(e, {}, {stored({1}, &unknown_parent, std::vector<uint32_t>(16, 1))}),
+                StatusCode::FAILED_PRECONDITION, {"parent_block_hash 0x0000000000abcdef", "'e1'"});
+  expect_status(report(e, {}, {v1::KvEvent{}}), StatusCode::INVALID_ARGUMENT, {"kv_events[0] has no event"});
+  expect_status(report(e, {progress("", P::RUNNING)}), StatusCode::INVALID_ARGUMENT,
+                {"progress[0].request_id is empty"});
+  expect_status(report(e, {progress("x", P::PHASE_UNSPECIFIED)}), StatusCode::INVALID_ARGUMENT,
+                {"progress[0].phase 0"});
+  // A refused report changes nothing and does not use up its seq.
+  EXPECT_EQ(stats().engines(0).indexed_blocks(), 0u);
+  ASSERT_TRUE(report(e).ok());
+}
+
+TEST_F(CoreTest, BadClientInput) {
+  add("e", 64);  // 64 blocks x 16 = 1,024 tokens of KV cache
+  Status s;
+  submit(generate_request({}, 4), &s);
+  expect_status(s, StatusCode::INVALID_ARGUMENT, {"prompt_tokens is empty"});
+  submit(generate_request(std::vector<uint32_t>(options.max_prompt_tokens + 1, 1), 4), &s);
+  expect_status(s, StatusCode::OUT_OF_RANGE, {"131073 tokens", "limit is 131072", "--max-prompt-tokens"});
+  submit(generate_request({1, 2}, 0), &s);
+  expect_status(s, StatusCode::OUT_OF_RANGE, {"sampling.max_new_tokens 0", "1..32768"});
+  submit(generate_request({1, 2}, 40000), &s);
+  expect_status(s, StatusCode::OUT_OF_RANGE, {"max_new_tokens 40000"});
+  submit(generate_request({1, 2}, 4, "has space"), &s);
+  expect_status(s, StatusCode::INVALID_ARGUMENT, {"request_id 'has space'"});
+  submit(generate_request(std::vector<uint32_t>(1000, 1), 100), &s);
+  expect_status(s, StatusCode::OUT_OF_RANGE, {"exceed the largest engine's KV cache (1024 tokens)"});
+  auto r = generate_request({1, 2}, 4);
+  r.set_stream_interval(5000);
+  submit(r, &s);
+  expect_status(s, StatusCode::INVALID_ARGUMENT, {"stream_interval 5000"});
+  r = generate_request({1, 2}, 4);
+  r.set_session_id(std::string(300, 's'));
+  submit(r, &s);
+  expect_status(s, StatusCode::INVALID_ARGUMENT, {"session_id", "at most 256"});
+  submit(generate_request({1, 2}, 4, "dup"), &s);
+  ASSERT_TRUE(s.ok());
+  submit(generate_request({1, 2}, 4, "dup"), &s);
+  expect_status(s, StatusCode::ALREADY_EXISTS, {"'dup'"});
+  v1::ResumeRequest rr;
+  rr.set_request_id("nope");
+  expect_status(core->resume(rr, std::make_shared<EventSink>()), StatusCode::NOT_FOUND, {"'nope'"});
+  rr.set_request_id("dup");
+  rr.set_from_token(5);
+  expect_status(core->resume(rr, std::make_shared<EventSink>()), StatusCode::OUT_OF_RANGE,
+                {"from_token 5", "0 output tokens"});
+  expect_status(core->cancel("nope"), StatusCode::NOT_FOUND, {"'nope'"});
+}
+
+TEST_F(CoreTest, EngineTableFullThenSlotsAreReused) {
+  options.heartbeat_interval_ms = 10;
+  options.heartbeat_timeout_ms = 20;
+  make(options);
+  for (int i = 0; i < kMaxEngines; ++i) add(engine_name(i));
+  v1::RegisterResponse resp;
+  expect_status(core->register_engine(registration("one-too-many"), &resp, now),
+                StatusCode::RESOURCE_EXHAUSTED, {"engine table is full", "256"});
+  advance(30);  // every engine silent: all drained, their slots free
+  EXPECT_TRUE(core->register_engine(registration("one-too-many"), &resp, now).ok());
+}
+
+TEST(SchedulerOptions, ValidateNamesTheOption) {
+  SchedulerOptions o;
+  o.validate();
+  o.heartbeat_timeout_ms = o.heartbeat_interval_ms;
+  EXPECT_THROW(o.validate(), std::invalid_argument);
+  o = {};
+  o.policy = "fastest";
+  EXPECT_THROW(o.validate(), std::invalid_argument);
+  o = {};
+  o.tls_cert = "cert.pem";
+  try {
+    o.validate();
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("tls_key"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace moelink::scheduler
