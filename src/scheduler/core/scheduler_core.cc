@@ -800,13 +800,19 @@ void SchedulerCore::tick(Clock::time_point now) {
   }
   std::lock_guard<std::mutex> lock(mu_);
   // Engines whose assignment stream ended: not routable until they attach
-  // again; what they hold stays with them until their heartbeat deadline
-  // (they may still be running it).
+  // again. Their queued requests move at once (safe: an engine starts a
+  // request only after the scheduler acknowledged STARTED, and a moved
+  // request's STARTED is revoked); started ones stay until the heartbeat
+  // deadline or the engine's next registration (it may still run them).
   for (const auto& [id, sink] : gone_streams) {
     Engine* e = find_engine(id);
     if (e == nullptr || e->sink.get() != sink) continue;
     e->sink.reset();
     if (e->state == EngineState::kLive) e->state = EngineState::kRegistered;
+    std::vector<Request*> queued;
+    for (Request* r : e->requests)
+      if (r->state == RequestState::kQueued) queued.push_back(r);
+    for (Request* r : queued) reroute(*r, now);
   }
   // Clients that went away: their requests are cancelled at the engine.
   for (const auto& [id, sink] : gone) {
