@@ -15,10 +15,11 @@ cutlass_version=4.2.0.0  # CUTLASS's C++ headers (nvidia-cutlass wheel) for the 
 
 moelink_apt_build=(cmake ninja-build g++ pkg-config googletest libgtest-dev libcli11-dev
                    nlohmann-json3-dev libfabric-dev libibverbs-dev
-                   libgrpc++-dev libprotobuf-dev protobuf-compiler-grpc libcpp-httplib-dev)
+                   libgrpc++-dev libprotobuf-dev protobuf-compiler-grpc libcpp-httplib-dev
+                   libxxhash-dev)
 moelink_pip_build=("nanobind>=2.0" "scikit-build-core>=0.10" "nvidia-cutlass==$cutlass_version"
                    "grpcio-tools>=1.60")
-moelink_pip_test=("numpy>=1.21" "pytest>=7" "ml-dtypes>=0.2" "grpcio>=1.60")
+moelink_pip_test=("numpy>=1.21" "pytest>=7" "ml-dtypes>=0.2" "grpcio>=1.60" "xxhash>=3.0")
 
 # Prints the requirements (pip form) that python3 lacks or has at another version.
 _moelink_missing_pip() {

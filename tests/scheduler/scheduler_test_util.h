@@ -20,10 +20,10 @@ namespace moelink::scheduler::testing {
 template <class Msg>
 class RecordingSink final : public Sink<Msg> {
  public:
-  bool send(const Msg& m) override {
+  bool send(Msg m) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return false;
-    msgs_.push_back(m);
+    msgs_.push_back(std::move(m));
     return true;
   }
   void close(const grpc::Status& s) override {

@@ -35,6 +35,18 @@ TEST(Policy, TtftWeighsQueuedWorkAgainstTheCache) {
   EXPECT_EQ(p->choose(1000, e).slot, 0);
 }
 
+TEST(Policy, TtftKeepsABurstSharingAPrefixTogether) {
+  // The first request of a burst is still queued on engine 0 (its 2,176
+  // prompt tokens); the second shares its 2,048-token prefix. An idle engine
+  // would start it as soon, but recompute the prefix: the miss weight
+  // counts that work.
+  std::vector<EngineView> e = {engine(0, 2176, 2048, 2176), engine(1, 0)};
+  EXPECT_EQ(Policy::make(PolicyKind::kTtft, {})->choose(2176, e).slot, 0);
+  PolicyOptions pure;
+  pure.miss_weight = 0;  // the estimate alone scatters the burst
+  EXPECT_EQ(Policy::make(PolicyKind::kTtft, pure)->choose(2176, e).slot, 1);
+}
+
 TEST(Policy, TtftLoadBoundOverridesTheCache) {
   PolicyOptions o;
   o.imbalance_bound = 1.5;

@@ -28,6 +28,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1.0, 100.0))->capture_default_str();
   app.add_option("--imbalance-slack-tokens", o.imbalance_slack_tokens, "see --imbalance-bound")
       ->capture_default_str();
+  app.add_option("--miss-weight", o.miss_weight,
+                 "ttft: weight of the prefill work a request adds (its uncached tokens)")
+      ->check(CLI::Range(0.0, 100.0))->capture_default_str();
   app.add_option("--block-size", o.block_size, "tokens per KV block (every engine's)")
       ->check(CLI::Range(1, 4096))->capture_default_str();
   app.add_option("--max-prompt-tokens", o.max_prompt_tokens, "longest prompt accepted")

@@ -5,13 +5,14 @@
 // so one hash names the whole prefix up to and including that block:
 //
 //   h(-1) = kRootBlockHash
-//   h(i)  = block_hash(h(i-1), tokens[i*bs .. (i+1)*bs))
-//   block_hash(parent, t[0..n)): x = parent ^ (n * 0x9E3779B97F4A7C15);
-//                                for each t: x = splitmix64(x ^ t); return x
+//   h(i)  = XXH3_64bits_withSeed(tokens[i*bs .. (i+1)*bs) as little-endian
+//                                uint32 bytes, seed = h(i-1))
 //
-// splitmix64 is Steele, Lea and Flood's finalizer (constants below). The
-// Python engine client (moelink.scheduler.block_hash) computes the same
-// values; tests/scheduler pin a few so the two cannot drift apart.
+// XXH3 (xxHash >= 0.8, whose XXH3 output is frozen) hashes a 16-token block
+// in a few nanoseconds, so hashing a prompt costs little next to matching it.
+// The Python engine client (moelink.scheduler.block_hash, the xxhash
+// package) computes the same values; tests/scheduler and tests/python pin a
+// few so the two cannot drift apart.
 #pragma once
 #include <cstdint>
 #include <span>
@@ -21,6 +22,8 @@ namespace moelink::scheduler {
 
 inline constexpr uint64_t kRootBlockHash = 0x6D6F656C696E6B31ull;  // "moelink1"
 
+// Steele, Lea and Flood's 64-bit finalizer (a good mix for small keys; the
+// engine simulator derives its output tokens with it).
 constexpr uint64_t splitmix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;

@@ -12,6 +12,7 @@ struct SchedulerOptions {
   std::string policy = "ttft";             // ttft | round-robin | least-loaded | prefix-only
   double imbalance_bound = 1.5;            // ttft: load <= bound x mean + slack
   uint64_t imbalance_slack_tokens = 8192;
+  double miss_weight = 1.0;                // ttft: weight of the prefill work a request adds
   uint32_t block_size = 16;                // tokens per KV block, every engine's
   uint32_t max_prompt_tokens = 131072;
   uint32_t max_new_tokens = 32768;

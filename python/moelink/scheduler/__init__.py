@@ -8,7 +8,7 @@ scheduler (docs/scheduler.md; contract: proto/moelink/scheduler/v1/scheduler.pro
   CodepointTokenizer    a reversible toy tokenizer (tests, benchmarks)
   pb                    the protocol's messages (scheduler_pb2)
 
-Needs grpcio and protobuf (pip install moelink[scheduler])."""
+Needs grpcio, protobuf and xxhash (pip install moelink[scheduler])."""
 
 from __future__ import annotations
 

@@ -70,6 +70,7 @@ class LocalCluster:
         self.stream_interval = stream_interval
         self._own_dir = workdir is None
         self.dir = workdir or tempfile.mkdtemp(prefix="moelink-cluster-")
+        os.makedirs(self.dir, exist_ok=True)
         self.request_log = os.path.join(self.dir, "requests.log") if request_log else None
         self.port = 0
         self.scheduler_proc: Optional[subprocess.Popen] = None

@@ -1,13 +1,17 @@
 #include "moelink/scheduler/block_hash.h"
 
+#include <xxhash.h>
+
+#include <bit>
 #include <stdexcept>
+
+static_assert(std::endian::native == std::endian::little,
+              "moelink block hash v1 hashes tokens as little-endian bytes");
 
 namespace moelink::scheduler {
 
 uint64_t block_hash(uint64_t parent, std::span<const uint32_t> tokens) {
-  uint64_t x = parent ^ (static_cast<uint64_t>(tokens.size()) * 0x9E3779B97F4A7C15ull);
-  for (uint32_t t : tokens) x = splitmix64(x ^ t);
-  return x;
+  return XXH3_64bits_withSeed(tokens.data(), tokens.size_bytes(), parent);
 }
 
 void prompt_block_hashes(std::span<const uint32_t> tokens, uint32_t block_size,

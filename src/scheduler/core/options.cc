@@ -28,6 +28,8 @@ void SchedulerOptions::validate() const {
   policy_from_string(policy);
   need(std::isfinite(imbalance_bound) && imbalance_bound >= 1.0 && imbalance_bound <= 100,
        "imbalance_bound " + std::to_string(imbalance_bound) + " is outside 1..100");
+  need(std::isfinite(miss_weight) && miss_weight >= 0 && miss_weight <= 100,
+       "miss_weight " + std::to_string(miss_weight) + " is outside 0..100");
   in_range("block_size", block_size, 1, 4096);
   in_range("max_prompt_tokens", max_prompt_tokens, 1, 1u << 24);
   in_range("max_new_tokens", max_new_tokens, 1, 1u << 24);

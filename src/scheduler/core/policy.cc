@@ -1,5 +1,6 @@
 #include "scheduler/core/policy.h"
 
+#include <algorithm>
 #include <limits>
 #include <stdexcept>
 
@@ -63,16 +64,20 @@ class TtftPolicy final : public Policy {
     const double limit = load_limit(prompt_tokens, engines);
     const EngineView* best = nullptr;
     double best_us = std::numeric_limits<double>::infinity();
+    double best_cost = std::numeric_limits<double>::infinity();
     for (const EngineView& e : engines) {
       if (&e != floor && static_cast<double>(e.load_tokens + prompt_tokens) > limit) continue;
       const double us = estimated_ttft_us(e, prompt_tokens);
+      const uint32_t uncached = prompt_tokens - std::min(prompt_tokens, e.matched_tokens);
+      const double cost = us + options_.miss_weight * e.prefill_us_per_token * uncached;
       // Ties go to the engine that recomputes less, then to the less loaded.
-      if (us < best_us ||
-          (us == best_us && (e.matched_tokens > best->matched_tokens ||
-                             (e.matched_tokens == best->matched_tokens &&
-                              e.load_tokens < best->load_tokens)))) {
+      if (cost < best_cost ||
+          (cost == best_cost && (e.matched_tokens > best->matched_tokens ||
+                                 (e.matched_tokens == best->matched_tokens &&
+                                  e.load_tokens < best->load_tokens)))) {
         best = &e;
         best_us = us;
+        best_cost = cost;
       }
     }
     Choice c = choice_of(*best);
@@ -144,6 +149,8 @@ std::unique_ptr<Policy> Policy::make(PolicyKind kind, const PolicyOptions& o) {
   if (!(o.imbalance_bound >= 1.0))
     throw std::invalid_argument("imbalance_bound " + std::to_string(o.imbalance_bound) +
                                 " must be >= 1");
+  if (!(o.miss_weight >= 0.0 && o.miss_weight <= 100.0))
+    throw std::invalid_argument("miss_weight " + std::to_string(o.miss_weight) + " is outside 0..100");
   switch (kind) {
     case PolicyKind::kTtft: return std::make_unique<TtftPolicy>(o);
     case PolicyKind::kRoundRobin: return std::make_unique<RoundRobinPolicy>(o);

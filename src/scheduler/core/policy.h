@@ -3,8 +3,13 @@
 //   ttft          (default) the engine with the least estimated time to first
 //                 token: its queued prefill work plus this prompt's uncached
 //                 tokens, times its prefill cost per token, plus the wait for
-//                 a batch slot when its batch is full; among the engines
-//                 within the load bound (below).
+//                 a batch slot when its batch is full; plus miss_weight times
+//                 the prefill time of the uncached tokens, the work the
+//                 request adds for the engine's later requests (without it a
+//                 burst sharing a prefix would scatter: the second request
+//                 finds the first one's prefill queued and an idle engine
+//                 looks as fast, recomputing the whole prefix there); among
+//                 the engines within the load bound (below).
 //   round-robin   engines in turn.
 //   least-loaded  the engine holding the fewest tokens.
 //   prefix-only   the engine holding the longest prefix of the prompt; ties
@@ -32,6 +37,7 @@ PolicyKind policy_from_string(const std::string& s);
 struct PolicyOptions {
   double imbalance_bound = 1.5;
   uint64_t imbalance_slack_tokens = 8192;
+  double miss_weight = 1.0;  // ttft: weight of the prefill work a request adds
 };
 
 // What a policy sees of one engine.

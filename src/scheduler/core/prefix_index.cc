@@ -1,24 +1,8 @@
 #include "scheduler/core/prefix_index.h"
 
+#include <algorithm>
+
 namespace moelink::scheduler {
-
-EngineSet EngineSet::operator&(const EngineSet& o) const {
-  EngineSet r;
-  for (int i = 0; i < 4; ++i) r.w_[i] = w_[i] & o.w_[i];
-  return r;
-}
-
-EngineSet EngineSet::operator|(const EngineSet& o) const {
-  EngineSet r;
-  for (int i = 0; i < 4; ++i) r.w_[i] = w_[i] | o.w_[i];
-  return r;
-}
-
-EngineSet EngineSet::without(const EngineSet& o) const {
-  EngineSet r;
-  for (int i = 0; i < 4; ++i) r.w_[i] = w_[i] & ~o.w_[i];
-  return r;
-}
 
 void PrefixIndex::store(int slot, uint64_t hash) {
   Entry& e = map_[hash];
@@ -59,6 +43,7 @@ void PrefixIndex::add_provisional(int slot, std::span<const uint64_t> hashes,
   if (hashes.empty()) return;
   for (uint64_t h : hashes) {
     Entry& e = map_[h];
+    if (e.confirmed.test(slot)) continue;  // the engine said so itself
     e.provisional.set(slot);
     if (e.provisional_until < expiry) e.provisional_until = expiry;
   }
@@ -85,7 +70,12 @@ void PrefixIndex::match(std::span<const uint64_t> hashes, const EngineSet& engin
   matched.assign(kMaxEngines, 0);
   EngineSet alive = engines;
   uint32_t i = 0;
+  // Blocks are looked up in order and the walk stops at the first miss;
+  // prefetching a few blocks ahead hides most of each lookup's memory latency.
+  constexpr size_t kAhead = 8;
+  for (size_t k = 0; k < std::min(kAhead, hashes.size()); ++k) map_.prefetch(hashes[k]);
   for (; i < hashes.size() && !alive.none(); ++i) {
+    if (i + kAhead < hashes.size()) map_.prefetch(hashes[i + kAhead]);
     auto it = map_.find(hashes[i]);
     EngineSet holding;
     if (it != map_.end()) holding = (it->second.confirmed | it->second.provisional) & alive;

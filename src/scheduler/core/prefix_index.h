@@ -30,9 +30,21 @@ class EngineSet {
   void reset(int slot) { w_[slot >> 6] &= ~(1ull << (slot & 63)); }
   bool test(int slot) const { return (w_[slot >> 6] >> (slot & 63)) & 1; }
   bool none() const { return (w_[0] | w_[1] | w_[2] | w_[3]) == 0; }
-  EngineSet operator&(const EngineSet& o) const;
-  EngineSet operator|(const EngineSet& o) const;
-  EngineSet without(const EngineSet& o) const;  // this & ~o
+  EngineSet operator&(const EngineSet& o) const {
+    EngineSet r;
+    for (int i = 0; i < 4; ++i) r.w_[i] = w_[i] & o.w_[i];
+    return r;
+  }
+  EngineSet operator|(const EngineSet& o) const {
+    EngineSet r;
+    for (int i = 0; i < 4; ++i) r.w_[i] = w_[i] | o.w_[i];
+    return r;
+  }
+  EngineSet without(const EngineSet& o) const {  // this & ~o
+    EngineSet r;
+    for (int i = 0; i < 4; ++i) r.w_[i] = w_[i] & ~o.w_[i];
+    return r;
+  }
   // Calls f(slot) for every member, in increasing order.
   template <class F>
   void for_each(F&& f) const {

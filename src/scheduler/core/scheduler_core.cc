@@ -37,8 +37,9 @@ SchedulerCore::SchedulerCore(const SchedulerOptions& options, RequestLog* log,
     : options_(options),
       log_(log),
       policy_kind_(policy_from_string(options.policy)),
-      policy_(Policy::make(policy_kind_, PolicyOptions{options.imbalance_bound,
-                                                       options.imbalance_slack_tokens})) {
+      policy_(Policy::make(policy_kind_,
+                           PolicyOptions{options.imbalance_bound, options.imbalance_slack_tokens,
+                                         options.miss_weight})) {
   options_.validate();
   // Incarnations stay unique across scheduler restarts: start from the wall clock.
   next_incarnation_ = static_cast<uint64_t>(
@@ -399,13 +400,13 @@ void SchedulerCore::drop_engine(Engine& e, EngineState new_state, const Status& 
 
 // ------------------------------------------------------------------ requests
 
-Status SchedulerCore::submit(const v1::GenerateRequest& req, std::shared_ptr<ClientSink> sink,
+Status SchedulerCore::submit(v1::GenerateRequest req, std::shared_ptr<ClientSink> sink,
                              Clock::time_point now) {
   if (Status s = validate_generate(req, options_); !s.ok()) return s;
   const auto t0 = Clock::now();
   auto r = std::make_unique<Request>();
-  r->req = req;
   r->id = req.request_id().empty() ? new_request_id() : req.request_id();
+  r->req.Swap(&req);
   r->req.set_request_id(r->id);
   prompt_block_hashes(tokens_of(r->req.prompt_tokens()), options_.block_size, r->hashes);
   r->client = std::move(sink);
@@ -547,7 +548,7 @@ void SchedulerCore::route_redirect(Request& r, std::shared_ptr<ClientSink> sink,
   rd->set_engine_id(e.id);
   rd->set_address(e.info.address());
   rd->set_expected_cached_tokens(c.cached_tokens);
-  sink->send(ev);
+  sink->send(std::move(ev));
   sink->close(Status::OK);
 }
 
@@ -572,7 +573,7 @@ void SchedulerCore::assign(Request& r, Engine& e, const Choice& c, Clock::time_p
     *run->mutable_prompt_tokens() = r.req.prompt_tokens();
     *run->mutable_sampling() = r.req.sampling();
     run->set_expected_cached_tokens(c.cached_tokens);
-    e.sink->send(a);
+    e.sink->send(std::move(a));
   }
   if (r.client) {
     v1::GenerateEvent ev;
@@ -580,7 +581,7 @@ void SchedulerCore::assign(Request& r, Engine& e, const Choice& c, Clock::time_p
     acc->set_request_id(r.id);
     acc->set_engine_id(e.id);
     acc->set_expected_cached_tokens(c.cached_tokens);
-    r.client->send(ev);
+    r.client->send(std::move(ev));
   }
 }
 
@@ -642,7 +643,7 @@ void SchedulerCore::forward(Request& r, bool flush) {
   t->set_offset(r.forwarded);
   t->mutable_token_ids()->Add(r.output.begin() + r.forwarded, r.output.end());
   r.forwarded = static_cast<uint32_t>(r.output.size());
-  r.client->send(ev);
+  r.client->send(std::move(ev));
 }
 
 void SchedulerCore::finish(Request& r, const Status& status, const std::string& reason,
@@ -671,7 +672,7 @@ void SchedulerCore::finish(Request& r, const Status& status, const std::string& 
       f->set_output_tokens(static_cast<uint32_t>(r.output.size()));
       f->set_cached_tokens(r.cached);
       f->set_engine_id(engine_id);
-      r.client->send(ev);
+      r.client->send(std::move(ev));
     }
     r.client->close(status);
     r.client.reset();
@@ -685,7 +686,7 @@ void SchedulerCore::reroute(Request& r, Clock::time_point now) {
     v1::Assignment a;
     a.mutable_cancel()->set_request_id(r.id);
     a.mutable_cancel()->set_reason("re-routed");
-    from->sink->send(a);
+    from->sink->send(std::move(a));
   }
   detach(r);
   ++rerouted_;
@@ -744,7 +745,7 @@ Status SchedulerCore::resume(const v1::ResumeRequest& req, std::shared_ptr<Clien
     ev.mutable_accepted()->set_request_id(r.id);
     ev.mutable_accepted()->set_engine_id(engines_[r.slot]->id);
     ev.mutable_accepted()->set_expected_cached_tokens(r.expected_cached);
-    r.client->send(ev);
+    r.client->send(std::move(ev));
   }
   if (r.state == RequestState::kDone) {
     const Status st = r.final_status;
@@ -756,7 +757,7 @@ Status SchedulerCore::resume(const v1::ResumeRequest& req, std::shared_ptr<Clien
       f->set_finish_reason(r.finish_reason);
       f->set_output_tokens(static_cast<uint32_t>(r.output.size()));
       f->set_cached_tokens(r.cached);
-      r.client->send(ev);
+      r.client->send(std::move(ev));
     }
     r.client->close(st);
     r.client.reset();
@@ -776,7 +777,7 @@ Status SchedulerCore::cancel(const std::string& request_id) {
     v1::Assignment a;
     a.mutable_cancel()->set_request_id(r.id);
     a.mutable_cancel()->set_reason("cancelled by the client");
-    engines_[r.slot]->sink->send(a);
+    engines_[r.slot]->sink->send(std::move(a));
   }
   finish(r, Status(StatusCode::CANCELLED, "request " + r.id + " was cancelled"), "cancelled",
          Clock::now());
@@ -826,7 +827,7 @@ void SchedulerCore::tick(Clock::time_point now) {
       v1::Assignment a;
       a.mutable_cancel()->set_request_id(r.id);
       a.mutable_cancel()->set_reason("the client went away");
-      engines_[r.slot]->sink->send(a);
+      engines_[r.slot]->sink->send(std::move(a));
     }
     finish(r, Status(StatusCode::CANCELLED, "client went away"), "cancelled", now);
   }

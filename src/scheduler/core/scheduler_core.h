@@ -54,7 +54,7 @@ class SchedulerCore {
 
   // ---- clients (Frontend)
   // Validates and accepts a request; the sink then receives its events.
-  grpc::Status submit(const v1::GenerateRequest& req, std::shared_ptr<ClientSink> sink,
+  grpc::Status submit(v1::GenerateRequest req, std::shared_ptr<ClientSink> sink,
                       Clock::time_point now);
   grpc::Status resume(const v1::ResumeRequest& req, std::shared_ptr<ClientSink> sink);
   grpc::Status cancel(const std::string& request_id);

@@ -11,8 +11,9 @@ template <class Msg>
 class Sink {
  public:
   virtual ~Sink() = default;
-  // Queues one message; false once the stream is closed (the message is dropped).
-  virtual bool send(const Msg& msg) = 0;
+  // Queues one message (taken by value: prompts are large, callers move);
+  // false once the stream is closed (the message is dropped).
+  virtual bool send(Msg msg) = 0;
   // Ends the stream with `status` after the queued messages.
   virtual void close(const grpc::Status& status) = 0;
 };

@@ -62,7 +62,7 @@ grpc::ServerWriteReactor<v1::GenerateEvent>* FrontendService::Generate(
   w->set_on_end([this, id = named.request_id(), raw](bool cancelled) {
     if (cancelled) core_.client_gone(id, raw);
   });
-  if (auto s = core_.submit(named, w, Clock::now()); !s.ok()) w->close(s);
+  if (auto s = core_.submit(std::move(named), w, Clock::now()); !s.ok()) w->close(s);
   return w.get();
 }
 

@@ -30,15 +30,15 @@ class StreamWriter final : public grpc::ServerWriteReactor<Msg>, public Sink<Msg
   // cancelled by the peer, or finished. `cancelled` tells which.
   void set_on_end(std::function<void(bool cancelled)> f) { on_end_ = std::move(f); }
 
-  bool send(const Msg& msg) override {
+  bool send(Msg msg) override {
     std::unique_lock<std::mutex> lock(mu_);
     if (closing_) return false;
     if (writing_) {
-      queue_.push_back(msg);
+      queue_.push_back(std::move(msg));
       return true;
     }
     writing_ = true;
-    current_ = msg;
+    current_ = std::move(msg);
     lock.unlock();
     this->StartWrite(&current_);
     return true;

@@ -81,6 +81,12 @@ double CostModel::prefill_us(double tokens) const {
   return interpolate(prefill_tokens_, prefill_us_, tokens);
 }
 
+std::vector<std::pair<double, double>> CostModel::prefill_table() const {
+  std::vector<std::pair<double, double>> t;
+  for (size_t i = 0; i < prefill_tokens_.size(); ++i) t.push_back({prefill_tokens_[i], prefill_us_[i]});
+  return t;
+}
+
 double CostModel::prefill_us_per_token() const {
   return (prefill_us(8192) - prefill_us(4096)) / 4096.0;
 }

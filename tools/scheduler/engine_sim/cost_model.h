@@ -4,6 +4,7 @@
 // prefill by its token count. Tables at startup, interpolated after.
 #pragma once
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moelink::scheduler::sim {
@@ -26,6 +27,8 @@ class CostModel {
   // Marginal prefill cost per token at a 4,096-token prefill (what engines tell the scheduler).
   double prefill_us_per_token() const;
   const std::string& description() const { return description_; }
+  // The prefill table the model interpolates in: (tokens, us) pairs.
+  std::vector<std::pair<double, double>> prefill_table() const;
 
  private:
   std::vector<double> batches_, contexts_;  // decode table axes

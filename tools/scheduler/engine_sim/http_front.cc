@@ -136,7 +136,7 @@ void HttpFront::start() {
   const int threads = m.o.threads;
   m.server.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
   m.server.set_keep_alive_max_count(1000000);
-  m.server.set_keep_alive_timeout(60);
+  m.server.set_keep_alive_timeout(2);  // stop() waits for idle keep-alive connections
   if (!m.server.bind_to_port(m.o.host.c_str(), m.o.port))
     throw std::runtime_error("cannot listen on http://" + m.o.host + ":" + std::to_string(m.o.port));
   m.thread = std::thread([&m] { m.server.listen_after_bind(); });

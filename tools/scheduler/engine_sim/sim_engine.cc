@@ -83,6 +83,7 @@ void SimEngine::connect(EngineClientOptions co, std::chrono::milliseconds timeou
 
 void SimEngine::start() {
   thread_ = std::thread([this] { loop(); });
+  if (client_) reporter_ = std::thread([this] { reporter(); });
 }
 
 void SimEngine::stop() {
@@ -91,7 +92,17 @@ void SimEngine::stop() {
     stopping_ = true;
   }
   cv_.notify_all();
+  report_cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  if (reporter_.joinable()) reporter_.join();
+  // Local streams still waiting end now (their HTTP responses finish).
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [id, r] : requests_) {
+    if (!r->local) continue;
+    std::lock_guard<std::mutex> l(r->local->mu);
+    r->local->done = true;
+    r->local->cv.notify_all();
+  }
 }
 
 void SimEngine::leave() {
@@ -184,13 +195,9 @@ void SimEngine::loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
     sample_locked(wall_us());
-    const bool idle = waiting_.empty() && running_.empty() && finished_unreported_.empty() &&
-                      pending_evictions_.empty() && unacked_events_.empty();
-    if (idle) {
-      cv_.wait_for(lock, std::chrono::milliseconds(50));
-      continue;
-    }
-    step(lock);
+    const bool idle = waiting_.empty() && running_.empty();
+    // Nothing to do, or only requests waiting for memory: wait for an arrival.
+    if (idle || !step(lock)) cv_.wait_for(lock, std::chrono::milliseconds(50));
   }
 }
 
@@ -296,82 +303,30 @@ void SimEngine::finish(Request& r, std::vector<v1::KvEvent>& events) {
   }
 }
 
-void SimEngine::step(std::unique_lock<std::mutex>& lock) {
+bool SimEngine::step(std::unique_lock<std::mutex>& lock) {
+  // The modeled step time covers the report too, as a real engine's
+  // scheduling overlaps the GPU's work: the step ends at start + duration.
+  const auto step_start = std::chrono::steady_clock::now();
   std::vector<Request*> admitted;
   std::vector<uint64_t> evicted;
   admit(admitted, evicted);
-  for (uint64_t h : evicted) pending_evictions_.push_back(engine_hash(h));
+  if (client_)  // events go to the scheduler; without one there is nobody to tell
+    for (uint64_t h : evicted) pending_evictions_.push_back(engine_hash(h));
 
-  // Report before running the step: STARTED for the admitted requests (they
-  // start only once the scheduler acknowledged), output of the last step,
-  // KV events. Local requests need no report.
-  std::vector<v1::KvEvent>& events = unacked_events_;
-  if (client_) {
-    std::vector<v1::RequestProgress> progress;
-    std::vector<std::pair<Request*, uint32_t>> covered;  // request, output size reported
-    for (Request* r : admitted) {
-      if (!r->from_scheduler) continue;
-      v1::RequestProgress& p = progress.emplace_back();
-      p.set_request_id(r->id);
-      p.set_phase(v1::RequestProgress::STARTED);
-      p.set_cached_tokens(static_cast<uint32_t>(std::min<uint64_t>(
-          r->prompt.size(), uint64_t{r->cached_blocks} * o_.block_size)));
+  // Requests from the scheduler start only once it acknowledged STARTED
+  // (it may have given them to another engine meanwhile).
+  std::vector<Request*> starting;
+  for (Request* r : admitted)
+    if (r->from_scheduler) starting.push_back(r);
+  if (client_ && !starting.empty() && !report_locked(lock, starting)) {
+    for (auto it = starting.rbegin(); it != starting.rend(); ++it) {
+      revert(**it);
+      waiting_.push_front(*it);
     }
-    auto add_output = [&](Request* r) {
-      if (!r->from_scheduler || r->cancelled) return;
-      if (r->output.size() == r->acked_tokens && !r->finished) return;
-      v1::RequestProgress& p = progress.emplace_back();
-      p.set_request_id(r->id);
-      p.set_phase(r->finished ? v1::RequestProgress::FINISHED : v1::RequestProgress::RUNNING);
-      p.set_token_offset(r->acked_tokens);
-      p.mutable_new_tokens()->Add(r->output.begin() + r->acked_tokens, r->output.end());
-      if (r->finished) p.set_finish_reason("length");
-      covered.push_back({r, static_cast<uint32_t>(r->output.size())});
-    };
-    for (Request* r : running_) add_output(r);
-    for (Request* r : finished_unreported_) add_output(r);
-    std::vector<v1::KvEvent> to_send = events;
-    if (!pending_evictions_.empty()) {
-      v1::BlocksRemoved* rm = to_send.emplace_back().mutable_removed();
-      rm->mutable_block_hashes()->Add(pending_evictions_.begin(), pending_evictions_.end());
-    }
-    const size_t evictions_sent = pending_evictions_.size(), events_sent = events.size();
-    const v1::EngineLoad load = load_locked();
-    lock.unlock();
-    const ReportResult res = client_->report(load, std::move(to_send), std::move(progress));
-    lock.lock();
-    if (res.status.ok()) {
-      events.erase(events.begin(), events.begin() + static_cast<std::ptrdiff_t>(events_sent));
-      pending_evictions_.erase(pending_evictions_.begin(),
-                               pending_evictions_.begin() + static_cast<std::ptrdiff_t>(evictions_sent));
-      for (auto [r, n] : covered) r->acked_tokens = n;
-      for (Request* r : admitted) r->started = true;
-      // Finished requests are done once their last report is acknowledged.
-      std::vector<Request*> keep;
-      for (Request* r : finished_unreported_) {
-        const bool acked = std::any_of(covered.begin(), covered.end(),
-                                       [&](const auto& c) { return c.first == r; });
-        if (acked || r->cancelled) {
-          erase(r);
-        } else {
-          keep.push_back(r);
-        }
-      }
-      finished_unreported_ = std::move(keep);
-    } else {
-      // Not acknowledged: the scheduler may have given these to another
-      // engine; they go back to the queue and are offered again next step.
-      for (auto it = admitted.rbegin(); it != admitted.rend(); ++it) {
-        if (!(*it)->from_scheduler) continue;
-        revert(**it);
-        waiting_.push_front(*it);
-      }
-      admitted.erase(std::remove_if(admitted.begin(), admitted.end(),
-                                    [](Request* r) { return r->from_scheduler; }),
-                     admitted.end());
-      // Do not spin while the scheduler is away.
-      cv_.wait_for(lock, std::chrono::milliseconds(20));
-    }
+    admitted.erase(std::remove_if(admitted.begin(), admitted.end(),
+                                  [](Request* r) { return r->from_scheduler; }),
+                   admitted.end());
+    cv_.wait_for(lock, std::chrono::milliseconds(20));  // do not spin while the scheduler is away
   }
   // Cancelled (or revoked) requests leave at this safe point.
   auto cancelled = [](Request* r) { return r->cancelled; };
@@ -399,10 +354,11 @@ void SimEngine::step(std::unique_lock<std::mutex>& lock) {
     for (Request* r : running_) context += static_cast<double>(r->prompt.size() + r->output.size());
     step_us = cost_.decode_step_us(static_cast<double>(running_.size()), context / running_.size());
   } else {
-    return;
+    return false;
   }
   lock.unlock();
-  std::this_thread::sleep_for(std::chrono::nanoseconds(static_cast<int64_t>(step_us * o_.time_scale * 1e3)));
+  std::this_thread::sleep_until(step_start + std::chrono::nanoseconds(
+                                                 static_cast<int64_t>(step_us * o_.time_scale * 1e3)));
   lock.lock();
 
   std::vector<v1::KvEvent> new_events;
@@ -458,8 +414,88 @@ void SimEngine::step(std::unique_lock<std::mutex>& lock) {
     }
   }
   running_ = std::move(still);
-  events.insert(events.end(), std::make_move_iterator(new_events.begin()),
-                std::make_move_iterator(new_events.end()));
+  if (client_) {
+    unacked_events_.insert(unacked_events_.end(), std::make_move_iterator(new_events.begin()),
+                           std::make_move_iterator(new_events.end()));
+    report_due_ = true;  // the reporter thread sends the new output
+    report_cv_.notify_all();
+  }
+  return true;
+}
+
+bool SimEngine::report_locked(std::unique_lock<std::mutex>& lock, const std::vector<Request*>& starting) {
+  report_cv_.wait(lock, [&] { return !reporting_; });
+  reporting_ = true;
+  std::vector<v1::RequestProgress> progress;
+  std::vector<std::pair<std::string, uint32_t>> covered;  // request id, output size reported
+  for (Request* r : starting) {
+    v1::RequestProgress& p = progress.emplace_back();
+    p.set_request_id(r->id);
+    p.set_phase(v1::RequestProgress::STARTED);
+    p.set_cached_tokens(static_cast<uint32_t>(
+        std::min<uint64_t>(r->prompt.size(), uint64_t{r->cached_blocks} * o_.block_size)));
+  }
+  auto add_output = [&](Request* r) {
+    if (!r->from_scheduler || r->cancelled) return;
+    if (r->output.size() == r->acked_tokens && !r->finished) return;
+    v1::RequestProgress& p = progress.emplace_back();
+    p.set_request_id(r->id);
+    p.set_phase(r->finished ? v1::RequestProgress::FINISHED : v1::RequestProgress::RUNNING);
+    p.set_token_offset(r->acked_tokens);
+    p.mutable_new_tokens()->Add(r->output.begin() + r->acked_tokens, r->output.end());
+    if (r->finished) p.set_finish_reason("length");
+    covered.push_back({r->id, static_cast<uint32_t>(r->output.size())});
+  };
+  for (Request* r : running_) add_output(r);
+  for (Request* r : finished_unreported_) add_output(r);
+  std::vector<v1::KvEvent> events = unacked_events_;
+  if (!pending_evictions_.empty()) {
+    v1::BlocksRemoved* rm = events.emplace_back().mutable_removed();
+    rm->mutable_block_hashes()->Add(pending_evictions_.begin(), pending_evictions_.end());
+  }
+  const size_t evictions_sent = pending_evictions_.size(), events_sent = unacked_events_.size();
+  const v1::EngineLoad load = load_locked();
+  lock.unlock();
+  const ReportResult res = client_->report(load, std::move(events), std::move(progress));
+  lock.lock();
+  if (res.status.ok()) {
+    unacked_events_.erase(unacked_events_.begin(),
+                          unacked_events_.begin() + static_cast<std::ptrdiff_t>(events_sent));
+    pending_evictions_.erase(pending_evictions_.begin(),
+                             pending_evictions_.begin() + static_cast<std::ptrdiff_t>(evictions_sent));
+    // (Requests may have been dropped while the lock was released.)
+    for (const auto& [id, n] : covered) {
+      auto it = requests_.find(id);
+      if (it != requests_.end()) it->second->acked_tokens = std::max(it->second->acked_tokens, n);
+    }
+    for (Request* r : starting) r->started = true;
+    // Finished requests are done once their last output is acknowledged.
+    std::vector<Request*> keep;
+    for (Request* r : finished_unreported_) {
+      if (r->cancelled || (r->finished && r->acked_tokens == r->output.size())) {
+        erase(r);
+      } else {
+        keep.push_back(r);
+      }
+    }
+    finished_unreported_ = std::move(keep);
+  }
+  reporting_ = false;
+  report_cv_.notify_all();
+  return res.status.ok();
+}
+
+void SimEngine::reporter() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    report_cv_.wait(lock, [&] { return stopping_ || report_due_; });
+    if (stopping_) break;
+    report_due_ = false;
+    if (!report_locked(lock, {})) {
+      report_due_ = true;  // retry, without spinning while the scheduler is away
+      report_cv_.wait_for(lock, std::chrono::milliseconds(20), [&] { return stopping_; });
+    }
+  }
 }
 
 std::vector<RequestRecord> SimEngine::records() const {

@@ -4,7 +4,9 @@
 // cached prefix), then decode one token per step until max_new_tokens. The
 // KV cache is a PrefixCache; what it stores and evicts is published as KV
 // events. Time runs on the wall clock: each step sleeps its modeled duration
-// (times --time-scale).
+// (times --time-scale); a reporting thread sends each step's output to the
+// scheduler while the next step runs, as a real engine's output processing
+// overlaps its GPU work.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -91,7 +93,13 @@ class SimEngine {
   std::vector<v1::HeldRequest> held() const;
   v1::EngineLoad load_locked() const;
   void loop();
-  void step(std::unique_lock<std::mutex>& lock);
+  // One engine step; false when there was nothing to run.
+  bool step(std::unique_lock<std::mutex>& lock);
+  // One report to the scheduler: STARTED for `starting`, the output since
+  // the last acknowledged report, the KV events. Holds the lock except
+  // during the call; one report at a time. True when acknowledged.
+  bool report_locked(std::unique_lock<std::mutex>& lock, const std::vector<Request*>& starting);
+  void reporter();  // the reporting thread: sends output after each step
   void admit(std::vector<Request*>& admitted, std::vector<uint64_t>& evicted);
   void revert(Request& r);
   void drop(Request& r);
@@ -115,6 +123,9 @@ class SimEngine {
   std::vector<Request*> finished_unreported_;
   std::vector<uint64_t> pending_evictions_;  // engine hashes, not yet acknowledged
   std::vector<v1::KvEvent> unacked_events_;   // stored events not yet acknowledged
+  std::condition_variable report_cv_;
+  bool reporting_ = false, report_due_ = false;
+  std::thread reporter_;
   PrefixCache cache_;
   std::vector<RequestRecord> records_;
   std::vector<LoadSample> samples_;

@@ -27,6 +27,9 @@ void write_stats(const std::string& path, const SimOptions& o, const CostModel& 
                      {"time_scale", o.time_scale},
                      {"prefill_us_per_token", engine.prefill_us_per_token()},
                      {"decode_step_us_full_batch", engine.decode_step_us()}};
+  // Unscaled (model time): tokens -> us of one prefill.
+  auto& table = j["cost_model"]["prefill_table"] = nlohmann::json::array();
+  for (const auto& [tokens, us] : cost.prefill_table()) table.push_back({tokens, us});
   auto& reqs = j["requests"] = nlohmann::json::array();
   for (const RequestRecord& r : engine.records())
     reqs.push_back({{"id", r.id},
@@ -124,10 +127,11 @@ int main(int argc, char** argv) {
     if (!ready_file.empty()) std::ofstream(ready_file) << "ready\n";
     int sig = 0;
     sigwait(&signals, &sig);
-    front.stop();
+    // Stats first: nothing below may take long, but they are what the caller waits for.
     engine.stop();
-    engine.leave();
     if (!stats_out.empty()) write_stats(stats_out, o, cost, engine);
+    engine.leave();
+    front.stop();
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moelink-engine-sim: error: %s\n", e.what());
