@@ -6,8 +6,9 @@
 #     module too) and the GoogleTest suites (GPU tests skip, saying so, when
 #     there is no GPU);
 #  2. the CPU tests again under AddressSanitizer + UndefinedBehaviorSanitizer;
-#  3. pytest on the module of step 1, and `pip install .` of the package
-#     (CPU-only, to check the packaging) with an import.
+#  3. pytest on the module of step 1 (and the request scheduler's
+#     multi-process tests on its binaries), and `pip install .` of the
+#     package (CPU-only, to check the packaging) with an import.
 # On the H200 machine, tools/gpu_check.sh runs the GPU suite and the benchmarks.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -28,12 +29,14 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMOELINK_WITH_CUDA=O
   -DMOELINK_BUILD_BENCH=OFF -DMOELINK_SANITIZE=address,undefined >/dev/null
 cmake --build build-asan -j "$jobs"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  LSAN_OPTIONS=suppressions="$root/tools/lsan_suppressions.txt" \
   ctest --test-dir build-asan --output-on-failure -j 1
 
-echo "== Python binding tests (the module of build/)"
-MOELINK_PYTHONPATH="$root/build/python" python3 -m pytest -q tests/python
+echo "== Python tests (the module of build/; the scheduler's with its binaries)"
+MOELINK_PYTHONPATH="$root/build/python" MOELINK_BIN_DIR="$root/build/tools/scheduler" \
+  python3 -m pytest -q tests/python
 
 echo "== Python package (pip install ., CPU-only build)"
 CMAKE_ARGS="-DMOELINK_WITH_CUDA=OFF" python3 -m pip install -q --disable-pip-version-check \
   --no-build-isolation .
-(cd /tmp && python3 -c "import moelink; print('moelink', moelink.__version__, 'installed')")
+(cd /tmp && python3 -c "import moelink, moelink.scheduler; print('moelink', moelink.__version__, 'installed')")
