@@ -201,6 +201,39 @@ TEST_F(CoreTest, EngineHashesWithTokenIdsAreMapped) {
   EXPECT_EQ(stats().engines(1).indexed_blocks(), 3u);
 }
 
+// Events are hints: a stored event the scheduler cannot place (its parent
+// unknown, removed or cleared earlier in the same report, or stored without
+// token ids) is dropped and counted; the rest of the report, the request's
+// progress included, is applied.
+TEST_F(CoreTest, StoredEventsWithAnUnknownParentAreDroppedNotRefused) {
+  TestEngine e = add("e");
+  auto s = submit(generate_request(random_tokens(40, rng), 4, "r1"));
+  ASSERT_EQ(e.runs().size(), 1u);
+  const auto tokens = random_tokens(16, rng);
+  const uint64_t unknown = 0xabcdef, plain = 7, removed_parent = 11, cleared_parent = 12;
+  v1::KvEvent rm, clear;
+  rm.mutable_removed()->add_block_hashes(removed_parent);
+  clear.mutable_cleared();
+  const std::vector<v1::KvEvent> events = {
+      stored({1}, &unknown, tokens),                // never stored
+      stored({plain}),                              // stored without tokens: not in the map
+      stored({2}, &plain, tokens),
+      stored({removed_parent}, nullptr, tokens),    // stored, then removed before its child
+      rm,
+      stored({3}, &removed_parent, tokens),
+      stored({cleared_parent}, nullptr, tokens),
+      clear,
+      stored({4}, &cleared_parent, tokens),
+      stored({5}, nullptr, tokens),                 // a root block: placed
+  };
+  ASSERT_TRUE(report(e, {progress("r1", P::STARTED)}, events).ok());
+  EXPECT_EQ(stats().engines(0).dropped_kv_events(), 4u);
+  EXPECT_EQ(stats().engines(0).indexed_blocks(), 1u);  // only block 5 (the clear took `plain`)
+  ASSERT_TRUE(report(e, {progress("r1", P::FINISHED, {9, 9, 9, 9})}).ok());
+  EXPECT_EQ(stats().finished(), 1u);
+  EXPECT_TRUE(s->status().ok());
+}
+
 TEST_F(CoreTest, RecentRoutingsCountUntilEventsArrive) {
   options.provisional_ttl_ms = 1000;
   make(options);
@@ -482,6 +515,14 @@ TEST_F(CoreTest, RecoversLoggedRequestsAfterARestart) {
   RequestLog log(path, &live);
   ASSERT_EQ(live.size(), 3u);  // q3 finished
   make(options, &log, std::move(live));
+  // The client resumes q0 at once, past the output the restarted scheduler
+  // knows (none yet): the stream waits for the engine.
+  auto c0 = std::make_shared<EventSink>();
+  v1::ResumeRequest rr;
+  rr.set_request_id("q0");
+  rr.set_from_token(2);
+  ASSERT_TRUE(core->resume(rr, c0).ok());
+  EXPECT_TRUE(c0->messages().empty());
   // The engine comes back holding q0 (3 tokens now) and q2 (queued); q1
   // started on an engine that never returns.
   v1::HeldRequest h0, h2;
@@ -491,20 +532,24 @@ TEST_F(CoreTest, RecoversLoggedRequestsAfterARestart) {
   h2.set_request_id("q2");
   TestEngine a = add("a", 4096, "", {h0, h2});
   EXPECT_TRUE(released.empty());
-  auto c0 = std::make_shared<EventSink>();
-  v1::ResumeRequest rr;
-  rr.set_request_id("q0");
-  rr.set_from_token(2);
-  ASSERT_TRUE(core->resume(rr, c0).ok());
-  EXPECT_EQ(c0->messages().back().tokens().offset(), 2u);
   ASSERT_TRUE(report(a, {progress("q0", P::FINISHED, {4}, 3)}).ok());
+  std::vector<uint32_t> streamed;
+  for (const auto& m : c0->messages())
+    if (m.has_tokens()) {
+      EXPECT_EQ(m.tokens().offset(), 2 + streamed.size());
+      streamed.insert(streamed.end(), m.tokens().token_ids().begin(), m.tokens().token_ids().end());
+    }
+  EXPECT_EQ(streamed, (std::vector<uint32_t>{3, 4}));
+  EXPECT_TRUE(c0->closed());
   EXPECT_TRUE(c0->status().ok());
   advance(600);  // grace over: q1 fails (it had started), q2 stays with a
-  auto c1 = std::make_shared<EventSink>();
+  // Resuming a failed request answers its status, whatever from_token.
   rr.set_request_id("q1");
-  rr.set_from_token(0);
-  ASSERT_TRUE(core->resume(rr, c1).ok());
-  expect_status(c1->status(), StatusCode::UNAVAILABLE, {"q1", "did not return"});
+  for (uint32_t from : {0u, 5u}) {
+    rr.set_from_token(from);
+    expect_status(core->resume(rr, std::make_shared<EventSink>()), StatusCode::UNAVAILABLE,
+                  {"q1", "did not return"});
+  }
   EXPECT_EQ(stats().engines(0).outstanding(), 1u);  // q2
 }
 
@@ -558,19 +603,16 @@ TEST_F(CoreTest, BadEngineInput) {
   ASSERT_TRUE(report(e).ok());
   TestEngine replay = e;
   replay.seq = 0;  // seq 1 again
-  expect_status(report(replay), StatusCode::FAILED_PRECONDITION,
+  expect_status(report(replay), StatusCode::ALREADY_EXISTS,
                 {"seq 1", "last accepted 1", "out of order or repeated"});
   TestEngine stale = e;
   stale.incarnation += 99;
   expect_status(report(stale), StatusCode::FAILED_PRECONDITION, {"incarnation", "register again"});
 
-  const uint64_t unknown_parent = 0xabcdef;
   expect_status(report(e, {}, {stored({1, 2}, nullptr, {1, 2, 3})}), StatusCode::INVALID_ARGUMENT,
                 {"kv_events[0].stored.token_ids has 3 tokens", "need 32"});
   expect_status(report(e, {}, {stored({}, nullptr)}), StatusCode::INVALID_ARGUMENT,
                 {"block_hashes is empty"});
-  expect_status(report(e, {}, {stored({1}, &unknown_parent, std::vector<uint32_t>(16, 1))}),
-                StatusCode::FAILED_PRECONDITION, {"parent_block_hash 0x0000000000abcdef", "'e1'"});
   expect_status(report(e, {}, {v1::KvEvent{}}), StatusCode::INVALID_ARGUMENT, {"kv_events[0] has no event"});
   expect_status(report(e, {progress("", P::RUNNING)}), StatusCode::INVALID_ARGUMENT,
                 {"progress[0].request_id is empty"});

@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
   app.add_option("--retention-ms", o.retention_ms, "finished requests stay resumable this long")
       ->capture_default_str();
   app.add_option("--recovery-grace-ms", o.recovery_grace_ms,
-                 "after a restart, engines have this long to claim logged requests (0: heartbeat timeout)")
+                 "after a restart, engines have this long to claim logged requests (0: the heartbeat timeout)")
       ->capture_default_str();
   app.add_option("--session-ttl-ms", o.session_ttl_ms, "a sticky session is forgotten after this idle time")
       ->capture_default_str();

@@ -32,7 +32,7 @@ struct EngineClientOptions {
   std::string engine_token;                // the scheduler's --engine-token, if any
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // default: insecure
   std::chrono::milliseconds rpc_timeout{5000};
-  std::chrono::milliseconds max_backoff{2000};
+  std::chrono::milliseconds max_backoff{1000};
 };
 
 struct EngineHandlers {

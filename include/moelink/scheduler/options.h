@@ -25,7 +25,7 @@ struct SchedulerOptions {
   uint32_t heartbeat_timeout_ms = 2000;    // silent this long: drained
   uint32_t queue_timeout_ms = 30000;       // a request no engine can take fails after this
   uint32_t retention_ms = 60000;           // a finished request stays resumable this long
-  uint32_t recovery_grace_ms = 0;          // after a restart, engines have this long to claim
+  uint32_t recovery_grace_ms = 10000;      // after a restart, engines have this long to claim
                                            // logged requests (0: heartbeat_timeout_ms)
   std::string request_log;                 // write-ahead log path; empty: none
   // ---- security (off by default; required to listen beyond loopback)

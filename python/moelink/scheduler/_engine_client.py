@@ -40,6 +40,11 @@ _MAX_MESSAGE = 256 << 20
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", _MAX_MESSAGE),
     ("grpc.max_send_message_length", _MAX_MESSAGE),
+    # gRPC's default reconnect backoff grows to 120 s (calls fail at once
+    # meanwhile): after a scheduler restart, come back within a second.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
@@ -96,7 +101,7 @@ class EngineClient:
                  dp_rank: int = 0, address: str = "", prefill_us_per_token: float = 0.0,
                  decode_step_us: float = 0.0, engine_token: Optional[str] = None,
                  credentials: Optional[grpc.ChannelCredentials] = None,
-                 rpc_timeout: float = 5.0, max_backoff: float = 2.0):
+                 rpc_timeout: float = 5.0, max_backoff: float = 1.0):
         self.info = pb.EngineInfo(engine_id=engine_id, dp_rank=dp_rank,
                                   kv_capacity_blocks=kv_capacity_blocks, block_size=block_size,
                                   max_batch=max_batch, address=address,

@@ -18,6 +18,8 @@ class CodepointTokenizer:
             cp = ord(ch)
             if cp < _BASE:
                 raise ValueError(f"U+{cp:04X} encodes no token (the code point text starts at U+0100)")
+            if 0xD800 <= cp < 0xE000:
+                raise ValueError(f"U+{cp:04X} is a surrogate and encodes no token")
             out.append(cp - 0x800 - _BASE if cp >= 0xE000 else cp - _BASE)
         return out
 

@@ -22,12 +22,6 @@ double us_between(Clock::time_point a, Clock::time_point b) {
 
 Clock::duration ms(uint32_t v) { return std::chrono::milliseconds(v); }
 
-std::string hex(uint64_t v) {
-  char buf[24];
-  std::snprintf(buf, sizeof(buf), "0x%016llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
 }  // namespace
 
 
@@ -217,9 +211,11 @@ void SchedulerCore::engine_stream_closed(const std::string& engine_id, const Eng
   gone_engine_streams_.emplace_back(engine_id, sink);
 }
 
-Status SchedulerCore::validate_events(const Engine& e, const v1::EngineReport& r) const {
-  // Blocks stored earlier in this same report count as known parents.
-  absl::flat_hash_set<uint64_t> stored_here;
+Status SchedulerCore::validate_report(const v1::EngineReport& r) const {
+  // Only the report's shape is checked here, so that a refused report changes
+  // nothing. Whether a stored event's parent is known is decided while
+  // applying, in order (events are hints: one the scheduler cannot place is
+  // dropped and counted, never a reason to refuse the engine's progress).
   for (int i = 0; i < r.kv_events_size(); ++i) {
     const v1::KvEvent& ev = r.kv_events(i);
     const std::string where = "kv_events[" + std::to_string(i) + "]";
@@ -236,14 +232,7 @@ Status SchedulerCore::validate_events(const Engine& e, const v1::EngineReport& r
                               " tokens; " + std::to_string(st.block_hashes_size()) +
                               " blocks of block_size " + std::to_string(options_.block_size) +
                               " need " + std::to_string(want));
-          if (st.has_parent_block_hash() && !e.hash_map.contains(st.parent_block_hash()) &&
-              !stored_here.contains(st.parent_block_hash()))
-            return Status(StatusCode::FAILED_PRECONDITION,
-                          where + ".stored.parent_block_hash " + hex(st.parent_block_hash()) +
-                              " is not a block engine '" + e.id +
-                              "' has stored (never stored, or already removed)");
         }
-        for (uint64_t h : st.block_hashes()) stored_here.insert(h);
         break;
       }
       case v1::KvEvent::kRemoved:
@@ -276,7 +265,16 @@ void SchedulerCore::apply_events(Engine& e, const v1::EngineReport& r) {
         }
         // The engine's hashes are its own: compute ours from the tokens.
         uint64_t parent = kRootBlockHash;
-        if (st.has_parent_block_hash()) parent = e.hash_map.at(st.parent_block_hash());
+        if (st.has_parent_block_hash()) {
+          // Unknown: never stored, already removed, or stored before this
+          // incarnation registered (registration forgets the engine's blocks).
+          auto it = e.hash_map.find(st.parent_block_hash());
+          if (it == e.hash_map.end()) {
+            ++e.dropped_kv_events;
+            break;
+          }
+          parent = it->second;
+        }
         const uint32_t bs = options_.block_size;
         for (int b = 0; b < st.block_hashes_size(); ++b) {
           parent = block_hash(parent, std::span<const uint32_t>(st.token_ids().data() + b * bs, bs));
@@ -311,12 +309,14 @@ Status SchedulerCore::report(const v1::EngineReport& r, v1::ReportResponse* resp
   std::lock_guard<std::mutex> lock(mu_);
   Engine* e = nullptr;
   if (Status s = check_current(r.engine_id(), r.incarnation(), &e); !s.ok()) return s;
+  // Not FAILED_PRECONDITION: engine clients take that for fencing and
+  // register again.
   if (r.seq() <= e->last_seq)
-    return Status(StatusCode::FAILED_PRECONDITION,
+    return Status(StatusCode::ALREADY_EXISTS,
                   "report seq " + std::to_string(r.seq()) + " of engine '" + e->id +
                       "' is not above the last accepted " + std::to_string(e->last_seq) +
                       " (out of order or repeated); nothing was applied");
-  if (Status s = validate_events(*e, r); !s.ok()) return s;
+  if (Status s = validate_report(r); !s.ok()) return s;
   e->last_seq = r.seq();
   e->last_heard = now;
   e->reported = r.load();
@@ -733,7 +733,11 @@ Status SchedulerCore::resume(const v1::ResumeRequest& req, std::shared_ptr<Clien
                   "request_id '" + req.request_id() +
                       "' is unknown (never accepted, or finished more than retention_ms ago)");
   Request& r = *it->second;
-  if (req.from_token() > r.output.size())
+  // A request that failed answers with its own status, whatever from_token.
+  if (r.state == RequestState::kDone && !r.final_status.ok()) return r.final_status;
+  // A request recovered from the log knows no output until its engine comes
+  // back with it: the stream starts at from_token then.
+  if (r.state != RequestState::kRecovered && req.from_token() > r.output.size())
     return Status(StatusCode::OUT_OF_RANGE,
                   "from_token " + std::to_string(req.from_token()) + " is beyond the " +
                       std::to_string(r.output.size()) + " output tokens of request " + r.id);
@@ -748,18 +752,14 @@ Status SchedulerCore::resume(const v1::ResumeRequest& req, std::shared_ptr<Clien
     r.client->send(std::move(ev));
   }
   if (r.state == RequestState::kDone) {
-    const Status st = r.final_status;
-    r.done_at = r.done_at;  // keeps its place in the retention order
-    if (st.ok()) {
-      forward(r, true);
-      v1::GenerateEvent ev;
-      v1::Finished* f = ev.mutable_finished();
-      f->set_finish_reason(r.finish_reason);
-      f->set_output_tokens(static_cast<uint32_t>(r.output.size()));
-      f->set_cached_tokens(r.cached);
-      r.client->send(std::move(ev));
-    }
-    r.client->close(st);
+    forward(r, true);
+    v1::GenerateEvent ev;
+    v1::Finished* f = ev.mutable_finished();
+    f->set_finish_reason(r.finish_reason);
+    f->set_output_tokens(static_cast<uint32_t>(r.output.size()));
+    f->set_cached_tokens(r.cached);
+    r.client->send(std::move(ev));
+    r.client->close(Status::OK);
     r.client.reset();
     return Status::OK;
   }
@@ -893,6 +893,7 @@ void SchedulerCore::stats(v1::Stats* out) const {
     s->set_incarnation(e->incarnation);
     *s->mutable_load() = e->reported;
     s->set_indexed_blocks(index_.confirmed_blocks(e->slot));
+    s->set_dropped_kv_events(e->dropped_kv_events);
     s->set_assigned(e->assigned_total);
     s->set_outstanding(e->requests.size());
   }

@@ -87,6 +87,7 @@ class SchedulerCore {
     std::shared_ptr<EngineSink> sink;
     // Engine block hash -> moelink block hash, for events that carried tokens.
     absl::flat_hash_map<uint64_t, uint64_t> hash_map;
+    uint64_t dropped_kv_events = 0;  // stored events with an unknown parent
     // The scheduler's own accounting of the requests it routed here.
     absl::flat_hash_set<Request*> requests;
     uint64_t load_tokens = 0, queued_prefill_tokens = 0, remaining_output_tokens = 0;
@@ -124,7 +125,7 @@ class SchedulerCore {
 
   Engine* find_engine(const std::string& id);
   grpc::Status check_current(const std::string& engine_id, uint64_t incarnation, Engine** out);
-  grpc::Status validate_events(const Engine& e, const v1::EngineReport& r) const;
+  grpc::Status validate_report(const v1::EngineReport& r) const;  // its shape only
   void apply_events(Engine& e, const v1::EngineReport& r);
   // False when the request is no longer this engine's.
   bool apply_progress(Engine& e, const v1::RequestProgress& p, Clock::time_point now);

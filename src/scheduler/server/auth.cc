@@ -23,7 +23,8 @@ grpc::Status check_engine_token(const grpc::CallbackServerContext& ctx, const st
   }
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                       "engine token missing or wrong: send metadata 'authorization: Bearer "
-                      "<token>' with the scheduler's --engine-token");
+                      "<token>' with the token the scheduler was given (--engine-token-file or "
+                      "$MOELINK_ENGINE_TOKEN)");
 }
 
 bool is_loopback_listen(const std::string& listen) {
@@ -48,8 +49,8 @@ std::shared_ptr<grpc::ServerCredentials> server_credentials(const SchedulerOptio
   if (!is_loopback_listen(o.listen) && !tls && o.engine_token.empty() && !o.allow_insecure_remote)
     throw std::invalid_argument(
         "listen " + o.listen +
-        " reaches beyond loopback, but engines would be unauthenticated: pass --engine-token "
-        "or --tls-cert/--tls-key (with --tls-client-ca for mTLS), or --allow-insecure-remote");
+        " reaches beyond loopback, but engines would be unauthenticated: pass --engine-token-file "
+        "(or set $MOELINK_ENGINE_TOKEN) or --tls-cert/--tls-key (with --tls-client-ca for mTLS), or --allow-insecure-remote");
   if (!tls) return grpc::InsecureServerCredentials();
   grpc::SslServerCredentialsOptions ssl(
       o.tls_client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE

@@ -40,7 +40,8 @@ inline std::string tokens_to_text(const std::vector<uint32_t>& tokens, size_t fr
   return s;
 }
 
-// Throws std::invalid_argument on malformed UTF-8 or a code point below U+0100.
+// Throws std::invalid_argument on malformed UTF-8, a code point below U+0100
+// or a surrogate.
 inline std::vector<uint32_t> text_to_tokens(const std::string& s) {
   std::vector<uint32_t> out;
   for (size_t i = 0; i < s.size();) {
@@ -67,6 +68,9 @@ inline std::vector<uint32_t> text_to_tokens(const std::string& s) {
     if (cp < kCodepointBase)
       throw std::invalid_argument("text has U+" + std::to_string(cp) +
                                   ", which encodes no token (the codepoint text starts at U+0100)");
+    if (cp >= 0xD800 && cp < 0xE000)
+      throw std::invalid_argument("text has the surrogate " + std::to_string(cp) +
+                                  ", which encodes no token");
     out.push_back(cp >= 0xE000 ? cp - 0x800 - kCodepointBase : cp - kCodepointBase);
     i += n;
   }

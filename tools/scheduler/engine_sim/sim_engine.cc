@@ -123,7 +123,13 @@ void SimEngine::on_run(const v1::RunRequest& run) {
   r->record.prompt_tokens = static_cast<uint32_t>(r->prompt.size());
   r->record.arrival_us = wall_us();
   std::lock_guard<std::mutex> lock(mu_);
-  if (requests_.contains(r->id)) return;  // a duplicate assignment: keep the first
+  if (auto it = requests_.find(r->id); it != requests_.end()) {
+    // The scheduler may give back a request this engine has just released
+    // (revoked or cancelled, not yet dropped at the next step): the new copy
+    // replaces the old once that is dropped. Anything else is a duplicate.
+    if (it->second->cancelled) reassigned_[r->id] = std::move(r);
+    return;
+  }
   waiting_.push_back(r.get());
   requests_.emplace(r->id, std::move(r));
   cv_.notify_all();
@@ -151,6 +157,7 @@ void SimEngine::on_cancel(const std::string& id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = requests_.find(id);
   if (it != requests_.end()) it->second->cancelled = true;
+  reassigned_.erase(id);  // a cancel names the latest assignment
   cv_.notify_all();
 }
 
@@ -262,6 +269,12 @@ void SimEngine::drop(Request& r) {
 void SimEngine::erase(Request* r) {
   const std::string id = r->id;  // the key must outlive the erase
   requests_.erase(id);
+  if (auto it = reassigned_.find(id); it != reassigned_.end()) {
+    waiting_.push_back(it->second.get());
+    requests_.emplace(id, std::move(it->second));
+    reassigned_.erase(it);
+    cv_.notify_all();
+  }
 }
 
 void SimEngine::stored_event(std::span<const uint64_t> hashes, std::span<const uint32_t> tokens,

@@ -118,6 +118,9 @@ class SimEngine {
   std::condition_variable cv_;
   bool stopping_ = false;
   std::unordered_map<std::string, std::unique_ptr<Request>> requests_;
+  // Assignments of a request whose previous copy here is cancelled but not
+  // yet dropped; they take its place when it is.
+  std::unordered_map<std::string, std::unique_ptr<Request>> reassigned_;
   std::deque<Request*> waiting_;
   std::vector<Request*> running_;
   std::vector<Request*> finished_unreported_;
