@@ -31,6 +31,18 @@ from ._experts import Experts
 from ._moe_layer import MoELayer, model_config
 from ._torch import TorchGroupBootstrap
 
+with_fabric = _C.with_fabric
+if with_fabric:  # the TransferEngine and KV-cache transfer (docs/transfer_engine.md)
+    from ._C import (
+        KvCacheLayout,
+        KvTransferRequest,
+        MemoryDescriptor,
+        MemoryRegion,
+        Transfer,
+        TransferEngine,
+        kv_request_bytes,
+    )
+
 __version__ = _C.version  # include/moelink/version.h
 
 __all__ = [
@@ -50,4 +62,8 @@ __all__ = [
     "env_local_rank",
     "stream_handle",
     "with_cuda",
+    "with_fabric",
 ]
+if with_fabric:
+    __all__ += ["KvCacheLayout", "KvTransferRequest", "MemoryDescriptor", "MemoryRegion", "Transfer",
+                "TransferEngine", "kv_request_bytes"]

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "experts_binding.h"
+#include "fabric_binding.h"
 #include "layer_binding.h"
 #include "moelink/moelink.h"
 #include "tensor_convert.h"
@@ -562,6 +563,7 @@ NB_MODULE(_C, m) {
   bind_all_to_all(m);
   bind_experts(m);
   bind_moe_layer(m);
+  bind_fabric(m);
 
 #if defined(MOELINK_WITH_CUDA)
   m.attr("with_cuda") = true;

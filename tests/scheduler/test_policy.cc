@@ -55,8 +55,23 @@ TEST(Policy, TtftLoadBoundOverridesTheCache) {
   // Engine 2 holds the prefix but already holds far more than its share.
   std::vector<EngineView> e = {engine(0, 1000), engine(1, 1000), engine(2, 100000, 1000)};
   EXPECT_EQ(p->choose(1000, e).slot, 0);
-  EXPECT_FALSE(p->within_bound(e[2], 1000, e));
-  EXPECT_TRUE(p->within_bound(e[0], 1000, e));
+}
+
+TEST(Policy, SessionsGetTwiceTheBoundBeforeTheyMove) {
+  PolicyOptions o;
+  o.imbalance_bound = 1.5;
+  o.imbalance_slack_tokens = 0;
+  auto p = Policy::make(PolicyKind::kTtft, o);
+  // Engine 3 holds the session's context. Loads 1,000 x 3 + 4,000 + the
+  // 1,000-token request: mean 2,000, bound 3,000. Engine 3 would hold
+  // 5,000: over the bound (a new request goes elsewhere), within twice it
+  // (the session stays).
+  std::vector<EngineView> e = {engine(0, 1000), engine(1, 1000), engine(2, 1000), engine(3, 4000, 3000)};
+  EXPECT_NE(p->choose(1000, e).slot, 3);
+  EXPECT_TRUE(p->keeps_session(e[3], 1000, e));
+  // 12,000: mean 4,000, bound 6,000; 13,000 is over twice the bound.
+  e[3] = engine(3, 12000, 3000);
+  EXPECT_FALSE(p->keeps_session(e[3], 1000, e));
 }
 
 TEST(Policy, TtftFullBatchWaitsForASlot) {

@@ -37,6 +37,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -129,7 +130,11 @@ class SglangDriver:
         await self.session.close()
 
 
-async def replay(trace: scheduler_traces.Trace, driver, time_scale: float) -> List[Record]:
+async def replay(trace: scheduler_traces.Trace, driver, time_scale: float,
+                 request_timeout_s: float = 120.0) -> List[Record]:
+    """Replays the trace's sessions; a request unanswered after
+    request_timeout_s (wall) is recorded as an error and ends its session,
+    so a stuck system fails its cells instead of hanging the run."""
     records: List[Record] = []
     t0 = time.time()
 
@@ -140,7 +145,13 @@ async def replay(trace: scheduler_traces.Trace, driver, time_scale: float) -> Li
             if turn.think_s:
                 await asyncio.sleep(turn.think_s * time_scale)
             prompt = context + turn.new_tokens
-            rec = await driver.run(prompt, turn.max_new_tokens, s.session_id)
+            try:
+                rec = await asyncio.wait_for(driver.run(prompt, turn.max_new_tokens, s.session_id),
+                                             request_timeout_s)
+            except asyncio.TimeoutError:
+                rec = Record(t_submit=time.time() - request_timeout_s, t_first=None, prompt=len(prompt),
+                             output=[], cached=0, engine="", t_done=time.time(),
+                             error=f"no answer within {request_timeout_s:.0f} s")
             rec["session"] = s.session_id
             records.append(rec)
             if rec["error"]:
@@ -296,6 +307,7 @@ def run_one(system: str, policy: str, trace, args, workdir: str) -> Dict:
                       max_batch=args.max_batch, time_scale=args.time_scale,
                       scheduler=(system == "moelink"), http=(system == "sglang"),
                       stream_interval=args.stream_interval, sim_args=sim_args,
+                      scheduler_args=shlex.split(args.scheduler_args),
                       workdir=os.path.join(workdir, f"{trace.name}-{system}-{policy}")) as cluster:
         router = None
         try:
@@ -420,6 +432,8 @@ def main() -> int:
     ap.add_argument("--bucket-s", type=float, default=5.0, help="TTFT-over-time bucket (model s)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--rate-scale", type=float, default=1.0, help="multiplies each trace's arrival rate")
+    ap.add_argument("--scheduler-args", default="",
+                    help="extra moelink-scheduler options, e.g. '--miss-weight 2'")
     ap.add_argument("--out", default="")
     ap.add_argument("--svg-dir", default="")
     ap.add_argument("--workdir", default="/tmp/moelink-scheduler-bench")

@@ -140,9 +140,11 @@ double Policy::load_limit(uint32_t prompt_tokens, std::span<const EngineView> en
   return options_.imbalance_bound * mean + static_cast<double>(options_.imbalance_slack_tokens);
 }
 
-bool Policy::within_bound(const EngineView& e, uint32_t prompt_tokens,
-                          std::span<const EngineView> engines) const {
-  return static_cast<double>(e.load_tokens + prompt_tokens) <= load_limit(prompt_tokens, engines);
+bool Policy::keeps_session(const EngineView& e, uint32_t prompt_tokens,
+                           std::span<const EngineView> engines) const {
+  constexpr double kSessionRoom = 2.0;
+  return static_cast<double>(e.load_tokens + prompt_tokens) <=
+         kSessionRoom * load_limit(prompt_tokens, engines);
 }
 
 std::unique_ptr<Policy> Policy::make(PolicyKind kind, const PolicyOptions& o) {

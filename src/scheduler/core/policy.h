@@ -70,10 +70,12 @@ class Policy {
   virtual PolicyKind kind() const = 0;
   // `engines`: the live engines, in slot order (non-empty).
   virtual Choice choose(uint32_t prompt_tokens, std::span<const EngineView> engines) = 0;
-  // Whether `e` may take a request of `prompt_tokens` under the load bound
-  // (sticky sessions use it before keeping a session on its engine).
-  bool within_bound(const EngineView& e, uint32_t prompt_tokens,
-                    std::span<const EngineView> engines) const;
+  // Whether a session stays on its engine `e`: while the engine holds at
+  // most twice the load bound. Moving a session recomputes its whole
+  // context elsewhere (a new request only its prompt), so sessions get more
+  // room than new placements before they move.
+  bool keeps_session(const EngineView& e, uint32_t prompt_tokens,
+                     std::span<const EngineView> engines) const;
 
   static std::unique_ptr<Policy> make(PolicyKind kind, const PolicyOptions& options);
 

@@ -496,12 +496,13 @@ bool SchedulerCore::try_route(Request& r, Clock::time_point now) {
   if (views_.empty()) return false;
   const uint32_t prompt = static_cast<uint32_t>(r.req.prompt_tokens_size());
   Choice c;
-  // Sticky session: stay on the session's engine while it is live and within the load bound.
+  // Sticky session: stay on the session's engine while it is live and not
+  // far over the load bound (Policy::keeps_session).
   if (!r.req.session_id().empty()) {
     auto it = sessions_.find(r.req.session_id());
     if (it != sessions_.end()) {
       for (const EngineView& v : views_)
-        if (v.slot == it->second.slot && policy_->within_bound(v, prompt, views_)) {
+        if (v.slot == it->second.slot && policy_->keeps_session(v, prompt, views_)) {
           c = Choice{v.slot, v.matched_tokens, estimated_ttft_us(v, prompt)};
           break;
         }
@@ -540,8 +541,7 @@ void SchedulerCore::route_redirect(Request& r, std::shared_ptr<ClientSink> sink,
   e.redirect_prefill_tokens += prompt - c.cached_tokens;
   ++e.redirect_requests;
   ++e.assigned_total;
-  index_.add_provisional(e.slot, r.hashes, now + ms(options_.provisional_ttl_ms));
-  if (!r.req.session_id().empty()) remember_session(r.req.session_id(), e.slot, now);
+  note_routing(r, e, c, now);
   v1::GenerateEvent ev;
   v1::Redirect* rd = ev.mutable_redirect();
   rd->set_request_id(r.id);
@@ -550,6 +550,16 @@ void SchedulerCore::route_redirect(Request& r, std::shared_ptr<ClientSink> sink,
   rd->set_expected_cached_tokens(c.cached_tokens);
   sink->send(std::move(ev));
   sink->close(Status::OK);
+}
+
+void SchedulerCore::note_routing(const Request& r, const Engine& e, const Choice& c,
+                                 Clock::time_point now) {
+  // The prompt's blocks count as the engine's until its events say so (or
+  // the mark expires). The matched prefix is held there already.
+  const size_t held = std::min<size_t>(r.hashes.size(), c.cached_tokens / options_.block_size);
+  index_.add_provisional(e.slot, std::span<const uint64_t>(r.hashes).subspan(held),
+                         now + ms(options_.provisional_ttl_ms));
+  if (!r.req.session_id().empty()) remember_session(r.req.session_id(), e.slot, now);
 }
 
 void SchedulerCore::assign(Request& r, Engine& e, const Choice& c, Clock::time_point now) {
@@ -564,8 +574,7 @@ void SchedulerCore::assign(Request& r, Engine& e, const Choice& c, Clock::time_p
   e.queued_prefill_tokens += r.uncached_estimate;
   e.load_tokens += prompt + r.output.size();
   ++e.assigned_total;
-  index_.add_provisional(e.slot, r.hashes, now + ms(options_.provisional_ttl_ms));
-  if (!r.req.session_id().empty()) remember_session(r.req.session_id(), e.slot, now);
+  note_routing(r, e, c, now);
   if (e.sink) {
     v1::Assignment a;
     v1::RunRequest* run = a.mutable_run();

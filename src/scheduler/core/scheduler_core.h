@@ -136,6 +136,8 @@ class SchedulerCore {
   bool try_route(Request& r, Clock::time_point now);
   void route_redirect(Request& r, std::shared_ptr<ClientSink> sink, Clock::time_point now);
   void build_views(const Request& r, bool need_address);
+  // Provisional index marks and the sticky session for a routing decision.
+  void note_routing(const Request& r, const Engine& e, const Choice& c, Clock::time_point now);
   void assign(Request& r, Engine& e, const Choice& c, Clock::time_point now);
   void mark_started(Request& r, Engine& e, uint32_t cached_tokens);
   void detach(Request& r);

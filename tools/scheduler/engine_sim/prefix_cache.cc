@@ -22,7 +22,7 @@ void PrefixCache::pin(std::span<const uint64_t> hashes) {
   for (uint64_t h : hashes) {
     Node& n = nodes_.at(h);
     evictable_.erase({n.last_use, h});
-    ++n.pins;
+    if (n.pins++ == 0) --unpinned_;
   }
 }
 
@@ -30,18 +30,21 @@ void PrefixCache::unpin(std::span<const uint64_t> hashes) {
   for (uint64_t h : hashes) {
     auto it = nodes_.find(h);
     if (it == nodes_.end() || it->second.pins == 0) throw std::logic_error("unpin of an unpinned block");
-    --it->second.pins;
+    if (--it->second.pins == 0) ++unpinned_;
     update_evictable(h, it->second);
   }
 }
 
 bool PrefixCache::reserve(uint64_t n, std::vector<uint64_t>& evicted) {
-  if (n > free_blocks() + evictable_.size()) return false;
+  if (n > free_blocks() + unpinned_) return false;
   while (free_blocks() < n) {
+    // Not empty: an unpinned block is left, and the deepest unpinned
+    // blocks are leaves (see evictable_blocks).
     const auto [use, hash] = *evictable_.begin();
     evictable_.erase(evictable_.begin());
     const Node node = nodes_.at(hash);
     nodes_.erase(hash);
+    --unpinned_;
     evicted.push_back(hash);
     if (node.has_parent) {
       auto p = nodes_.find(node.parent);

@@ -19,7 +19,10 @@ class PrefixCache {
   uint64_t capacity() const { return capacity_; }
   uint64_t cached_blocks() const { return nodes_.size(); }
   uint64_t free_blocks() const { return capacity_ - nodes_.size() - reserved_; }
-  uint64_t evictable_blocks() const { return evictable_.size(); }
+  // Every unpinned block: requests pin whole chains from the root, so an
+  // unpinned block has no pinned descendant and eviction reaches it once
+  // its children are gone (only the leaves are evictable at any moment).
+  uint64_t evictable_blocks() const { return unpinned_; }
 
   // How many leading blocks of `hashes` are cached.
   uint32_t match(std::span<const uint64_t> hashes) const;
@@ -50,6 +53,7 @@ class PrefixCache {
   uint64_t capacity_;
   uint64_t reserved_ = 0;
   uint64_t clock_ = 0;
+  uint64_t unpinned_ = 0;  // cached blocks with no pin
   std::unordered_map<uint64_t, Node> nodes_;
   std::set<std::pair<uint64_t, uint64_t>> evictable_;  // (last_use, hash) of unpinned leaves
 };
