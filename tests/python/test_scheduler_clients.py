@@ -26,63 +26,48 @@ from pathlib import Path
 
 import pytest
 
-try:
-    import grpc
+from scheduler_testlib import (  # noqa: I001 - first: skips this module when the scheduler is missing
+    BLOCK,
+    SCHEDULER_BIN,
+    SIM_BIN,
+    engine_stats,
+    rand_tokens,
+    sim_tokens,
+    stats,
+    wait_for,
+)
 
-    from moelink.scheduler import (
-        FINISHED,
-        REJECTED,
-        ROOT_BLOCK_HASH,
-        RUNNING,
-        STARTED,
-        CodepointTokenizer,
-        EngineClient,
-        SchedulerClient,
-        SchedulerError,
-        block_hash,
-        cleared_event,
-        load,
-        make_request,
-        pb,
-        progress,
-        prompt_block_hashes,
-        removed_event,
-        stored_event,
-    )
-    from moelink.scheduler import _block_hash
-    from moelink.scheduler.local_cluster import LocalCluster, find_binary
-    from moelink.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-except ImportError as e:  # grpcio / protobuf / xxhash, or the generated code, missing
-    pytest.skip(f"moelink.scheduler is not importable (needs grpcio, protobuf, xxhash and the code "
-                f"generated from scheduler.proto; set MOELINK_PYTHONPATH to a build's python dir): {e}",
-                allow_module_level=True)
+import grpc  # noqa: E402
 
-SCHEDULER_BIN = find_binary("moelink-scheduler")
-SIM_BIN = find_binary("moelink-engine-sim")
-if not SCHEDULER_BIN or not SIM_BIN:
-    pytest.skip("moelink-scheduler / moelink-engine-sim not found: build tools/scheduler and set "
-                "MOELINK_BIN_DIR (e.g. build-sched/tools/scheduler)", allow_module_level=True)
+from moelink.scheduler import (  # noqa: E402
+    FINISHED,
+    REJECTED,
+    ROOT_BLOCK_HASH,
+    RUNNING,
+    STARTED,
+    CodepointTokenizer,
+    EngineClient,
+    SchedulerClient,
+    SchedulerError,
+    block_hash,
+    cleared_event,
+    load,
+    make_request,
+    pb,
+    progress,
+    prompt_block_hashes,
+    removed_event,
+    stored_event,
+)
+from moelink.scheduler.local_cluster import LocalCluster  # noqa: E402
+from moelink.scheduler.v1 import scheduler_pb2_grpc as pb_grpc  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-BLOCK = 16
-MASK64 = (1 << 64) - 1
-_splitmix64 = getattr(_block_hash, "splitmix64", None) or _block_hash._splitmix64
 
 # The pinned values of tests/scheduler/test_block_hash_and_index.cc (BlockHash.PinnedValues).
 PINNED_TOKENS = [i * 7 + 3 for i in range(40)]
 PINNED_BLOCKS = [0x841266545BFE497B, 0xF99BAFCC168BF13A]
 PINNED_ONE = 0xECA23B8EE35431B7  # block_hash(ROOT_BLOCK_HASH, [42])
-
-
-def sim_tokens(prompt, n):
-    """moelink-engine-sim's deterministic output: token i = 1000 +
-    splitmix64(prompt_hash + i) % 30000, prompt_hash = block_hash(ROOT, prompt)."""
-    h = block_hash(ROOT_BLOCK_HASH, list(prompt))
-    return [1000 + _splitmix64((h + i) & MASK64) % 30000 for i in range(n)]
-
-
-def rand_tokens(rng, n):
-    return [rng.randrange(0, 30000) for _ in range(n)]
 
 
 # ---------------------------------------------------------------------- helpers
@@ -164,28 +149,6 @@ def cluster():
         print(c.logs())
         c.stop()
         assert c.scheduler_proc.returncode == 0, f"moelink-scheduler exited with {c.scheduler_proc.returncode}"
-
-
-def stats(target):
-    with SchedulerClient(target) as c:
-        return c.stats()
-
-
-def engine_stats(target, engine_id):
-    for e in stats(target).engines:
-        if e.engine_id == engine_id:
-            return e
-    raise AssertionError(f"engine {engine_id} not in GetStats")
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def events_of(target, req, timeout=15.0):

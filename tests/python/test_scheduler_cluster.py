@@ -32,53 +32,38 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-try:
-    import grpc
+from scheduler_testlib import (  # noqa: I001 - first: skips this module when the scheduler is missing
+    BLOCK,
+    engine_stats,
+    rand_tokens,
+    sim_tokens,
+    stats,
+    wait_for,
+)
 
-    from moelink.scheduler import (
-        ROOT_BLOCK_HASH,
-        AsyncSchedulerClient,
-        CodepointTokenizer,
-        SchedulerClient,
-        SchedulerError,
-        block_hash,
-        cleared_event,
-        make_request,
-        pb,
-        removed_event,
-        stored_event,
-    )
-    from moelink.scheduler import _block_hash
-    from moelink.scheduler.local_cluster import LocalCluster, find_binary
-    from moelink.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-except ImportError as e:
-    pytest.skip(f"moelink.scheduler is not importable (needs grpcio, protobuf, xxhash and the code "
-                f"generated from scheduler.proto; set MOELINK_PYTHONPATH to a build's python dir): {e}",
-                allow_module_level=True)
+import grpc  # noqa: E402
 
-if not find_binary("moelink-scheduler") or not find_binary("moelink-engine-sim"):
-    pytest.skip("moelink-scheduler / moelink-engine-sim not found: build tools/scheduler and set "
-                "MOELINK_BIN_DIR (e.g. build-sched/tools/scheduler)", allow_module_level=True)
+from moelink.scheduler import (  # noqa: E402
+    AsyncSchedulerClient,
+    CodepointTokenizer,
+    SchedulerClient,
+    SchedulerError,
+    cleared_event,
+    make_request,
+    pb,
+    removed_event,
+    stored_event,
+)
+from moelink.scheduler.local_cluster import LocalCluster  # noqa: E402
+from moelink.scheduler.v1 import scheduler_pb2_grpc as pb_grpc  # noqa: E402
 
-BLOCK = 16
-MASK64 = (1 << 64) - 1
 OK = grpc.StatusCode.OK
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 CANCELLED = grpc.StatusCode.CANCELLED
-_splitmix64 = getattr(_block_hash, "splitmix64", None) or _block_hash._splitmix64
 # Heartbeats for the failure tests: engines report every 50 ms when idle, a
 # silent one is drained after 600 ms.
 FAST_HEARTBEAT = ["--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms", "600"]
 HEARTBEAT_TIMEOUT_S = 0.6
-
-
-def sim_tokens(prompt, n):
-    h = block_hash(ROOT_BLOCK_HASH, list(prompt))
-    return [1000 + _splitmix64((h + i) & MASK64) % 30000 for i in range(n)]
-
-
-def rand_tokens(rng, n):
-    return [rng.randrange(0, 30000) for _ in range(n)]
 
 
 @contextlib.contextmanager
@@ -192,32 +177,6 @@ def check_outcomes(recs, disrupted=None):
         else:
             problems.append(f"{r}: unexpected outcome")
     assert not problems, "\n".join(problems[:30]) + f"\n({len(problems)} problems)"
-
-
-def stats(target):
-    with SchedulerClient(target) as c:
-        return c.stats()
-
-
-def engine_stats(target, engine_id):
-    for e in stats(target).engines:
-        if e.engine_id == engine_id:
-            return e
-    return None
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = pred()
-        except grpc.RpcError as e:  # the scheduler restarting
-            last = e
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last})")
 
 
 def wait_idle(cluster, timeout=10.0):
