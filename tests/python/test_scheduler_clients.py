@@ -163,6 +163,13 @@ def events_of(target, req, timeout=15.0):
     return out, None
 
 
+def generate_in_background(target, req, out):
+    """One Generate call on a thread; out["events"], out["error"] once it ends."""
+    t = threading.Thread(target=lambda: out.update(zip(("events", "error"), events_of(target, req))))
+    t.start()
+    return t
+
+
 def tokens_in_order(events):
     """Output tokens of a stream, checking every Tokens event continues the last."""
     toks = []
@@ -309,8 +316,7 @@ def test_python_engine_serves_a_request(cluster):
         prompt = rand_tokens(rng, 53)
         out = {}
         req = make_request(text=tok.decode(prompt), tokenizer=tok, max_new_tokens=6, request_id="py-req-1")
-        t = threading.Thread(target=lambda: out.update(zip(("events", "error"), events_of(cluster.target, req))))
-        t.start()
+        t = generate_in_background(cluster.target, req, out)
         run = eng.runs.get(timeout=10)
         assert run.request_id == "py-req-1"
         assert list(run.prompt_tokens) == prompt
@@ -460,8 +466,7 @@ def test_started_is_refused_after_a_cancel_and_rejected_moves_on(cluster):
         prompt = rand_tokens(rng, 40)
         out = {}
         req = make_request(prompt, max_new_tokens=4, request_id="to-cancel")
-        t = threading.Thread(target=lambda: out.update(zip(("events", "error"), events_of(cluster.target, req))))
-        t.start()
+        t = generate_in_background(cluster.target, req, out)
         run = a.runs.get(timeout=10)
         assert run.request_id == "to-cancel"
         with SchedulerClient(cluster.target) as c:
@@ -483,8 +488,7 @@ def test_started_is_refused_after_a_cancel_and_rejected_moves_on(cluster):
             req = make_request(prompt, max_new_tokens=4, request_id="to-reject")
             # Route to a first: it holds the prompt's prefix.
             assert a.client.report(kv_events=[stored_event(prompt_block_hashes(prompt, BLOCK))]).ok
-            t = threading.Thread(target=lambda: out.update(zip(("events", "error"), events_of(cluster.target, req))))
-            t.start()
+            t = generate_in_background(cluster.target, req, out)
             run = a.runs.get(timeout=10)
             assert run.request_id == "to-reject" and run.expected_cached_tokens == 32
             r = a.client.report(progress=[progress("to-reject", REJECTED, finish_reason="full")])
@@ -510,8 +514,7 @@ def test_an_unplaceable_kv_event_does_not_cost_the_engine_its_requests(cluster):
         prompt = rand_tokens(rng, 40)
         out = {}
         req = make_request(prompt, max_new_tokens=4, request_id="survivor")
-        t = threading.Thread(target=lambda: out.update(zip(("events", "error"), events_of(cluster.target, req))))
-        t.start()
+        t = generate_in_background(cluster.target, req, out)
         run = a.runs.get(timeout=10)
         want = sim_tokens(run.prompt_tokens, 4)
         assert a.client.report(progress=[progress("survivor", STARTED)]).ok
