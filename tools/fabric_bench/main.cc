@@ -485,6 +485,12 @@ std::string fmt(double v, int prec = 1) {
   return os.str();
 }
 
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
 // " [lo-hi]": the range of a cell's per-round ratios (empty for one round).
 std::string round_range(const json& r, const char* key) {
   if (!r.contains(key) || r[key].size() < 2) return "";
@@ -671,6 +677,35 @@ int main(int argc, char** argv) {
     }
   }
   doc["runs"] = runs;
+  // One number per provider and overall: the median over cells of the
+  // engine / raw ratios (latency p50 and rate time), which is how the
+  // comparison is read; single cells move with the machine's noise.
+  {
+    json summary = json::object();
+    std::vector<double> all;
+    for (const auto& prov : providers) {
+      std::vector<double> cells;
+      for (const auto& run : runs) {
+        if (run["provider"] != prov || !run.contains("ops")) continue;
+        for (const auto& e : run["ops"]) {
+          const auto& r = e["engine_over_raw"];
+          cells.push_back(r["latency_p50"].get<double>());
+          if (r.contains("rate_time")) cells.push_back(r["rate_time"].get<double>());
+        }
+      }
+      if (cells.empty()) continue;
+      all.insert(all.end(), cells.begin(), cells.end());
+      summary[prov] = {{"median_engine_over_raw", median_of(cells)}, {"cells", cells.size()}};
+      std::printf("%-4s median engine / raw over %zu cells: x%.3f\n", prov.c_str(), cells.size(),
+                  median_of(cells));
+    }
+    if (!all.empty()) {
+      summary["all"] = {{"median_engine_over_raw", median_of(all)}, {"cells", all.size()}};
+      std::printf("all  median engine / raw over %zu cells: x%.3f (target <= %.2f)\n", all.size(),
+                  median_of(all), 1 + threshold);
+    }
+    doc["summary"] = summary;
+  }
   // The software cost, free of scheduling noise (one process, one thread).
   if (cost_iters > 0) {
     json costs = json::object();
