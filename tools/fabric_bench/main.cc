@@ -485,12 +485,6 @@ std::string fmt(double v, int prec = 1) {
   return os.str();
 }
 
-double median_of(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
 // " [lo-hi]": the range of a cell's per-round ratios (empty for one round).
 std::string round_range(const json& r, const char* key) {
   if (!r.contains(key) || r[key].size() < 2) return "";
@@ -695,14 +689,14 @@ int main(int argc, char** argv) {
       }
       if (cells.empty()) continue;
       all.insert(all.end(), cells.begin(), cells.end());
-      summary[prov] = {{"median_engine_over_raw", median_of(cells)}, {"cells", cells.size()}};
+      summary[prov] = {{"median_engine_over_raw", median(cells)}, {"cells", cells.size()}};
       std::printf("%-4s median engine / raw over %zu cells: x%.3f\n", prov.c_str(), cells.size(),
-                  median_of(cells));
+                  median(cells));
     }
     if (!all.empty()) {
-      summary["all"] = {{"median_engine_over_raw", median_of(all)}, {"cells", all.size()}};
+      summary["all"] = {{"median_engine_over_raw", median(all)}, {"cells", all.size()}};
       std::printf("all  median engine / raw over %zu cells: x%.3f (target <= %.2f)\n", all.size(),
-                  median_of(all), 1 + threshold);
+                  median(all), 1 + threshold);
     }
     doc["summary"] = summary;
   }

@@ -75,9 +75,7 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   try {
     if (!token_file.empty()) {
-      o.engine_token = moelink::scheduler::read_pem(token_file, "--engine-token-file");
-      while (!o.engine_token.empty() && (o.engine_token.back() == '\n' || o.engine_token.back() == '\r'))
-        o.engine_token.pop_back();
+      o.engine_token = moelink::scheduler::read_token_file(token_file);
     } else if (const char* t = std::getenv("MOELINK_ENGINE_TOKEN")) {
       o.engine_token = t;
     }

@@ -29,7 +29,7 @@ namespace moelink::scheduler {
 struct EngineClientOptions {
   std::string target = "127.0.0.1:50051";  // the scheduler, host:port
   v1::EngineInfo info;                     // engine_id, capacity, block size, ...
-  std::string engine_token;                // the scheduler's --engine-token, if any
+  std::string engine_token;                // the scheduler's engine token, if it has one
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // default: insecure
   std::chrono::milliseconds rpc_timeout{5000};
   std::chrono::milliseconds max_backoff{1000};

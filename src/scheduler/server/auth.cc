@@ -44,6 +44,12 @@ std::string read_pem(const std::string& path, const char* option) {
   return ss.str();
 }
 
+std::string read_token_file(const std::string& path) {
+  std::string token = read_pem(path, "--engine-token-file");
+  while (!token.empty() && (token.back() == '\n' || token.back() == '\r')) token.pop_back();
+  return token;
+}
+
 std::shared_ptr<grpc::ServerCredentials> server_credentials(const SchedulerOptions& o) {
   const bool tls = !o.tls_cert.empty();
   if (!is_loopback_listen(o.listen) && !tls && o.engine_token.empty() && !o.allow_insecure_remote)

@@ -29,4 +29,8 @@ std::shared_ptr<grpc::ServerCredentials> server_credentials(const SchedulerOptio
 // Reads a whole file; throws std::runtime_error naming it.
 std::string read_pem(const std::string& path, const char* option);
 
+// The engine token in a file (--engine-token-file), its trailing newlines
+// dropped; throws std::runtime_error naming the file.
+std::string read_token_file(const std::string& path);
+
 }  // namespace moelink::scheduler

@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1e-4, 1e4))->capture_default_str();
   app.add_flag("--events-with-tokens", o.events_with_tokens,
                "publish engine-own block hashes with token ids (vLLM style)");
-  app.add_option("--engine-token", token, "the scheduler's --engine-token");
+  app.add_option("--engine-token", token, "the engine token the scheduler was given");
   app.add_option("--engine-token-file", token_file, "file holding the engine token");
   app.add_option("--model", cm.model, "moelink-plan model profile")->capture_default_str();
   app.add_option("--gpu", cm.gpu, "moelink-plan GPU profile")->capture_default_str();
@@ -109,8 +109,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (!token_file.empty()) {
-      token = read_pem(token_file, "--engine-token-file");
-      while (!token.empty() && (token.back() == '\n' || token.back() == '\r')) token.pop_back();
+      token = read_token_file(token_file);
     }
     if (http.port != 0 && o.address.empty())
       o.address = "http://" + http.host + ":" + std::to_string(http.port);
