@@ -16,7 +16,8 @@
 #   CPU r, its worker on CPU N+1+r; past the CPU set, beside the workers of
 #   ranks 2, 3, ...)
 #   (MOELINK_FABRIC_BENCH_ARGS replaces the default arguments).
-# MOELINK_CMAKE_ARGS adds configure arguments (e.g.
+# MOELINK_BUILD_TARGETS builds only those targets (e.g. "_C
+# moelink_layer_tests"; default: all). MOELINK_CMAKE_ARGS adds configure arguments (e.g.
 # -DMOELINK_EXPERTS_TILE_SWEEP=ON for experts_bench.py --tiles).
 # Needs .deps/ from tools/prepare_device_deps.sh (that machine has no package
 # registry) and carries it with the call.
@@ -38,7 +39,8 @@ if has build; then
     ${MOELINK_CMAKE_ARGS:-} \
     -DPython_EXECUTABLE="$py" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
   grep -E "moelink: (backend|backends|TransferEngine|CUTLASS)" "$OUT/configure.log"
-  cmake --build build-gpu -j "$(nproc)" >"$OUT/build.log" 2>&1 || { grep -B2 -A10 error "$OUT/build.log" | head -60; exit 1; }
+  cmake --build build-gpu -j "$(nproc)" ${MOELINK_BUILD_TARGETS:+--target $MOELINK_BUILD_TARGETS} \
+    >"$OUT/build.log" 2>&1 || { grep -B2 -A10 error "$OUT/build.log" | head -60; exit 1; }
   echo "build ok"
 fi
 

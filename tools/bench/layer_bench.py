@@ -1,25 +1,38 @@
 #!/usr/bin/env python3
 """moelink-layer-bench: the MoE layer (moelink.MoELayer) on this machine's
-GPUs, stage by stage.
+GPU, stage by stage.
 
 For each batch (tokens per rank), overlap mode and eager / CUDA-graph run:
-the layer's wall time (CUDA events around forward(), medians), and from a
-profiled eager forward the time of each stage (quantize, router, dispatch
-send / receive, shared expert, GEMM1, SiLU-mul, GEMM2, combine send /
-receive) and their sum; the HBM floor (the bytes the layer must read: the
-router, the shared expert and every expert some token goes to, plus tokens
-in and out, at the copy bandwidth this process measures). Random
-DeepSeek-V3-shaped weights in fp8 with 128 x 128 scales, top-8 routing from
-the real router.
+  wall_us            the layer's wall time: CUDA events around forward(),
+                     median of --iters calls (a layer built without profile);
+  stages_us          eager only: the time between the layer's stage marks
+                     (quantize, router, dispatch send / receive, shared
+                     expert, GEMM1, SiLU-mul, GEMM2, combine send / receive),
+                     median over --iters forwards of a layer built with
+                     profile=True (micro-batch: the total only; its stages
+                     interleave);
+  sum_of_kernels_us  what the GPU spent in kernels and copies per forward,
+                     from torch.profiler (CUPTI sees every kernel of the
+                     process, inside CUDA graphs too): the "no gaps" bound
+                     the wall time is held to; busy_us the union of their
+                     intervals; kernels[] the same by kernel name;
+  floor_us           the HBM floor: every byte the layer must move (the
+                     router's weight, the shared expert, every expert some
+                     token of this routing goes to, the scales, x in and out)
+                     at the device-copy bandwidth this process measures.
+Random DeepSeek-V3-shaped weights, fp8 with 128 x 128 scales; the real
+router on random tokens picks the experts.
 
     PYTHONPATH=build-gpu/python python3 tools/bench/layer_bench.py --json out.json
+    python3 tools/bench/layer_report.py out.json --plan build-plan/tools/plan/moelink-plan --svg out.svg
 
-One process, world 1 (every expert local; the NVLink backend's dispatch
-and combine still run). Not run yet on the H200 (docs/moe_layer.md).
+One process, world 1 (every expert local; the NVLink backend's dispatch and
+combine kernels still run, as local copies).
 """
 import argparse
 import datetime
 import json
+import math
 import os
 import socket
 import statistics
@@ -30,6 +43,9 @@ import torch
 
 import moelink
 
+STAGES = ("quantize_us", "router_us", "dispatch_send_us", "shared_expert_us", "dispatch_recv_us",
+          "gemm1_us", "silu_mul_us", "gemm2_us", "combine_send_us", "combine_recv_us")
+
 
 def _boot():
     with socket.socket() as s:
@@ -39,15 +55,24 @@ def _boot():
 
 
 def block_fp8(shape, std):
-    """Random fp8 weights [..., n, k] with one fp32 scale per 128 x 128 block."""
-    w = torch.randn(*shape, device="cuda") * std
-    n, k = shape[-2:]
-    s = w.unflatten(-2, (n // 128, 128)).unflatten(-1, (k // 128, 128)).abs().amax(dim=(-3, -1)) / 448
-    q = (w / s.repeat_interleave(128, -2).repeat_interleave(128, -1)).to(torch.float8_e4m3fn)
-    return q, s.float().contiguous()
+    """Random fp8 weights [..., n, k] with one fp32 scale per 128 x 128 block,
+    made 8 matrices at a time (DeepSeek-V3's 256 experts in fp32 at once
+    would take 30 GB)."""
+    *lead, n, k = shape
+    count = math.prod(lead)
+    qs, ss = [], []
+    for i in range(0, count, 8):
+        w = torch.randn(min(8, count - i), n, k, device="cuda") * std
+        s = w.unflatten(-2, (n // 128, 128)).unflatten(-1, (k // 128, 128)).abs().amax(dim=(-3, -1)) / 448
+        qs.append((w / s.repeat_interleave(128, -2).repeat_interleave(128, -1)).to(torch.float8_e4m3fn))
+        ss.append(s.float())
+    return (torch.cat(qs).reshape(shape).contiguous(),
+            torch.cat(ss).reshape(*lead, n // 128, k // 128).contiguous())
 
 
 def copy_gbs():
+    """Device-copy bandwidth, bytes read + written, GB/s (eager copies: a copy
+    captured in a graph runs on the copy engine, ~2.7 TB/s on an H200)."""
     n = 4 << 30
     a = torch.empty(n, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -62,12 +87,57 @@ def copy_gbs():
     return 2 * n * 10 / (e0.elapsed_time(e1) * 1e-3) / 1e9
 
 
+def timed_us(fn, iters):
+    """Median wall time of fn() in microseconds, CUDA events around each call."""
+    times = []
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3)
+    return statistics.median(times)
+
+
+def kernel_profile(fn, iters):
+    """GPU work per call of fn() from torch.profiler: the sum of kernel and
+    copy durations, the union of their intervals, and the sum by name."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    spans, by_name = [], {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t0, t1 = e.time_range.start, e.time_range.end
+        spans.append((t0, t1))
+        k = by_name.setdefault(e.name, [0, 0.0])
+        k[0] += 1
+        k[1] += t1 - t0
+    if not spans:
+        return None
+    busy, end = 0.0, float("-inf")
+    for t0, t1 in sorted(spans):
+        if t1 > end:
+            busy += t1 - max(t0, end)
+            end = t1
+    kernels = sorted(({"name": n[:160], "calls": c / iters, "us": t / iters}
+                      for n, (c, t) in by_name.items()), key=lambda k: -k["us"])
+    return {"sum_of_kernels_us": sum(t1 - t0 for t0, t1 in spans) / iters,
+            "busy_us": busy / iters, "kernels": kernels}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="deepseek-v3")
     p.add_argument("--batches", default="1,2,4,8,16,32,64,128,4096")
     p.add_argument("--modes", default="none,dispatch-overlap,micro-batch")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=20, help="timed forwards per cell (medians)")
+    p.add_argument("--profile-iters", type=int, default=5, help="forwards under torch.profiler")
     p.add_argument("--machine", default="nvidia-h200")
     p.add_argument("--json", default="-")
     a = p.parse_args()
@@ -77,62 +147,91 @@ def main():
     torch.manual_seed(0)
     w13, w13s = block_fp8((E, 2 * I, H), 0.02)
     w2, w2s = block_fp8((E, H, I), 0.02)
-    sw13, sw13s = block_fp8((2 * Is, H), 0.02)
-    sw2, sw2s = block_fp8((H, Is), 0.02)
+    shared = {}
+    if Is:
+        sw13, sw13s = block_fp8((2 * Is, H), 0.02)
+        sw2, sw2s = block_fp8((H, Is), 0.02)
+        shared = dict(shared_w13=sw13, shared_w13_scale=sw13s, shared_w2=sw2, shared_w2_scale=sw2s)
     gate = (torch.randn(E, H, device="cuda") / H ** 0.5).to(torch.bfloat16)
     bias = torch.randn(E, device="cuda") * 0.05
     bw = copy_gbs()
     rec = {"tool": "tools/bench/layer_bench.py", "machine": a.machine,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "command": " ".join(["layer_bench.py"] + sys.argv[1:]),
            "git_commit": os.environ.get("MOELINK_GIT_COMMIT") or subprocess.run(
                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           "model": repr(cfg), "copy_gbs": bw, "results": []}
-    expert_bytes = 3 * I * H + 3 * (I // 128) * (H // 128) * 4
-    for batch in [int(b) for b in a.batches.split(",")]:
+           "world_size": 1,
+           "model": {"name": cfg.name, "preset": a.model, "hidden_size": H, "moe_intermediate_size": I,
+                     "n_routed_experts": E, "num_experts_per_tok": k,
+                     "n_shared_experts": cfg.n_shared_experts},
+           "copy_gbs": bw, "results": []}
+    expert_bytes = 3 * I * H + 3 * (I // 128) * (H // 128) * 4  # fp8 w13 + w2 and their scales
+    shared_bytes = 3 * Is * H + 3 * (Is // 128) * (H // 128) * 4
+    batches = [int(b) for b in a.batches.split(",")]
+
+    def new_layer(batch, mode, graphs, profile):
+        layer = moelink.MoELayer(cfg, max_tokens=batch, backend="nvlink", bootstrap=_boot(),
+                                 overlap=mode, cuda_graphs=graphs, profile=profile)
+        layer.set_weights(gate, w13, w2, gate_bias=bias, w13_scale=w13s, w2_scale=w2s, **shared)
+        return layer
+
+    for batch in batches:
         x = torch.randn(batch, H, device="cuda").to(torch.bfloat16)
         out = torch.empty_like(x)
         bm = torch.tensor([batch], dtype=torch.int32, device="cuda")
-        touched = E * (1 - (1 - k / E) ** batch)  # experts some token goes to, expected
-        floor_bytes = (E * H * 2 + touched * expert_bytes + 3 * Is * H + batch * H * 4)
+        # The experts this routing touches (the floor reads only those).
+        probe = new_layer(batch, "none", False, False)
+        idx = torch.empty(batch, k, dtype=torch.int32, device="cuda")
+        wts = torch.empty(batch, k, dtype=torch.float32, device="cuda")
+        probe.route(idx, wts, x, bm)
+        touched = int(torch.unique(idx).numel())
+        del probe
+        floor_bytes = E * H * 2 + touched * expert_bytes + shared_bytes + batch * H * 4
+        floor_us = floor_bytes / (bw * 1e9) * 1e6
         for mode in a.modes.split(","):
             for graphs in (False, True):
-                layer = moelink.MoELayer(cfg, max_tokens=batch, backend="nvlink", bootstrap=_boot(),
-                                         overlap=mode, cuda_graphs=graphs, profile=not graphs)
-                layer.set_weights(gate, w13, w2, gate_bias=bias, w13_scale=w13s, w2_scale=w2s,
-                                  shared_w13=sw13, shared_w13_scale=sw13s, shared_w2=sw2,
-                                  shared_w2_scale=sw2s)
-                for _ in range(3):
+                layer = new_layer(batch, mode, graphs, False)
+
+                def fwd():
                     layer.forward(out, x, bm, num_tokens=batch)
+
+                for _ in range(3):
+                    fwd()
                 torch.cuda.synchronize()
                 layer.check()
-                stages = layer.stage_times() if not graphs else {}
-                times = []
-                for _ in range(a.iters):
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    layer.forward(out, x, bm, num_tokens=batch)
-                    e1.record()
-                    torch.cuda.synchronize()
-                    times.append(e0.elapsed_time(e1) * 1e3)
-                wall = statistics.median(times)
-                r = {"batch": batch, "mode": mode, "graphs": graphs, "wall_us": wall,
-                     "floor_us": floor_bytes / (bw * 1e9) * 1e6, "stages_us": stages}
-                if stages:
-                    r["sum_of_stages_us"] = sum(v for kk, v in stages.items() if kk != "total_us")
-                r["wall_over_floor"] = wall / r["floor_us"]
+                wall = timed_us(fwd, a.iters)
+                r = {"batch": batch, "mode": mode, "graphs": graphs, "touched_experts": touched,
+                     "wall_us": wall, "floor_bytes": floor_bytes, "floor_us": floor_us,
+                     "wall_over_floor": wall / floor_us}
+                kp = kernel_profile(fwd, a.profile_iters)
+                if kp:
+                    r.update(kp)
+                    r["wall_over_kernels"] = wall / kp["sum_of_kernels_us"]
+                del layer
+                if not graphs:
+                    # Stage marks come from a layer built with profile=True.
+                    layer = new_layer(batch, mode, False, True)
+                    samples = []
+                    for i in range(a.iters + 2):
+                        layer.forward(out, x, bm, num_tokens=batch)
+                        if i >= 2:
+                            samples.append(layer.stage_times())
+                    layer.check()
+                    keys = ("total_us",) if mode == "micro-batch" else STAGES + ("total_us",)
+                    r["stages_us"] = {s: statistics.median(t[s] for t in samples) for s in keys}
+                    del layer
                 rec["results"].append(r)
                 print(f"batch {batch:5d} {mode:16s} {'graph' if graphs else 'eager':5s} "
-                      f"wall {wall:9.1f} us  floor {r['floor_us']:8.1f} us  "
-                      f"wall/floor {r['wall_over_floor']:5.2f}", file=sys.stderr)
-                del layer
+                      f"wall {wall:9.1f} us  kernels {r.get('sum_of_kernels_us', float('nan')):9.1f} us  "
+                      f"floor {floor_us:8.1f} us  wall/floor {r['wall_over_floor']:5.2f}",
+                      file=sys.stderr, flush=True)
                 torch.cuda.empty_cache()
-    out_text = json.dumps(rec, indent=1)
+                if a.json != "-":  # after every cell: a run cut short keeps what it measured
+                    with open(a.json, "w") as f:
+                        f.write(json.dumps(rec, indent=1) + "\n")
     if a.json == "-":
-        print(out_text)
-    else:
-        with open(a.json, "w") as f:
-            f.write(out_text + "\n")
+        print(json.dumps(rec, indent=1))
 
 
 if __name__ == "__main__":

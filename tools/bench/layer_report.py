@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""The MoE layer benchmark's report: tables and a stacked-bar SVG of what
+tools/bench/layer_bench.py measured, beside what moelink-plan predicts for
+the same layer (world 1, one token per request, no MTP).
+
+    python3 tools/bench/layer_report.py layer.json \\
+        --plan build-plan/tools/plan/moelink-plan --svg layer.svg
+
+Needs no GPU. Without --plan only the measurement is shown.
+"""
+import argparse
+import json
+import subprocess
+import sys
+from typing import Dict, List, Optional
+
+# (label, measured stage keys, moelink-plan kernel names, colour), in layer order.
+GROUPS = [
+    ("quantize", ["quantize_us"], [], "#9e9e9e"),
+    ("router", ["router_us"], ["router"], "#8d6e63"),
+    ("dispatch", ["dispatch_send_us", "dispatch_recv_us"], ["dispatch"], "#42a5f5"),
+    ("shared expert", ["shared_expert_us"], ["shared_gate_up", "shared_act", "shared_down"], "#ab47bc"),
+    ("GEMM1", ["gemm1_us"], ["moe_gate_up"], "#ef6c00"),
+    ("SiLU-mul", ["silu_mul_us"], ["moe_act_quant"], "#fdd835"),
+    ("GEMM2", ["gemm2_us"], ["moe_down"], "#e53935"),
+    ("combine", ["combine_send_us", "combine_recv_us"], ["combine"], "#26a69a"),
+]
+
+
+def measured_groups(stages: Dict[str, float]) -> Dict[str, float]:
+    return {g: sum(stages.get(k, 0.0) for k in keys) for g, keys, _, _ in GROUPS}
+
+
+def planned_groups(plan_bin: str, batch: int, model: str) -> Optional[Dict[str, float]]:
+    """moelink-plan's per-kernel prediction for `batch` tokens at EP1."""
+    cmd = [plan_bin, "--model", model, "--ep", "1", "--tp", "1", "--batch", str(batch), "--mtp", "0",
+           "--overlap", "dispatch", "--ignore-memory", "--json", "-"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        print(f"layer_report: {' '.join(cmd)} failed: {res.stderr.strip()}", file=sys.stderr)
+        return None
+    layer = json.loads(res.stdout)["moe_layer"]
+    times = {k["name"]: k["time_us"] for k in layer["kernels"]}
+    times["dispatch"] = layer["dispatch"]["total_us"]
+    times["combine"] = layer["combine"]["total_us"]
+    return {g: sum(times.get(n, 0.0) for n in names) for g, _, names, _ in GROUPS}
+
+
+def pick(results: List[dict], batch: int, mode: str, graphs: bool) -> Optional[dict]:
+    for r in results:
+        if r["batch"] == batch and r["mode"] == mode and r["graphs"] == graphs:
+            return r
+    return None
+
+
+def fmt(v: Optional[float], spec: str = "8.1f") -> str:
+    return format(v, spec) if v is not None else " " * (int(spec.split(".")[0]) - 1) + "-"
+
+
+def print_tables(rec: dict, plans: Dict[int, Dict[str, float]]) -> None:
+    res = rec["results"]
+    print(f"{rec['model']['name']} MoE layer, world {rec['world_size']}, {rec['gpu']}, "
+          f"copy {rec['copy_gbs']:.0f} GB/s, commit {rec['git_commit']}")
+    print("\nwall time (us): wall / sum of kernels (gaps) and wall / HBM floor")
+    print(f"{'batch':>5} {'mode':16} {'run':5} {'wall':>8} {'kernels':>8} {'busy':>8} {'floor':>8} "
+          f"{'w/kern':>6} {'w/floor':>7}")
+    for r in res:
+        print(f"{r['batch']:5d} {r['mode']:16} {'graph' if r['graphs'] else 'eager':5} "
+              f"{r['wall_us']:8.1f} {fmt(r.get('sum_of_kernels_us'))} {fmt(r.get('busy_us'))} "
+              f"{r['floor_us']:8.1f} {fmt(r.get('wall_over_kernels'), '6.2f')} {r['wall_over_floor']:7.2f}")
+    names = [g for g, _, _, _ in GROUPS]
+    print("\nstages (us), eager, mode none; 'plan' rows: moelink-plan's prediction")
+    print(f"{'batch':>5} {'':5} " + " ".join(f"{n:>9}" for n in names) + f" {'sum':>9}")
+    for b in sorted({r["batch"] for r in res}):
+        r = pick(res, b, "none", False)
+        if r and r.get("stages_us"):
+            m = measured_groups(r["stages_us"])
+            print(f"{b:5d} {'meas':5} " + " ".join(f"{m[n]:9.1f}" for n in names) + f" {sum(m.values()):9.1f}")
+        if b in plans:
+            p = plans[b]
+            print(f"{'':5} {'plan':5} " + " ".join(f"{p[n]:9.1f}" for n in names) + f" {sum(p.values()):9.1f}")
+            if r and r.get("stages_us"):
+                print(f"{'':5} {'p/m':5} " + " ".join(
+                    f"{p[n] / m[n]:9.2f}" if m[n] > 0 else f"{'-':>9}" for n in names) +
+                    f" {sum(p.values()) / sum(m.values()):9.2f}")
+
+
+def write_svg(path: str, rec: dict, plans: Dict[int, Dict[str, float]]) -> None:
+    """One row per batch: the measured stages (eager, mode none) and, below,
+    moelink-plan's prediction, as horizontal stacked bars on the row's own
+    scale (the times span two orders of magnitude); totals in microseconds."""
+    rows = []
+    for b in sorted({r["batch"] for r in rec["results"]}):
+        r = pick(rec["results"], b, "none", False)
+        bars = []
+        if r and r.get("stages_us"):
+            bars.append(("measured", measured_groups(r["stages_us"])))
+        if b in plans:
+            bars.append(("moelink-plan", plans[b]))
+        if bars:
+            rows.append((b, bars))
+    W, left, right, top, bar_h, gap = 900, 190, 90, 70, 16, 14
+    H = top + sum(len(bars) * (bar_h + 3) + gap for _, bars in rows) + 60
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
+           f'font-size="12">', f'<rect width="{W}" height="{H}" fill="white"/>',
+           f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15">{rec["model"]["name"]} MoE layer '
+           f'on one {rec["gpu"]}: measured stages vs moelink-plan</text>',
+           f'<text x="{W / 2}" y="40" text-anchor="middle" fill="#555">eager, overlap none, world 1; each '
+           f'row on its own scale; {rec["date"][:10]}, commit {rec["git_commit"]}</text>']
+    y = top
+    for b, bars in rows:
+        scale = (W - left - right) / max(sum(v.values()) for _, v in bars)
+        out.append(f'<text x="8" y="{y + bar_h}" font-weight="bold">{b} token{"s" if b > 1 else ""}</text>')
+        for label, vals in bars:
+            out.append(f'<text x="{left - 6}" y="{y + bar_h - 4}" text-anchor="end" fill="#555">{label}</text>')
+            x = left
+            for g, _, _, colour in GROUPS:
+                w = vals[g] * scale
+                if w > 0:
+                    out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="{colour}">'
+                               f'<title>{g}: {vals[g]:.1f} us</title></rect>')
+                x += w
+            out.append(f'<text x="{x + 5:.1f}" y="{y + bar_h - 4}">{sum(vals.values()):,.0f} us</text>')
+            y += bar_h + 3
+        y += gap
+    x = 10
+    for g, _, _, colour in GROUPS:
+        out.append(f'<rect x="{x}" y="{y + 8}" width="12" height="12" fill="{colour}"/>'
+                   f'<text x="{x + 16}" y="{y + 18}">{g}</text>')
+        x += 34 + 7.5 * len(g)
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("json", help="layer_bench.py's JSON")
+    p.add_argument("--plan", help="the moelink-plan binary (adds its prediction)")
+    p.add_argument("--svg", help="write the stacked-bar chart here")
+    a = p.parse_args()
+    with open(a.json) as f:
+        rec = json.load(f)
+    plans = {}
+    if a.plan:
+        for b in sorted({r["batch"] for r in rec["results"]}):
+            g = planned_groups(a.plan, b, rec["model"].get("preset", rec["model"]["name"].lower()))
+            if g:
+                plans[b] = g
+    print_tables(rec, plans)
+    if a.svg:
+        write_svg(a.svg, rec, plans)
+
+
+if __name__ == "__main__":
+    main()
