@@ -190,6 +190,8 @@ def main():
         floor_bytes = E * H * 2 + touched * expert_bytes + shared_bytes + batch * H * 4
         floor_us = floor_bytes / (bw * 1e9) * 1e6
         for mode in a.modes.split(","):
+            if mode == "micro-batch" and batch < 2:
+                continue  # two micro-batches need two tokens
             for graphs in (False, True):
                 layer = new_layer(batch, mode, graphs, False)
 
