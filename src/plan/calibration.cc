@@ -2,24 +2,61 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 
 #include "moelink/plan/model.h"
 #include "moelink/plan/profiles.h"
 
 namespace moelink::plan {
+namespace {
+using nlohmann::json;
 
-Calibration Calibration::from_json_text(const std::string& text, const std::string& source) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const std::exception& e) {
-    throw PlanError("bench results '" + source + "': not valid JSON: " + e.what());
+constexpr const char* kLayerBenchTool = "tools/bench/layer_bench.py";
+
+// The stages of layer_bench.py (MoEStageTimes) summed into what they
+// calibrate. The planner has no kernel that quantizes the layer's input (its
+// dispatch sends fp8 rows as they are), so the quantize stage counts with dispatch.
+struct StageMap {
+  const char* name;
+  std::vector<const char*> stages;
+};
+const StageMap kLayerStages[] = {
+    {"router", {"router_us"}},
+    {"shared_expert", {"shared_expert_us"}},
+    {"dispatch", {"quantize_us", "dispatch_send_us", "dispatch_recv_us"}},
+    {"moe_gate_up", {"gemm1_us"}},
+    {"moe_act_quant", {"silu_mul_us"}},
+    {"moe_down", {"gemm2_us"}},
+    {"combine", {"combine_send_us", "combine_recv_us"}},
+};
+
+bool is_layer_bench(const json& j) {
+  if (j.contains("tool") && j["tool"] == kLayerBenchTool) return true;
+  if (j.contains("results") && j["results"].is_array())
+    for (const auto& r : j["results"])
+      if (r.is_object() && r.contains("stages_us")) return true;
+  return false;
+}
+
+// A field of the layer bench's "model": an object with Hugging Face names, or
+// the string layer_bench.py writes today, repr(MoEModelConfig):
+// "MoEModelConfig(deepseek-v3: hidden_size=7168, ..., n_routed_experts=256, ...)".
+long model_field(const json& model, const std::string& field, const std::string& err) {
+  if (model.is_object() && model.contains(field) && model[field].is_number_integer()) return model[field].get<long>();
+  if (model.is_string()) {
+    const std::string s = model.get<std::string>();
+    const size_t at = s.find(" " + field + "=");
+    if (at != std::string::npos) {
+      const long v = std::strtol(s.c_str() + at + field.size() + 2, nullptr, 10);
+      if (v > 0) return v;
+    }
   }
-  Calibration c;
-  c.source = source;
-  c.machine = j.value("machine", std::string());
-  c.date = j.value("date", std::string());
+  throw PlanError(err + "no integer model." + field + " (\"model\" names the benchmarked model's shape)");
+}
+
+void parse_moelink_bench(const json& j, Calibration& c) {
+  const std::string err = "bench results '" + c.source + "': ";
   c.world_size = j.value("world_size", 0);
   if (j.contains("config")) {
     const auto& cfg = j["config"];
@@ -28,20 +65,90 @@ Calibration Calibration::from_json_text(const std::string& text, const std::stri
     c.topk = cfg.value("experts_per_token", 0);
   }
   if (!j.contains("results") || !j["results"].is_array())
-    throw PlanError("bench results '" + source + "': no \"results\" array (is it moelink-bench --json output?)");
+    throw PlanError(err + "no \"results\" array (is it moelink-bench --json or layer_bench.py --json output?)");
   for (const auto& r : j["results"]) {
-    if (!r.contains("quantities")) continue;
+    if (!r.is_object() || !r.contains("quantities")) continue;
     const auto& q = r["quantities"];
     if (!q.contains("dispatch") || !q.contains("combine")) continue;
     BenchSample s;
     s.tokens = r.value("tokens", 0.0);
-    s.dispatch_us = q["dispatch"].value("p50_us", 0.0);
-    s.combine_us = q["combine"].value("p50_us", 0.0);
-    if (s.tokens > 0 && s.dispatch_us > 0 && s.combine_us > 0) c.samples.push_back(s);
+    s.us["dispatch"] = q["dispatch"].value("p50_us", 0.0);
+    s.us["combine"] = q["combine"].value("p50_us", 0.0);
+    if (s.tokens > 0 && s.us["dispatch"] > 0 && s.us["combine"] > 0) c.samples.push_back(s);
   }
-  if (c.samples.empty())
-    throw PlanError("bench results '" + source + "': no result with dispatch and combine p50_us");
-  if (c.world_size <= 0) throw PlanError("bench results '" + source + "': no world_size");
+  if (c.samples.empty()) throw PlanError(err + "no result with dispatch and combine p50_us");
+  if (c.world_size <= 0) throw PlanError(err + "no world_size");
+}
+
+void parse_layer_bench(const json& j, Calibration& c) {
+  const std::string err = "layer bench results '" + c.source + "': ";
+  c.format = Calibration::Format::kLayerBench;
+  // layer_bench.py runs one process (world 1) and does not write world_size yet.
+  c.world_size = j.value("world_size", 1);
+  const json model = j.value("model", json());
+  c.hidden_dim = model_field(model, "hidden_size", err);
+  c.experts = int(model_field(model, "n_routed_experts", err));
+  if (model.is_object()) c.topk = model.value("num_experts_per_tok", 0);
+  if (!j.contains("results") || !j["results"].is_array() || j["results"].empty())
+    throw PlanError(err + "no \"results\" (an array of the measured batches)");
+  // One sample per batch: the eager run of mode "none" (every stage in turn),
+  // else "dispatch-overlap" (the shared expert between dispatch send and
+  // receive; their sum is the same work). CUDA-graph runs carry no stages and
+  // micro-batch runs only total_us.
+  std::map<double, BenchSample> by_batch;
+  const json& results = j["results"];
+  for (size_t i = 0; i < results.size(); ++i) {
+    const json& r = results[i];
+    const std::string at = "results[" + std::to_string(i) + "]";
+    if (!r.is_object()) throw PlanError(err + at + " is not an object");
+    const json stages = r.value("stages_us", json());
+    const std::string mode = r.value("mode", std::string());
+    if (stages.is_null() || stages.empty() || r.value("graphs", false) ||
+        (mode != "none" && mode != "dispatch-overlap"))
+      continue;
+    if (!stages.is_object()) throw PlanError(err + at + ".stages_us is not an object");
+    if (!r.contains("batch") || !r["batch"].is_number() || r["batch"].get<double>() <= 0)
+      throw PlanError(err + at + ".batch: missing or not a positive number (tokens per rank)");
+    BenchSample s;
+    s.tokens = r["batch"].get<double>();
+    s.mode = mode;
+    for (const auto& m : kLayerStages) {
+      double sum = 0;
+      for (const char* stage : m.stages) {
+        if (!stages.contains(stage) || !stages[stage].is_number() || stages[stage].get<double>() < 0)
+          throw PlanError(err + at + ".stages_us." + stage + ": missing or not a number >= 0 (us)");
+        sum += stages[stage].get<double>();
+      }
+      s.us[m.name] = sum;
+    }
+    auto [it, added] = by_batch.emplace(s.tokens, s);
+    if (!added && it->second.mode != "none") it->second = s;
+  }
+  if (by_batch.empty())
+    throw PlanError(err + "no usable stage times: none of the " + std::to_string(results.size()) +
+                    " results is an eager run (\"graphs\": false) of mode \"none\" or \"dispatch-overlap\" "
+                    "with non-empty \"stages_us\"");
+  for (auto& [tokens, s] : by_batch) c.samples.push_back(s);
+}
+}  // namespace
+
+Calibration Calibration::from_json_text(const std::string& text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const std::exception& e) {
+    throw PlanError("bench results '" + source + "': not valid JSON: " + e.what());
+  }
+  if (!j.is_object())
+    throw PlanError("bench results '" + source + "': not a JSON object (moelink-bench or layer_bench.py output)");
+  Calibration c;
+  c.source = source;
+  c.machine = j.value("machine", std::string());
+  c.date = j.value("date", std::string());
+  if (is_layer_bench(j))
+    parse_layer_bench(j, c);
+  else
+    parse_moelink_bench(j, c);
   std::sort(c.samples.begin(), c.samples.end(),
             [](const BenchSample& a, const BenchSample& b) { return a.tokens < b.tokens; });
   return c;
@@ -49,12 +156,30 @@ Calibration Calibration::from_json_text(const std::string& text, const std::stri
 
 Calibration Calibration::from_file(const std::string& path) { return from_json_text(read_text_file(path), path); }
 
-double Calibration::interp(double tokens, bool dispatch) const {
-  auto val = [&](const BenchSample& s) { return dispatch ? s.dispatch_us : s.combine_us; };
+std::string Calibration::mismatch(int ep, long hidden, int num_experts) const {
+  if (ep != world_size)
+    return "measured on " + std::to_string(world_size) + " rank(s), the layout has EP " + std::to_string(ep);
+  if (hidden != hidden_dim)
+    return "measured at hidden size " + std::to_string(hidden_dim) + ", the model's is " + std::to_string(hidden);
+  if (format == Format::kLayerBench && num_experts != experts)
+    return "measured with " + std::to_string(experts) + " routed experts, the model has " +
+           std::to_string(num_experts);
+  return "";
+}
+
+bool Calibration::measures(const std::string& name) const {
+  return !samples.empty() && std::all_of(samples.begin(), samples.end(), [&](const BenchSample& s) {
+    auto it = s.us.find(name);
+    return it != s.us.end() && it->second > 0;
+  });
+}
+
+double Calibration::us(const std::string& name, double tokens) const {
+  if (!measures(name)) throw PlanError("bench results '" + source + "': no measured " + name);
+  auto val = [&](const BenchSample& s) { return s.us.at(name); };
   const auto& v = samples;
   if (v.size() == 1 || tokens <= v.front().tokens) return val(v.front());
   if (tokens >= v.back().tokens) {
-    if (v.size() < 2) return val(v.back());
     // Beyond the range: the per-token cost of the last segment, linearly.
     const auto& a = v[v.size() - 2];
     const auto& b = v.back();
@@ -70,6 +195,27 @@ double Calibration::interp(double tokens, bool dispatch) const {
     }
   }
   return val(v.back());
+}
+
+std::string Calibration::measured_name(const std::string& kernel) {
+  return kernel.rfind("shared_", 0) == 0 ? "shared_expert" : kernel;
+}
+
+void Calibration::apply(std::vector<Kernel>& kernels, double tokens) const {
+  std::map<std::string, double> modelled;  // per measured name, before any is replaced
+  for (const auto& k : kernels) modelled[measured_name(k.name)] += k.time_us;
+  for (auto& k : kernels) {
+    const std::string name = measured_name(k.name);
+    if (!measures(name)) continue;
+    k.time_us = us(name, tokens) * k.time_us / modelled[name];
+    k.measured = true;
+  }
+}
+
+void Calibration::apply(CommCost& c, const std::string& name, double tokens) const {
+  if (!measures(name)) return;
+  c.transfer_us = std::max(0.0, us(name, tokens) - c.send_us - c.recv_us);
+  c.measured = true;
 }
 
 }  // namespace moelink::plan

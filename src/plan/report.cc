@@ -20,7 +20,7 @@ std::string fmt(const char* f, ...) {
 json kernel_json(const Kernel& k) {
   return {{"name", k.name}, {"class", to_string(k.cls)}, {"stage", k.stage}, {"flops", k.flops},
           {"bytes", k.bytes}, {"intensity", k.intensity()}, {"time_us", k.time_us},
-          {"memory_bound", k.memory_bound}, {"m", k.m}};
+          {"memory_bound", k.memory_bound}, {"m", k.m}, {"measured", k.measured}};
 }
 
 json layer_json(const LayerTiming& t) {
@@ -63,8 +63,9 @@ std::string format_step_table(const PlanInput& in, const StepResult& r, const Me
   s += fmt("  %-18s %-16s %5s %12s %12s %9s %9s %s\n", "kernel", "class", "stage", "GFLOP", "MB", "FLOP/B",
            "time us", "bound");
   for (const auto& k : r.moe_layer.kernels)
-    s += fmt("  %-18s %-16s %5d %12.3f %12.3f %9.1f %9.1f %s\n", k.name.c_str(), to_string(k.cls), k.stage,
-             k.flops / 1e9, k.bytes / 1e6, k.intensity(), k.time_us, k.memory_bound ? "memory" : "compute");
+    s += fmt("  %-18s %-16s %5d %12.3f %12.3f %9.1f %9.1f %s%s\n", k.name.c_str(), to_string(k.cls), k.stage,
+             k.flops / 1e9, k.bytes / 1e6, k.intensity(), k.time_us, k.memory_bound ? "memory" : "compute",
+             k.measured ? " [measured]" : "");
   auto comm = [&](const char* n, const CommCost& c) {
     s += fmt("  %-18s send %.1f + transfer %.1f + recv %.1f = %.1f us (NVLink %.2f MB, network %.2f MB)%s\n", n,
              c.send_us, c.transfer_us, c.recv_us, c.total_us(), c.bytes_nvlink / 1e6, c.bytes_network / 1e6,
@@ -200,26 +201,54 @@ std::string format_skipped(const std::vector<SkippedLayout>& skipped) {
 
 std::vector<CalibrationRow> compare_calibration(const PlanInput& base, const Calibration& c) {
   std::vector<CalibrationRow> rows;
-  Layout l{c.world_size, c.world_size, 1, base.layout.gpus_per_node};
+  const Layout l{c.world_size, c.world_size, 1, base.layout.gpus_per_node};
+  const int q = base.work.query_len();
   for (const auto& smp : c.samples) {
-    // The bench sends `tokens` tokens per rank: batch x query length = tokens at TP1.
-    LayerShape s = layer_shape(base.model, l, smp.tokens / base.work.query_len(), base.work.query_len());
-    CommCost d = dispatch_cost(base.model, base.gpu, base.net, l, s);
-    CommCost cb = combine_cost(base.model, base.gpu, base.net, l, s);
-    rows.push_back({smp.tokens, d.total_us(), smp.dispatch_us, cb.total_us(), smp.combine_us});
+    // The bench runs `tokens` tokens per rank: batch x query length = tokens at TP1.
+    const double batch = smp.tokens / q;
+    const LayerShape s = layer_shape(base.model, l, batch, q);
+    // Modelled time per measured name, in the layer's kernel order; dispatch and combine last.
+    std::vector<std::pair<std::string, double>> model;
+    for (const auto& k : layer_compute_kernels(base.model, base.gpu, l, batch, q, base.work.kv_len, true)) {
+      const std::string name = Calibration::measured_name(k.name);
+      if (model.empty() || model.back().first != name) model.push_back({name, 0});
+      model.back().second += k.time_us;
+    }
+    model.push_back({"dispatch", dispatch_cost(base.model, base.gpu, base.net, l, s).total_us()});
+    model.push_back({"combine", combine_cost(base.model, base.gpu, base.net, l, s).total_us()});
+    CalibrationRow sum{smp.tokens, smp.mode, "sum", 0, 0};
+    for (const auto& [name, us] : model) {
+      if (!c.measures(name)) continue;
+      rows.push_back({smp.tokens, smp.mode, name, us, smp.us.at(name)});
+      sum.model_us += us;
+      sum.measured_us += smp.us.at(name);
+    }
+    rows.push_back(sum);
   }
   return rows;
 }
 
 std::string format_calibration(const std::vector<CalibrationRow>& rows, const Calibration& c) {
-  std::string s = fmt("Calibration from %s (%s, %s, %d ranks, hidden %ld): model vs measured p50, us\n",
-                      c.source.c_str(), c.machine.c_str(), c.date.c_str(), c.world_size, c.hidden_dim);
-  s += fmt("  %8s %10s %10s %7s %10s %10s %7s\n", "tokens", "disp model", "disp meas", "ratio", "comb model",
-           "comb meas", "ratio");
-  for (const auto& r : rows)
-    s += fmt("  %8.0f %10.1f %10.1f %7.2f %10.1f %10.1f %7.2f\n", r.tokens, r.dispatch_model_us,
-             r.dispatch_measured_us, r.dispatch_model_us / r.dispatch_measured_us, r.combine_model_us,
-             r.combine_measured_us, r.combine_model_us / r.combine_measured_us);
+  const bool layer = c.format == Calibration::Format::kLayerBench;
+  std::string s = fmt("Calibration from %s (%s, %s, %s; %d rank%s, hidden %ld", c.source.c_str(),
+                      layer ? "layer_bench.py" : "moelink-bench", c.machine.c_str(), c.date.c_str(), c.world_size,
+                      c.world_size == 1 ? "" : "s", c.hidden_dim);
+  if (layer) s += fmt(", %d routed experts", c.experts);
+  s += fmt("):\nmodel vs measured%s at EP%d DP%d TP1, us\n", layer ? " MoE-layer stages" : " p50", c.world_size,
+           c.world_size);
+  s += fmt("  %11s %-16s %-14s %9s %9s %10s\n", "tokens/rank", layer ? "mode" : "", "kernel", "model",
+           "measured", "meas/model");
+  double last = -1;
+  for (const auto& r : rows) {
+    const bool first = r.tokens != last;
+    last = r.tokens;
+    s += fmt("  %11s %-16s %-14s %9.1f %9.1f %10.2f\n", first ? fmt("%.0f", r.tokens).c_str() : "",
+             first ? r.mode.c_str() : "", r.kernel.c_str(), r.model_us, r.measured_us, r.measured_us / r.model_us);
+  }
+  if (layer)
+    s += "  shared_expert = shared_gate_up + shared_act + shared_down (one measured stage, split in the\n"
+         "  modelled proportions); dispatch = quantize + send + receive stages (the model has no kernel\n"
+         "  that quantizes the layer's input); combine = send + receive stages\n";
   return s;
 }
 

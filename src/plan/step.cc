@@ -11,6 +11,13 @@ LayerTiming layer_timing(const PlanInput& in, double batch, int query_len, bool 
   const bool mb = moe && in.work.overlap == OverlapMode::kMicroBatch;
   const double b = mb ? batch / 2 : batch;
   t.kernels = layer_compute_kernels(in.model, in.gpu, in.layout, b, query_len, in.work.kv_len, moe);
+  const LayerShape s = layer_shape(in.model, in.layout, b, query_len);
+  // Measured times where a --calibrate file describes this layout, in tokens
+  // per rank (per micro-batch under kMicroBatch); only the MoE layer is measured.
+  std::vector<const Calibration*> cals;
+  for (const Calibration* cal : in.calibrations)
+    if (moe && cal->applies(in.layout.ep, long(in.model.hidden), int(in.model.num_experts))) cals.push_back(cal);
+  for (const Calibration* cal : cals) cal->apply(t.kernels, s.tokens_moe);
   const double copies = mb ? 2 : 1;
   double stage[6] = {0, 0, 0, 0, 0, 0};
   double compute = 0;
@@ -23,17 +30,11 @@ LayerTiming layer_timing(const PlanInput& in, double batch, int query_len, bool 
     t.total_us = compute;
     return t;
   }
-  const LayerShape s = layer_shape(in.model, in.layout, b, query_len);
   t.dispatch = dispatch_cost(in.model, in.gpu, in.net, in.layout, s);
   t.combine = combine_cost(in.model, in.gpu, in.net, in.layout, s);
-  const Calibration* cal = in.calibration;
-  if (cal && cal->applies(in.layout.ep, long(in.model.hidden))) {
-    auto apply = [&](CommCost& c, double measured) {
-      c.transfer_us = std::max(0.0, measured - c.send_us - c.recv_us);
-      c.measured = true;
-    };
-    apply(t.dispatch, cal->dispatch_us(s.tokens_moe));
-    apply(t.combine, cal->combine_us(s.tokens_moe));
+  for (const Calibration* cal : cals) {
+    cal->apply(t.dispatch, "dispatch", s.tokens_moe);
+    cal->apply(t.combine, "combine", s.tokens_moe);
   }
   const CommCost& d = t.dispatch;
   const CommCost& c = t.combine;

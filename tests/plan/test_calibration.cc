@@ -1,9 +1,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <nlohmann/json.hpp>
 #include <set>
 
 #include "moelink/plan/calibration.h"
+#include "moelink/plan/memory.h"
 #include "moelink/plan/report.h"
 #include "plan_test_util.h"
 
@@ -17,10 +19,48 @@ const char* kBench = R"({"machine": "m", "date": "d", "world_size": 2,
    {"tokens": 128, "quantities": {"dispatch": {"p50_us": 25.0}, "combine": {"p50_us": 20.0}}},
    {"tokens": 1, "quantities": {"dispatch": {"p50_us": 15.0}, "combine": {"p50_us": 13.0}}},
    {"tokens": 4096, "quantities": {"dispatch": {"p50_us": 170.0}, "combine": {"p50_us": 275.0}}}]})";
+
+const std::string kBenchFile = std::string(MOELINK_SOURCE_DIR) + "/bench/results/2026-11-30_nvidia-h200-x2.json";
+// Hand-written tools/bench/layer_bench.py output (world 1, DeepSeek-V3 shapes).
+const std::string kLayerFile = std::string(MOELINK_SOURCE_DIR) + "/tests/plan/data/layer_bench_sample.json";
+
+// One eager mode-"none" result with every stage at `us` (gemm1_us at `gemm1`).
+std::string layer_result(int batch, double us, double gemm1) {
+  nlohmann::json st;
+  for (const char* k : {"quantize_us", "router_us", "dispatch_send_us", "shared_expert_us", "dispatch_recv_us",
+                        "silu_mul_us", "gemm2_us", "combine_send_us", "combine_recv_us"})
+    st[k] = us;
+  st["gemm1_us"] = gemm1;
+  return nlohmann::json{{"batch", batch}, {"mode", "none"}, {"graphs", false}, {"stages_us", st}}.dump();
 }
+
+const Kernel& kernel(const LayerTiming& t, const std::string& name) {
+  for (const auto& k : t.kernels)
+    if (k.name == name) return k;
+  throw std::runtime_error("no kernel " + name);
+}
+
+// EP1 at 128 tokens per rank (batch 64, one draft token), overlap none.
+PlanInput ep1_input(int batch = 64, OverlapMode ov = OverlapMode::kNone) {
+  PlanInput in = input("deepseek-v3", "h200", "nvlink", {1, 1, 1, 8}, batch, ov);
+  in.work.draft_tokens = 1;
+  return in;
+}
+
+// The PlanError message of parsing `text` ("" if it parses).
+std::string parse_error(const std::string& text) {
+  try {
+    Calibration::from_json_text(text, "f.json");
+  } catch (const PlanError& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
 
 TEST(PlanCalibration, ParsesAndInterpolates) {
   Calibration c = Calibration::from_json_text(kBench, "t");
+  EXPECT_EQ(c.format, Calibration::Format::kMoelinkBench);
   ASSERT_EQ(c.samples.size(), 3u);
   EXPECT_EQ(c.samples[0].tokens, 1);
   EXPECT_DOUBLE_EQ(c.dispatch_us(1), 15);
@@ -29,14 +69,18 @@ TEST(PlanCalibration, ParsesAndInterpolates) {
   const double mid = c.dispatch_us(std::sqrt(128.0));  // log-log midpoint
   EXPECT_NEAR(mid, std::sqrt(15.0 * 25.0), 1e-9);
   EXPECT_GT(c.combine_us(8192), 275);
-  EXPECT_TRUE(c.applies(2, 7168));
-  EXPECT_FALSE(c.applies(8, 7168));
+  EXPECT_TRUE(c.measures("dispatch"));
+  EXPECT_FALSE(c.measures("moe_gate_up"));
+  EXPECT_TRUE(c.applies(2, 7168, 256));
+  EXPECT_TRUE(c.applies(2, 7168, 384));  // dispatch/combine: the expert count is not checked
+  EXPECT_FALSE(c.applies(8, 7168, 256));
+  EXPECT_FALSE(c.applies(2, 4096, 256));
   EXPECT_THROW(Calibration::from_json_text("{\"results\": []}", "x"), PlanError);
   EXPECT_THROW(Calibration::from_json_text("[", "x"), PlanError);
 }
 
 TEST(PlanCalibration, RealBenchFileReplacesTheModel) {
-  Calibration c = Calibration::from_file(std::string(MOELINK_SOURCE_DIR) + "/bench/results/2026-11-30_nvidia-h200-x2.json");
+  Calibration c = Calibration::from_file(kBenchFile);
   EXPECT_EQ(c.world_size, 2);
   EXPECT_EQ(c.hidden_dim, 7168);
   EXPECT_EQ(c.machine, "nvidia-h200-x2");
@@ -44,21 +88,270 @@ TEST(PlanCalibration, RealBenchFileReplacesTheModel) {
   PlanInput in = input("deepseek-v3", "h200", "nvlink", {2, 2, 1, 8}, 64);
   in.work.draft_tokens = 1;  // 128 tokens per rank
   StepResult model = simulate_step(in);
-  in.calibration = &c;
+  in.calibrations = {&c};
   StepResult meas = simulate_step(in);
   EXPECT_FALSE(model.moe_layer.dispatch.measured);
   EXPECT_TRUE(meas.moe_layer.dispatch.measured);
   EXPECT_NEAR(meas.moe_layer.dispatch.total_us(), c.dispatch_us(128), 1e-6);
   EXPECT_NEAR(meas.moe_layer.combine.total_us(), c.combine_us(128), 1e-6);
+  for (const auto& k : meas.moe_layer.kernels) EXPECT_FALSE(k.measured) << k.name;  // compute stays modelled
   // Not applied to another EP size.
   in.layout = {8, 8, 1, 8};
   EXPECT_FALSE(simulate_step(in).moe_layer.dispatch.measured);
-  // Model vs measurement report: one row per bench point, same order of magnitude.
+  // Model vs measurement: dispatch, combine and their sum per bench point, same order of magnitude.
   auto rows = compare_calibration(in, c);
-  ASSERT_EQ(rows.size(), 3u);
+  ASSERT_EQ(rows.size(), 9u);
+  EXPECT_EQ(rows[0].kernel, "dispatch");
+  EXPECT_EQ(rows[1].kernel, "combine");
+  EXPECT_EQ(rows[2].kernel, "sum");
+  EXPECT_DOUBLE_EQ(rows[2].measured_us, rows[0].measured_us + rows[1].measured_us);
   for (const auto& r : rows) {
-    EXPECT_GT(r.dispatch_model_us / r.dispatch_measured_us, 0.25) << r.tokens;
-    EXPECT_LT(r.dispatch_model_us / r.dispatch_measured_us, 4) << r.tokens;
+    EXPECT_GT(r.model_us / r.measured_us, 0.25) << r.tokens << " " << r.kernel;
+    EXPECT_LT(r.model_us / r.measured_us, 4) << r.tokens << " " << r.kernel;
   }
   EXPECT_NE(format_calibration(rows, c).find("nvidia-h200-x2"), std::string::npos);
+}
+
+TEST(PlanCalibration, ParsesLayerBench) {
+  Calibration c = Calibration::from_file(kLayerFile);
+  EXPECT_EQ(c.format, Calibration::Format::kLayerBench);
+  EXPECT_EQ(c.world_size, 1);
+  EXPECT_EQ(c.hidden_dim, 7168);
+  EXPECT_EQ(c.experts, 256);
+  EXPECT_EQ(c.machine, "hand-written");
+  // One sample per batch; CUDA-graph and micro-batch runs are left out.
+  ASSERT_EQ(c.samples.size(), 4u);
+  EXPECT_EQ(c.samples[0].tokens, 1);
+  EXPECT_EQ(c.samples[3].tokens, 4096);
+  // Mode "none" wins over "dispatch-overlap" whatever the order in the file ...
+  EXPECT_EQ(c.samples[1].mode, "none");
+  EXPECT_DOUBLE_EQ(c.samples[1].us.at("moe_gate_up"), 800);
+  const BenchSample& s = c.samples[2];
+  EXPECT_EQ(s.mode, "none");
+  EXPECT_DOUBLE_EQ(s.us.at("moe_gate_up"), 1900);
+  // ... and "dispatch-overlap" is taken where no eager "none" run has stages.
+  EXPECT_EQ(c.samples[3].mode, "dispatch-overlap");
+  EXPECT_DOUBLE_EQ(c.samples[3].us.at("moe_gate_up"), 2300);
+  // Stages summed into the planner's kernels: quantize counts with dispatch.
+  EXPECT_DOUBLE_EQ(s.us.at("router"), 12);
+  EXPECT_DOUBLE_EQ(s.us.at("shared_expert"), 30);
+  EXPECT_DOUBLE_EQ(s.us.at("dispatch"), 5 + 10 + 9);
+  EXPECT_DOUBLE_EQ(s.us.at("moe_act_quant"), 8);
+  EXPECT_DOUBLE_EQ(s.us.at("moe_down"), 950);
+  EXPECT_DOUBLE_EQ(s.us.at("combine"), 10 + 9);
+  for (const char* k : {"router", "shared_expert", "dispatch", "moe_gate_up", "moe_act_quant", "moe_down", "combine"})
+    EXPECT_TRUE(c.measures(k)) << k;
+  EXPECT_EQ(c.mismatch(1, 7168, 256), "");
+}
+
+TEST(PlanCalibration, LayerBenchReplacesTheModel) {
+  Calibration c = Calibration::from_file(kLayerFile);
+  PlanInput in = ep1_input();  // 128 tokens per rank, a measured batch
+  const StepResult model = simulate_step(in);
+  in.calibrations = {&c};
+  const StepResult meas = simulate_step(in);
+  const LayerTiming& m = model.moe_layer;
+  const LayerTiming& t = meas.moe_layer;
+  for (const auto& [name, us] : std::vector<std::pair<std::string, double>>{
+           {"router", 12}, {"moe_gate_up", 1900}, {"moe_act_quant", 8}, {"moe_down", 950}}) {
+    EXPECT_DOUBLE_EQ(kernel(t, name).time_us, us) << name;
+    EXPECT_TRUE(kernel(t, name).measured) << name;
+    EXPECT_FALSE(kernel(m, name).measured) << name;
+  }
+  // The shared expert's stage is split over its kernels in the modelled proportions.
+  const double shared = kernel(t, "shared_gate_up").time_us + kernel(t, "shared_act").time_us +
+                        kernel(t, "shared_down").time_us;
+  EXPECT_NEAR(shared, 30, 1e-9);
+  EXPECT_NEAR(kernel(t, "shared_gate_up").time_us / kernel(t, "shared_down").time_us,
+              kernel(m, "shared_gate_up").time_us / kernel(m, "shared_down").time_us, 1e-9);
+  EXPECT_TRUE(kernel(t, "shared_act").measured);
+  // Attention is not measured by the layer bench.
+  EXPECT_FALSE(kernel(t, "attention").measured);
+  EXPECT_DOUBLE_EQ(kernel(t, "attention").time_us, kernel(m, "attention").time_us);
+  EXPECT_TRUE(t.dispatch.measured);
+  EXPECT_NEAR(t.dispatch.total_us(), 24, 1e-9);
+  EXPECT_NEAR(t.combine.total_us(), 19, 1e-9);
+  EXPECT_NE(t.total_us, m.total_us);
+  EXPECT_NE(meas.step_us, model.step_us);
+  // The kernel table marks them.
+  const std::string table = format_step_table(in, meas, memory_report(in.model, in.gpu, in.layout, in.work));
+  for (const char* name : {"router", "shared_down", "moe_gate_up", "moe_down"}) {
+    const size_t at = table.find("\n  " + std::string(name) + " ");
+    ASSERT_NE(at, std::string::npos) << name;
+    EXPECT_NE(table.substr(at, table.find('\n', at + 1) - at).find("[measured]"), std::string::npos) << name;
+  }
+  const size_t at = table.find("\n  attention ");
+  EXPECT_EQ(table.substr(at, table.find('\n', at + 1) - at).find("[measured]"), std::string::npos);
+}
+
+TEST(PlanCalibration, LayerBenchInterpolatesInTokensPerRank) {
+  Calibration c = Calibration::from_file(kLayerFile);
+  // 16 x 2 = 32 tokens per rank, between the measured 16 (800 us) and 128 (1900 us): log-log.
+  PlanInput in = ep1_input(16);
+  in.calibrations = {&c};
+  const double f = std::log(32.0 / 16) / std::log(128.0 / 16);  // 1/3
+  const double expect = std::exp(std::log(800.0) + f * (std::log(1900.0) - std::log(800.0)));
+  EXPECT_NEAR(kernel(simulate_step(in).moe_layer, "moe_gate_up").time_us, expect, 1e-9);
+  EXPECT_NEAR(c.us("moe_gate_up", 32), expect, 1e-9);
+  // Micro-batched, a kernel runs on half the tokens: batch 64 x 2 / 2 = 64 per rank.
+  in = ep1_input(64, OverlapMode::kMicroBatch);
+  in.calibrations = {&c};
+  EXPECT_NEAR(kernel(simulate_step(in).moe_layer, "moe_gate_up").time_us, c.us("moe_gate_up", 64), 1e-9);
+  EXPECT_GT(c.us("moe_gate_up", 64), 800);
+  EXPECT_LT(c.us("moe_gate_up", 64), 1900);
+  // The MTP draft layer (query length 1: 64 tokens) is calibrated too.
+  in = ep1_input(64);
+  const double model_draft = simulate_step(in).draft_us;
+  in.calibrations = {&c};
+  EXPECT_NE(simulate_step(in).draft_us, model_draft);
+}
+
+TEST(PlanCalibration, LayerBenchLeavesOtherLayoutsAndModelsModelled) {
+  Calibration c = Calibration::from_file(kLayerFile);
+  auto unchanged = [&](PlanInput in) {
+    const StepResult model = simulate_step(in);
+    in.calibrations = {&c};
+    const StepResult meas = simulate_step(in);
+    for (const auto& k : meas.moe_layer.kernels) EXPECT_FALSE(k.measured) << in.model.name << " " << k.name;
+    EXPECT_FALSE(meas.moe_layer.dispatch.measured);
+    EXPECT_DOUBLE_EQ(meas.step_us, model.step_us) << in.model.name << " " << in.layout.str();
+  };
+  PlanInput in = ep1_input();
+  in.layout = {8, 8, 1, 8};  // EP 8, measured on one rank
+  unchanged(in);
+  EXPECT_NE(c.mismatch(8, 7168, 256).find("1 rank(s), the layout has EP 8"), std::string::npos);
+  in = ep1_input();
+  in.model = store().model("kimi-k2");  // same hidden size, 384 routed experts
+  ASSERT_EQ(in.model.hidden, 7168);
+  unchanged(in);
+  EXPECT_NE(c.mismatch(1, 7168, 384).find("256 routed experts, the model has 384"), std::string::npos);
+  in = ep1_input();
+  in.model = store().model("qwen3-235b-a22b");
+  unchanged(in);
+  EXPECT_NE(c.mismatch(1, long(in.model.hidden), int(in.model.num_experts)).find("hidden size 7168"),
+            std::string::npos);
+}
+
+TEST(PlanCalibration, LayerBenchModelReprAndNoToolField) {
+  // layer_bench.py writes "model" as repr(MoEModelConfig) and no world_size;
+  // without "tool", results carrying stages_us tell the format.
+  const std::string text =
+      R"x({"model": "MoEModelConfig(deepseek-v3: hidden_size=7168, moe_intermediate_size=2048, )x"
+      R"x(n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8)", "results": [)x" +
+      layer_result(8, 10, 300) + "," + layer_result(64, 12, 1500) + "]}";
+  Calibration c = Calibration::from_json_text(text, "repr.json");
+  EXPECT_EQ(c.format, Calibration::Format::kLayerBench);
+  EXPECT_EQ(c.world_size, 1);
+  EXPECT_EQ(c.hidden_dim, 7168);
+  EXPECT_EQ(c.experts, 256);
+  ASSERT_EQ(c.samples.size(), 2u);
+  EXPECT_DOUBLE_EQ(c.us("dispatch", 8), 30);
+  EXPECT_DOUBLE_EQ(c.us("moe_gate_up", 64), 1500);
+}
+
+TEST(PlanCalibration, LayerBenchErrorsNameFileAndField) {
+  const std::string head = R"({"tool": "tools/bench/layer_bench.py", "model": {"hidden_size": 7168, "n_routed_experts": 256}, )";
+  auto expect_error = [](const std::string& text, const std::string& part) {
+    const std::string e = parse_error(text);
+    EXPECT_NE(e.find("'f.json'"), std::string::npos) << e;
+    EXPECT_NE(e.find(part), std::string::npos) << "expected '" << part << "' in: " << e;
+  };
+  expect_error("{\"tool\": ", "not valid JSON");
+  expect_error("[1, 2]", "not a JSON object");
+  expect_error(R"({"tool": "tools/bench/layer_bench.py", "model": {"hidden_size": 7168}, "results": []})",
+               "model.n_routed_experts");
+  expect_error(head + R"("results": []})", "no \"results\"");
+  expect_error(head + R"("x": 1})", "no \"results\"");
+  // Only CUDA-graph and micro-batch runs: nothing to calibrate with.
+  expect_error(head + R"("results": [{"batch": 1, "mode": "none", "graphs": true, "stages_us": {}},
+      {"batch": 1, "mode": "micro-batch", "graphs": false, "stages_us": {"total_us": 100}}]})",
+               "no usable stage times");
+  expect_error(head + R"("results": [{"batch": 1, "mode": "none", "graphs": false, "stages_us": {"router_us": 1}}]})",
+               "results[0].stages_us.shared_expert_us");
+  std::string r = layer_result(4, 5, 100);
+  r.replace(r.find("\"gemm1_us\":100.0"), 16, "\"gemm1_us\":\"x\"");
+  expect_error(head + R"("results": [)" + layer_result(1, 5, 50) + "," + r + "]}", "results[1].stages_us.gemm1_us");
+  r = layer_result(4, 5, 100);
+  r.replace(r.find("\"batch\":4"), 9, "\"batch\":0");
+  expect_error(head + R"("results": [)" + r + "]}", "results[0].batch");
+  // The moelink-bench format keeps its own errors.
+  expect_error(R"({"world_size": 2, "results": [{"tokens": 1}]})", "no result with dispatch and combine p50_us");
+}
+
+TEST(PlanCalibration, BothFormatsTogetherLaterWins) {
+  Calibration bench = Calibration::from_json_text(kBench, "bench.json");  // world 2: dispatch 25 us at 128
+  const std::string text = std::string(R"({"tool": "tools/bench/layer_bench.py", "world_size": 2, )") +
+                           R"("model": {"hidden_size": 7168, "n_routed_experts": 256}, "results": [)" +
+                           layer_result(1, 3, 60) + "," + layer_result(4096, 30, 2000) + "]}";
+  Calibration layer = Calibration::from_json_text(text, "layer.json");
+  PlanInput in = input("deepseek-v3", "h200", "nvlink", {2, 2, 1, 8}, 64, OverlapMode::kNone);
+  in.work.draft_tokens = 1;  // 128 tokens per rank
+  in.calibrations = {&layer, &bench};
+  LayerTiming t = simulate_step(in).moe_layer;
+  EXPECT_NEAR(t.dispatch.total_us(), 25, 1e-9);  // the bench file, given last
+  EXPECT_TRUE(kernel(t, "moe_gate_up").measured);  // the layer file, which alone measures it
+  in.calibrations = {&bench, &layer};
+  t = simulate_step(in).moe_layer;
+  EXPECT_NEAR(t.dispatch.total_us(), layer.us("dispatch", 128), 1e-9);
+  EXPECT_GT(layer.us("dispatch", 128), 9);  // 3 stages x 3 us at 1 token, more at 128
+}
+
+TEST(PlanCalibration, LayerBenchComparisonTable) {
+  Calibration c = Calibration::from_file(kLayerFile);
+  PlanInput in = ep1_input();
+  const StepResult model = simulate_step(in);
+  auto rows = compare_calibration(in, c);
+  ASSERT_EQ(rows.size(), 4u * 8);  // 7 measured kernels and the sum, per batch
+  const std::vector<std::string> order{"router", "shared_expert", "moe_gate_up", "moe_act_quant",
+                                       "moe_down", "dispatch", "combine", "sum"};
+  for (size_t i = 0; i < rows.size(); ++i) EXPECT_EQ(rows[i].kernel, order[i % 8]) << i;
+  // 128 tokens per rank is the plan's own point: the model side is the plan's modelled kernel.
+  const CalibrationRow& g = rows[2 * 8 + 2];
+  EXPECT_EQ(g.tokens, 128);
+  EXPECT_EQ(g.mode, "none");
+  EXPECT_DOUBLE_EQ(g.measured_us, 1900);
+  EXPECT_NEAR(g.model_us, kernel(model.moe_layer, "moe_gate_up").time_us, 1e-9);
+  const CalibrationRow& sh = rows[2 * 8 + 1];
+  EXPECT_NEAR(sh.model_us,
+              kernel(model.moe_layer, "shared_gate_up").time_us + kernel(model.moe_layer, "shared_act").time_us +
+                  kernel(model.moe_layer, "shared_down").time_us,
+              1e-9);
+  EXPECT_NEAR(rows[2 * 8 + 5].model_us, model.moe_layer.dispatch.total_us(), 1e-9);
+  EXPECT_DOUBLE_EQ(rows[2 * 8 + 7].measured_us, 2943);  // every stage but total_us
+  EXPECT_EQ(rows[3 * 8].mode, "dispatch-overlap");
+  const std::string s = format_calibration(rows, c);
+  EXPECT_NE(s.find("layer_bench.py"), std::string::npos) << s;
+  EXPECT_NE(s.find("meas/model"), std::string::npos) << s;
+  char line[128];
+  std::snprintf(line, sizeof line, "%-14s %9.1f %9.1f %10.2f", "moe_gate_up", g.model_us, 1900.0, 1900 / g.model_us);
+  EXPECT_NE(s.find(line), std::string::npos) << line << "\n" << s;
+}
+
+TEST(PlanCalibration, CliTakesEitherFormatOrBoth) {
+  const std::string base = "--ep 1 --batch 64 --ignore-memory --overlap none ";
+  CliRun r = run(base + "--calibrate " + kLayerFile);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("[measured]"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("meas/model"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("does not apply"), std::string::npos) << r.out;
+  // Both files: the moelink-bench one (2 ranks) does not apply to EP1, and says so.
+  r = run(base + "--calibrate " + kBenchFile + " --calibrate " + kLayerFile);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("note: --calibrate " + kBenchFile + " does not apply to EP1 DP1 TP1"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("moelink-bench"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("layer_bench.py"), std::string::npos) << r.out;
+  // JSON on stdout stays JSON; the note goes to stderr; kernels say "measured".
+  r = run_split(base + "--json - --calibrate " + kLayerFile + " --calibrate " + kBenchFile);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  bool measured = false;
+  for (const auto& k : j["moe_layer"]["kernels"]) measured |= k["name"] == "moe_gate_up" && k["measured"] == true;
+  EXPECT_TRUE(measured) << r.out;
+  EXPECT_NE(r.err.find("does not apply"), std::string::npos) << r.err;
+  // Errors name the option and the file.
+  r = run(base + "--calibrate " + std::string(MOELINK_SOURCE_DIR) + "/profiles/gpus/h200.json");
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.out.find("--calibrate: bench results '"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("h200.json"), std::string::npos) << r.out;
 }

@@ -34,7 +34,8 @@ struct Options {
   std::string profiles_dir = default_profiles_dir(), model = "deepseek-v3", gpu = "h200", network;
   int ep = 8, dp = 0, tp = 1, gpus_per_node = 0, batch = 32, kv_len = 5000, mtp = 1;
   double acceptance = 0.6, target = 0;
-  std::string overlap = "dispatch", json_out, csv_out, svg_dir, calibrate;
+  std::string overlap = "dispatch", json_out, csv_out, svg_dir;
+  std::vector<std::string> calibrate;
   bool sweep = false, list = false, ignore_memory = false;
   std::vector<int> sweep_ep, sweep_tp{1, 2, 4, 8}, sweep_batch{1, 2, 4, 8, 16, 32, 64, 128};
   std::vector<std::string> sweep_gpu;
@@ -110,8 +111,11 @@ void add_options(CLI::App& app, Options& o) {
             }
           },
           ""));
+  // One value per occurrence, so a moelink-bench file and a layer-bench file can both be given.
   app.add_option("--calibrate", o.calibrate,
-                 "moelink-bench --json results (file): measured dispatch/combine p50 latencies, us");
+                 "measured times (file, repeatable; a later file wins): moelink-bench --json (dispatch/combine "
+                 "p50 latencies, us) or tools/bench/layer_bench.py --json (MoE-layer stage times, us)")
+      ->allow_extra_args(false);
   app.add_option("--sweep-gpu", o.sweep_gpu,
                  "GPU profiles to sweep, comma-separated (default: the --gpu value); one Pareto chart/CSV "
                  "with a frontier per GPU and EP")
@@ -270,7 +274,15 @@ int run_sweep(const Options& o, const PlanInput& in, const std::vector<GpuProfil
   return 0;
 }
 
-int run_plan(const Options& o, const PlanInput& in, const Calibration& cal) {
+// Why a --calibrate file leaves the plan's times modelled, "" when it applies.
+std::string calibration_note(const PlanInput& in, const Calibration& cal) {
+  const std::string why = cal.mismatch(in.layout.ep, long(in.model.hidden), int(in.model.num_experts));
+  if (why.empty()) return "";
+  return "--calibrate " + cal.source + " does not apply to " + in.layout.str() + " of " + in.model.name + ": " +
+         why + "; the model's times are used\n";
+}
+
+int run_plan(const Options& o, const PlanInput& in) {
   const std::string why = layout_problem(in.layout, in.model, in.net);
   if (!why.empty())
     throw PlanError("layout " + in.layout.str() + " (--ep " + std::to_string(o.ep) + ", --tp " +
@@ -282,7 +294,16 @@ int run_plan(const Options& o, const PlanInput& in, const Calibration& cal) {
   if (table) std::fputs(format_step_table(in, r, mem).c_str(), stdout);
   if (!o.json_out.empty()) write_out(o.json_out, step_json(in, r, mem));
   if (!o.csv_out.empty()) write_out(o.csv_out, step_csv(in, r));
-  if (in.calibration && table) std::printf("\n%s", format_calibration(compare_calibration(in, cal), cal).c_str());
+  for (const Calibration* cal : in.calibrations) {
+    const std::string note = calibration_note(in, *cal);
+    if (!table) {
+      // stdout may carry the JSON/CSV (whose kernels say "measured").
+      if (!note.empty()) std::fprintf(stderr, "moelink-plan: note: %s", note.c_str());
+      continue;
+    }
+    if (!note.empty()) std::printf("\nnote: %s", note.c_str());
+    std::printf("\n%s", format_calibration(compare_calibration(in, *cal), *cal).c_str());
+  }
   if (!o.svg_dir.empty()) {
     std::vector<std::pair<std::string, LayerTiming>> bars;
     for (OverlapMode m : {OverlapMode::kNone, OverlapMode::kDispatchOverlap, OverlapMode::kMicroBatch}) {
@@ -314,13 +335,12 @@ int run(const Options& o) {
   in.layout = {o.ep, o.dp > 0 ? o.dp : o.ep / o.tp, o.tp, gpus_per_node(o, in.gpu)};
   in.net = pick_network(o, store, gpus);
   in.work = {o.batch, o.kv_len, o.mtp, o.acceptance, overlap_from_string(o.overlap)};
-  Calibration cal;
-  if (!o.calibrate.empty()) {
-    cal = for_option("--calibrate", [&] { return Calibration::from_file(o.calibrate); });
-    in.calibration = &cal;
-  }
+  std::vector<Calibration> cals;
+  for (const auto& path : o.calibrate)
+    cals.push_back(for_option("--calibrate", [&] { return Calibration::from_file(path); }));
+  for (const auto& cal : cals) in.calibrations.push_back(&cal);
   if (!o.svg_dir.empty()) std::filesystem::create_directories(o.svg_dir);
-  return o.sweep ? run_sweep(o, in, gpus) : run_plan(o, in, cal);
+  return o.sweep ? run_sweep(o, in, gpus) : run_plan(o, in);
 }
 }  // namespace
 

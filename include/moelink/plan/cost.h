@@ -26,6 +26,7 @@ struct Kernel {
   double time_us = 0;     // roofline time incl. efficiency and kernel overhead
   bool memory_bound = true;
   double m = 0;           // GEMM rows (GroupGEMM: tokens per expert)
+  bool measured = false;  // time_us from a --calibrate file (Calibration::apply)
   double intensity() const { return bytes > 0 ? flops / bytes : 0; }
 };
 
@@ -66,7 +67,7 @@ struct CommCost {
   double recv_us = 0;
   double bytes_nvlink = 0;
   double bytes_network = 0;
-  bool measured = false;  // from moelink-bench calibration
+  bool measured = false;  // total from a --calibrate file (Calibration::apply)
   double total_us() const { return send_us + transfer_us + recv_us; }
 };
 // Bytes of one dispatched token row (fp8 + one fp32 scale per 128 values, or bf16).

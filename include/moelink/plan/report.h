@@ -22,11 +22,17 @@ std::string sweep_csv(const std::vector<SweepPoint>& pts);
 // "Left out of the sweep (N):" and one line per skipped layout; "" when none.
 std::string format_skipped(const std::vector<SkippedLayout>& skipped);
 
-// Model vs measurement for each bench sample (layout EP = DP = world size).
+// Model vs measurement at each measured token count, layout EP = DP = world
+// size, TP1: one row per measured kernel (Calibration::measured_name:
+// "dispatch", "combine", "router", "shared_expert", ...) and a "sum" row.
 struct CalibrationRow {
-  double tokens, dispatch_model_us, dispatch_measured_us, combine_model_us, combine_measured_us;
+  double tokens = 0;  // per rank
+  std::string mode;   // layer bench: overlap mode of the measured run
+  std::string kernel;
+  double model_us = 0, measured_us = 0;
 };
 std::vector<CalibrationRow> compare_calibration(const PlanInput& base, const Calibration& c);
+// The rows as a table with the ratio measured / modelled.
 std::string format_calibration(const std::vector<CalibrationRow>& rows, const Calibration& c);
 
 }  // namespace moelink::plan

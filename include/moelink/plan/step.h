@@ -16,7 +16,9 @@ struct PlanInput {
   NetworkProfile net;
   Layout layout;
   Workload work;
-  const Calibration* calibration = nullptr;  // measured dispatch/combine, optional
+  // --calibrate files: measured times replace modelled ones where a file
+  // describes the layout; where two measure the same, the later one wins.
+  std::vector<const Calibration*> calibrations{};
 };
 
 struct LayerTiming {
