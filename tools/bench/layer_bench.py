@@ -5,12 +5,15 @@ GPU, stage by stage.
 For each batch (tokens per rank), overlap mode and eager / CUDA-graph run:
   wall_us            the layer's wall time: CUDA events around forward(),
                      median of --iters calls (a layer built without profile);
-  stages_us          eager only: the time between the layer's stage marks
-                     (quantize, router, dispatch send / receive, shared
-                     expert, GEMM1, SiLU-mul, GEMM2, combine send / receive),
-                     median over --iters forwards of a layer built with
-                     profile=True (micro-batch: the total only; its stages
-                     interleave);
+  stages_us          GPU time per stage (quantize, router, dispatch send /
+                     receive, shared expert, GEMM1, SiLU-mul, GEMM2, combine
+                     send / receive; "other_us" a graph's row staging): the
+                     kernels torch.profiler saw, assigned to stages by
+                     layer_report.stage_of_kernels (not for micro-batch,
+                     whose stages interleave);
+  stage_marks_us     eager only: the time between the layer's own stage marks
+                     (a layer built with profile=True), median over --iters
+                     forwards; it includes the host's launch gaps;
   sum_of_kernels_us  what the GPU spent in kernels and copies per forward,
                      from torch.profiler (CUPTI sees every kernel of the
                      process, inside CUDA graphs too): the "no gaps" bound
@@ -42,9 +45,7 @@ import sys
 import torch
 
 import moelink
-
-STAGES = ("quantize_us", "router_us", "dispatch_send_us", "shared_expert_us", "dispatch_recv_us",
-          "gemm1_us", "silu_mul_us", "gemm2_us", "combine_send_us", "combine_recv_us")
+from layer_report import STAGES, stage_of_kernels
 
 
 def _boot():
@@ -100,35 +101,38 @@ def timed_us(fn, iters):
     return statistics.median(times)
 
 
-def kernel_profile(fn, iters):
+def kernel_profile(fn, iters, by_stage):
     """GPU work per call of fn() from torch.profiler: the sum of kernel and
-    copy durations, the union of their intervals, and the sum by name."""
+    copy durations, the union of their intervals, the sum by name and, with
+    by_stage, by layer stage (stage_of_kernels)."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    spans, by_name = [], {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        t0, t1 = e.time_range.start, e.time_range.end
-        spans.append((t0, t1))
-        k = by_name.setdefault(e.name, [0, 0.0])
-        k[0] += 1
-        k[1] += t1 - t0
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
     if not spans:
         return None
-    busy, end = 0.0, float("-inf")
-    for t0, t1 in sorted(spans):
+    busy, end, by_name = 0.0, float("-inf"), {}
+    for t0, t1, name in spans:
         if t1 > end:
             busy += t1 - max(t0, end)
             end = t1
+        k = by_name.setdefault(name, [0, 0.0])
+        k[0] += 1
+        k[1] += t1 - t0
     kernels = sorted(({"name": n[:160], "calls": c / iters, "us": t / iters}
                       for n, (c, t) in by_name.items()), key=lambda k: -k["us"])
-    return {"sum_of_kernels_us": sum(t1 - t0 for t0, t1 in spans) / iters,
-            "busy_us": busy / iters, "kernels": kernels}
+    out = {"sum_of_kernels_us": sum(t1 - t0 for t0, t1, _ in spans) / iters,
+           "busy_us": busy / iters, "kernels": kernels}
+    if by_stage:
+        stages = dict.fromkeys(STAGES + ("other_us",), 0.0)
+        for (t0, t1, _), st in zip(spans, stage_of_kernels([n for _, _, n in spans])):
+            stages[st] += (t1 - t0) / iters
+        out["stages_us"] = stages
+    return out
 
 
 def main():
@@ -206,7 +210,7 @@ def main():
                 r = {"batch": batch, "mode": mode, "graphs": graphs, "touched_experts": touched,
                      "wall_us": wall, "floor_bytes": floor_bytes, "floor_us": floor_us,
                      "wall_over_floor": wall / floor_us}
-                kp = kernel_profile(fwd, a.profile_iters)
+                kp = kernel_profile(fwd, a.profile_iters, by_stage=mode != "micro-batch")
                 if kp:
                     r.update(kp)
                     r["wall_over_kernels"] = wall / kp["sum_of_kernels_us"]
@@ -221,7 +225,7 @@ def main():
                             samples.append(layer.stage_times())
                     layer.check()
                     keys = ("total_us",) if mode == "micro-batch" else STAGES + ("total_us",)
-                    r["stages_us"] = {s: statistics.median(t[s] for t in samples) for s in keys}
+                    r["stage_marks_us"] = {s: statistics.median(t[s] for t in samples) for s in keys}
                     del layer
                 rec["results"].append(r)
                 print(f"batch {batch:5d} {mode:16s} {'graph' if graphs else 'eager':5s} "

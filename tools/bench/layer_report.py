@@ -14,6 +14,40 @@ import subprocess
 import sys
 from typing import Dict, List, Optional
 
+STAGES = ("quantize_us", "router_us", "dispatch_send_us", "shared_expert_us", "dispatch_recv_us",
+          "gemm1_us", "silu_mul_us", "gemm2_us", "combine_send_us", "combine_recv_us")
+
+
+def stage_of_kernels(names):
+    """The layer stage of each kernel of one forward (modes none and
+    dispatch-overlap), from the kernels that open the stages: the input's
+    quantization, the router, dispatch send / receive, the routed SiLU-mul
+    and combine; what runs between them belongs to the stage before (the
+    gate GEMM to the router, the shared expert's GEMMs and SiLU-mul after
+    the router or the dispatch send, the routed GEMMs around the SiLU-mul).
+    Kernels outside these (a CUDA graph's row staging) are "other_us"."""
+    stages, state = [], "other_us"
+    for n in names:
+        if "GroupQuantInput)0" in n:
+            stage, state = "quantize_us", "router_us"
+        elif "router_kernel" in n:
+            stage, state = "router_us", "shared_expert_us"
+        elif "dispatch_kernel<true, false>" in n:
+            stage = "dispatch_send_us"  # the shared expert may follow (dispatch-overlap)
+        elif "dispatch_kernel<false, true>" in n:
+            stage, state = "dispatch_recv_us", "gemm1_us"
+        elif "GroupQuantInput)1" in n and state == "gemm1_us":
+            stage, state = "silu_mul_us", "gemm2_us"
+        elif "combine_kernel" in n:
+            stage, state = ("combine_send_us", "other_us") if ", true, false>" in n else ("combine_recv_us", "other_us")
+        elif "copy_rows_kernel" in n:
+            stage = "other_us"
+        else:
+            stage = state
+        stages.append(stage)
+    return stages
+
+
 # (label, measured stage keys, moelink-plan kernel names, colour), in layer order.
 GROUPS = [
     ("quantize", ["quantize_us"], [], "#9e9e9e"),
@@ -69,18 +103,23 @@ def print_tables(rec: dict, plans: Dict[int, Dict[str, float]]) -> None:
               f"{r['wall_us']:8.1f} {fmt(r.get('sum_of_kernels_us'))} {fmt(r.get('busy_us'))} "
               f"{r['floor_us']:8.1f} {fmt(r.get('wall_over_kernels'), '6.2f')} {r['wall_over_floor']:7.2f}")
     names = [g for g, _, _, _ in GROUPS]
-    print("\nstages (us), eager, mode none; 'plan' rows: moelink-plan's prediction")
+    print("\nstages (us), eager, mode none: 'gpu' kernel time per stage (torch.profiler), 'marks' the\n"
+          "time between the layer's stage marks (with the host's launch gaps), 'plan' moelink-plan's\n"
+          "prediction, 'p/g' plan / gpu")
     print(f"{'batch':>5} {'':5} " + " ".join(f"{n:>9}" for n in names) + f" {'sum':>9}")
     for b in sorted({r["batch"] for r in res}):
         r = pick(res, b, "none", False)
         if r and r.get("stages_us"):
             m = measured_groups(r["stages_us"])
-            print(f"{b:5d} {'meas':5} " + " ".join(f"{m[n]:9.1f}" for n in names) + f" {sum(m.values()):9.1f}")
+            print(f"{b:5d} {'gpu':5} " + " ".join(f"{m[n]:9.1f}" for n in names) + f" {sum(m.values()):9.1f}")
+        if r and r.get("stage_marks_us"):
+            k = measured_groups(r["stage_marks_us"])
+            print(f"{'':5} {'marks':5} " + " ".join(f"{k[n]:9.1f}" for n in names) + f" {sum(k.values()):9.1f}")
         if b in plans:
             p = plans[b]
             print(f"{'':5} {'plan':5} " + " ".join(f"{p[n]:9.1f}" for n in names) + f" {sum(p.values()):9.1f}")
             if r and r.get("stages_us"):
-                print(f"{'':5} {'p/m':5} " + " ".join(
+                print(f"{'':5} {'p/g':5} " + " ".join(
                     f"{p[n] / m[n]:9.2f}" if m[n] > 0 else f"{'-':>9}" for n in names) +
                     f" {sum(p.values()) / sum(m.values()):9.2f}")
 
@@ -105,8 +144,8 @@ def write_svg(path: str, rec: dict, plans: Dict[int, Dict[str, float]]) -> None:
            f'font-size="12">', f'<rect width="{W}" height="{H}" fill="white"/>',
            f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15">{rec["model"]["name"]} MoE layer '
            f'on one {rec["gpu"]}: measured stages vs moelink-plan</text>',
-           f'<text x="{W / 2}" y="40" text-anchor="middle" fill="#555">eager, overlap none, world 1; each '
-           f'row on its own scale; {rec["date"][:10]}, commit {rec["git_commit"]}</text>']
+           f'<text x="{W / 2}" y="40" text-anchor="middle" fill="#555">eager, overlap none, world 1, each '
+           f'row on its own scale; kernel time per stage (torch.profiler); {rec["date"][:10]}, commit {rec["git_commit"]}</text>']
     y = top
     for b, bars in rows:
         scale = (W - left - right) / max(sum(v.values()) for _, v in bars)
@@ -139,8 +178,13 @@ def main():
     p.add_argument("--plan", help="the moelink-plan binary (adds its prediction)")
     p.add_argument("--svg", help="write the stacked-bar chart here")
     a = p.parse_args()
-    with open(a.json) as f:
-        rec = json.load(f)
+    try:
+        with open(a.json) as f:
+            rec = json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"layer_report: {a.json}: {e}")
+    if not isinstance(rec, dict) or not isinstance(rec.get("results"), list) or "model" not in rec:
+        sys.exit(f"layer_report: {a.json}: no \"results\" list and \"model\" (is it layer_bench.py --json output?)")
     plans = {}
     if a.plan:
         for b in sorted({r["batch"] for r in rec["results"]}):
