@@ -122,10 +122,13 @@ class MoELayerImpl {
                   k = model_.num_experts_per_tok;
 
     // The AllToAlls: one of T tokens unless the layer only ever micro-batches,
-    // two of ceil(T / 2) when it may.
+    // two of ceil(T / 2) when it may. `auto` micro-batches only across ranks:
+    // on one rank there is no transfer to hide and each half reads every
+    // expert it touches again (2.0x the layer's time at 128 tokens on an
+    // H200, bench/results/2026-12-02_nvidia-h200_layer_e6b8ea9.json).
     const bool full = options_.overlap != MoEOverlap::kMicroBatch;
     const bool micro = T >= 2 && (options_.overlap == MoEOverlap::kMicroBatch ||
-                                  (options_.overlap == MoEOverlap::kAuto &&
+                                  (options_.overlap == MoEOverlap::kAuto && world_ > 1 &&
                                    T >= options_.micro_batch_min_tokens));
     half_ = (T + 1) / 2;
     auto make_a2a = [&](int64_t tokens) {

@@ -135,6 +135,24 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
+// `auto`: dispatch-overlap below micro_batch_min_tokens, micro-batch from it
+// on, but never on one rank (nothing to hide; each half rereads the experts).
+TEST(MoELayerOverlap, AutoMicroBatchesOnlyAcrossRanks) {
+  for (int world : {1, 2}) {
+    run_ranks(world, [&](int, moelink::Bootstrap& boot) {
+      moelink::MoELayerOptions o;
+      o.max_tokens = 64;
+      o.micro_batch_min_tokens = 16;
+      o.all_to_all.backend = Backend::kCPU;
+      auto layer = moelink::MoELayer::create(deepseek_like_model(), o, boot);
+      RANK_CHECK(layer->overlap_for(15) == MoEOverlap::kDispatchOverlap) << "world " << world;
+      const MoEOverlap at_min = world > 1 ? MoEOverlap::kMicroBatch : MoEOverlap::kDispatchOverlap;
+      RANK_CHECK(layer->overlap_for(16) == at_min) << "world " << world;
+      RANK_CHECK(layer->overlap_for(64) == at_min) << "world " << world;
+    }, 60);
+  }
+}
+
 TEST(MoEModelConfig, PresetsMatchTheirConfigJson) {
   const std::pair<const char*, MoEModelConfig> presets[] = {
       {"deepseek-v3", MoEModelConfig::deepseek_v3()},
