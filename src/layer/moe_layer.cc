@@ -170,6 +170,12 @@ class MoELayerImpl {
       sc.intermediate_dim = model_.shared_intermediate_size();
       sc.expected_rows = T;
       shared_ = Experts::create(sc);
+      if (T > kSmallSharedRows && !host) {
+        // Decode-sized calls get their own: weight-major tiles split over K
+        // (docs/experts.md), where T's tiles would leave most SMs idle.
+        sc.max_rows = sc.expected_rows = kSmallSharedRows;
+        shared_small_ = Experts::create(sc);
+      }
     }
 
     // Workspaces.
@@ -314,6 +320,7 @@ class MoELayerImpl {
       if (m) m->check();
     experts_->check(stream);
     if (shared_) shared_->check(stream);
+    if (shared_small_) shared_small_->check(stream);
   }
 
   MoEStageTimes stage_times() {
@@ -487,7 +494,8 @@ class MoELayerImpl {
   void run_shared(const Tensor& out, const Tensor& xq, const Tensor& xs, const Tensor& bound_m,
                   cudaStream_t stream) {
     const int64_t H = model_.hidden_size, Is = model_.shared_intermediate_size();
-    shared_->forward(as_single_expert(out), bound_m, as_single_expert(xq), as_single_expert(xs),
+    Experts& shared = shared_small_ && out.shape[0] <= kSmallSharedRows ? *shared_small_ : *shared_;
+    shared.forward(as_single_expert(out), bound_m, as_single_expert(xq), as_single_expert(xs),
                      Tensor::contiguous(sw13_.get(), DType::kFloat8E4M3, {1, 2 * Is, H}),
                      Tensor::contiguous(sw13s_.get(), DType::kFloat32, {1, 2 * Is / 128, H / 128}),
                      Tensor::contiguous(sw2_.get(), DType::kFloat8E4M3, {1, H, Is}),
@@ -649,7 +657,10 @@ class MoELayerImpl {
   int rank_ = 0, world_ = 1, L_ = 0;
   int64_t G_ = 1, C_ = 0, half_ = 0;
   std::unique_ptr<AllToAll> a2a_, mb_[2];
-  std::unique_ptr<Experts> experts_, shared_;
+  // The shared expert; shared_small_ for calls of at most kSmallSharedRows
+  // rows when max_tokens is larger (GPU backends).
+  static constexpr int64_t kSmallSharedRows = 32;
+  std::unique_ptr<Experts> experts_, shared_, shared_small_;
   Buffer xq_, xs_, logits_, indices_, weights_, counts_, ex_x_, ex_xs_, ex_y_, bounds_, x_f32_;
   Buffer gate_, bias_, w13_, w13s_, w2_, w2s_, sw13_, sw13s_, sw2_, sw2s_, x_static_, out_static_;
   DType gate_dtype_ = DType::kBFloat16;

@@ -104,6 +104,38 @@ TEST(GpuExpertsTiles, EveryBuiltConfigurationMatchesReference) {
   EXPECT_GE(built, 3) << "the default configurations swap128n32, rows64 and rows128 must be built";
 }
 
+// The split over K (MOELINK_EXPERTS_SPLIT_K forces it on the swapped-operand
+// tiles; auto splits only GEMMs with few tiles, like the dense m = 1 case
+// in GpuExpertsDense): every slice count, the grouped and dense GEMMs,
+// forward, clamped counts. A slice count that does not divide K/128 leaves
+// that GEMM whole (Qwen3's I = 1536 has 12 k-blocks).
+TEST(GpuExpertsSplitK, EverySplitMatchesReference) {
+  REQUIRE_HOPPER();
+  GpuMemoryOps ops(0);
+  for (const char* split : {"2", "4", "8"}) {
+    SCOPED_TRACE(std::string("MOELINK_EXPERTS_SPLIT_K=") + split);
+    setenv("MOELINK_EXPERTS_SPLIT_K", split, 1);
+    run_grouped_gemm_case(ExpertDevice::kCUDA, ops, {deepseek_shape(), CountPattern::kTop8, 16});
+    run_grouped_gemm_case(ExpertDevice::kCUDA, ops, {qwen3_shape(), CountPattern::kSkewed, 16});
+    run_grouped_gemm_case(ExpertDevice::kCUDA, ops, {deepseek_shape(), CountPattern::kZero, 16});
+    run_forward_case(ExpertDevice::kCUDA, ops, {deepseek_shape(), CountPattern::kOne, 16});
+    run_forward_case(ExpertDevice::kCUDA, ops, {qwen3_shape(), CountPattern::kRandom, 16});
+    run_gemm_case(ExpertDevice::kCUDA, ops, 5, 256, 1024, 3);
+    run_gemm_case(ExpertDevice::kCUDA, ops, 2, 2 * 2048, 7168, 1);
+    run_out_of_range_case(ExpertDevice::kCUDA, ops);
+  }
+  setenv("MOELINK_EXPERTS_SPLIT_K", "3", 1);
+  moelink::ExpertConfig c;
+  c.num_experts = 1, c.max_rows = 1, c.hidden_dim = 128, c.intermediate_dim = 128;
+  try {
+    moelink::Experts::create(c);
+    ADD_FAILURE() << "MOELINK_EXPERTS_SPLIT_K=3 was accepted";
+  } catch (const moelink::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("MOELINK_EXPERTS_SPLIT_K = '3'"), std::string::npos) << e.what();
+  }
+  unsetenv("MOELINK_EXPERTS_SPLIT_K");
+}
+
 TEST(GpuExpertsDense, QuantizeMatchesReference) {
   REQUIRE_HOPPER();
   GpuMemoryOps ops(0);
@@ -224,7 +256,9 @@ TEST(GpuExpertsGraph, ForwardReplaysWithNewCounts) {
         }
       }
     }
-    if (ref2 > 0) EXPECT_LT(std::sqrt(err2 / ref2), 5e-2);
+    if (ref2 > 0) {
+      EXPECT_LT(std::sqrt(err2 / ref2), 5e-2);
+    }
   }
   CUDA_OK(cudaGraphExecDestroy(exec));
   CUDA_OK(cudaGraphDestroy(graph));

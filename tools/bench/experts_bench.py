@@ -209,6 +209,9 @@ def main():
     p.add_argument("--tiles", default="", help="GEMM tile configurations to compare (names as "
                    "MOELINK_EXPERTS_TILES takes; needs a build with MOELINK_EXPERTS_TILE_SWEEP); "
                    "empty: the library's choice ('auto')")
+    p.add_argument("--split-k", default="", help="split-over-K settings to compare (values "
+                   "MOELINK_EXPERTS_SPLIT_K takes: auto, 1, 2, 4, 8), each with every --tiles entry; "
+                   "empty: the library's choice")
     p.add_argument("--machine", default="nvidia-h200")
     p.add_argument("--json", default="-")
     a = p.parse_args()
@@ -229,22 +232,29 @@ def main():
     rec["dense_fp8_tflops"] = dense_fp8_tflops(a.iters)
     print(f"copy {rec['copy_gbs']:.0f} GB/s (read + write), dense fp8 {rec['dense_fp8_tflops']:.0f} "
           f"TFLOP/s (8192^3 torch._scaled_mm)", file=sys.stderr)
-    tile_names = [t for t in a.tiles.split(",") if t] or ["auto"]
-    rec["tiles"] = tile_names
+    # Variants: (name, environment an Experts reads when it is created).
+    variants = []
+    for tiles in [t for t in a.tiles.split(",") if t] or ["auto"]:
+        for split in [v for v in a.split_k.split(",") if v] or [None]:
+            env = {"MOELINK_EXPERTS_TILES": None if tiles == "auto" else tiles,
+                   "MOELINK_EXPERTS_SPLIT_K": split}
+            variants.append((tiles if split is None else f"{tiles}+splitk-{split}", env))
+    rec["tiles"] = [name for name, _ in variants]
     rows = []
     for L in [int(v) for v in a.experts.split(",")]:
         for m in [int(v) for v in a.rows.split(",")]:
             C = max(16, (m + 15) // 16 * 16)
             cases = {}
-            for tiles in tile_names:
-                # MOELINK_EXPERTS_TILES is read when an Experts is created.
-                if tiles == "auto":
-                    os.environ.pop("MOELINK_EXPERTS_TILES", None)
-                else:
-                    os.environ["MOELINK_EXPERTS_TILES"] = tiles
+            for name, env in variants:
+                for k, v in env.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
                 ex = moelink.Experts(L, C, H, I, expected_rows=m)
-                cases[tiles] = Case(L, m, H, I, ex, shared=next(iter(cases.values()), None))
-            os.environ.pop("MOELINK_EXPERTS_TILES", None)
+                cases[name] = Case(L, m, H, I, ex, shared=next(iter(cases.values()), None))
+            for k in ("MOELINK_EXPERTS_TILES", "MOELINK_EXPERTS_SPLIT_K"):
+                os.environ.pop(k, None)
             first = next(iter(cases.values()))
             errs = {t: c.check() for t, c in cases.items()}
             kinds = ("forward", "gemm1", "silu", "gemm2")
@@ -275,7 +285,7 @@ def main():
                     "silu_gbs": L * m * (2 * I * 2 + I + I // 128 * 4) / (med[t]["silu"] * 1e-6) / 1e9,
                 }
                 o = r["ours"][t]
-                print(f"L={L:2d} m={m:5d} {t:11s} ours {fwd:8.1f} us (gemm1 {med[t]['gemm1']:7.1f} "
+                print(f"L={L:2d} m={m:5d} {t:18s} ours {fwd:8.1f} us (gemm1 {med[t]['gemm1']:7.1f} "
                       f"silu {med[t]['silu']:6.1f} gemm2 {med[t]['gemm2']:7.1f})  torch "
                       f"{med['torch']['layer']:8.1f}  floor {floor_us:7.1f}  ours/floor "
                       f"{o['forward_over_floor']:5.2f}  torch/ours {o['torch_over_forward']:5.2f}  "

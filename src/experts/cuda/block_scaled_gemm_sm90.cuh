@@ -38,20 +38,21 @@ namespace moelink::detail::experts {
 //     (column-major [N, rows], i.e. y row-major); granularity 128 x 1 x 128.
 //     A tile then holds 64 or 128 weight rows and only 16 or 32 token rows,
 //     which fits decode, where a GEMM has a handful of rows per expert.
+//   ElementD: bf16 (y), or fp32 for the partial sums of a split over K.
 template <class TileShape, class ClusterShape_, class KernelSchedule, class EpilogueSchedule,
-          bool kSwapAB>
+          bool kSwapAB, class ElementD_ = cutlass::bfloat16_t>
 struct Sm90BlockScaledKernel {
   static constexpr bool kSwap = kSwapAB;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
-  using ElementD = cutlass::bfloat16_t;
+  using ElementD = ElementD_;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::ColumnMajor;
   using LayoutD = std::conditional_t<kSwapAB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   static constexpr int kAlignA = 16;  // elements of 16 bytes: TMA's rule
   static constexpr int kAlignB = 16;
-  static constexpr int kAlignD = 8;
+  static constexpr int kAlignD = 16 / static_cast<int>(sizeof(ElementD));
   using ClusterShape = ClusterShape_;  // 2 x 1: B tiles multicast to the two CTAs
 
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<
@@ -100,46 +101,60 @@ struct GroupArguments {
 };
 
 // One thread per group: the group's rows from the device counts (clamped
-// and reported), its pointers and strides.
+// and reported), its pointers and strides. Split over K (op.split_k > 1),
+// group gs is slice gs / op.groups of group gs % op.groups, writing fp32
+// partial sums (GemmOperands).
 template <class K>
 __global__ void write_group_arguments(GroupArguments<K> args, GemmOperands op, int groups,
                                       ExpertErrorRecord* error) {
-  const int g = blockIdx.x * blockDim.x + threadIdx.x;
-  if (g >= groups) return;
+  const int gs = blockIdx.x * blockDim.x + threadIdx.x;
+  if (gs >= groups) return;
+  const bool split = op.split_k > 1;
+  const int g = split ? gs % op.groups : gs, slice = split ? gs / op.groups : 0;
   const int32_t seen = op.counts ? op.counts[g] : static_cast<int32_t>(op.capacity);
   bool bad = false;
   const int rows = static_cast<int>(clamp_m(seen, op.capacity, &bad));
-  if (bad) record_expert_error(error, op.op, g, seen, op.capacity);
+  if (bad && slice == 0) record_expert_error(error, op.op, g, seen, op.capacity);
 
-  const auto* x = static_cast<const typename K::ElementA*>(op.x) + g * op.x_group_stride;
-  const auto* w = static_cast<const typename K::ElementB*>(op.w) + g * op.w_group_stride;
-  const float* xs = op.x_scale + g * op.x_scale_group_stride;
-  const float* ws = op.w_scale + g * op.w_scale_group_stride;
+  const int k = split ? op.k / op.split_k : op.k;
+  const auto* x = static_cast<const typename K::ElementA*>(op.x) + g * op.x_group_stride +
+                  static_cast<int64_t>(slice) * k;
+  const auto* w = static_cast<const typename K::ElementB*>(op.w) + g * op.w_group_stride +
+                  static_cast<int64_t>(slice) * k;
+  const int64_t kb = k / 128;
+  const float* xs = split ? op.x_scale_split + gs * op.capacity * kb
+                          : op.x_scale + g * op.x_scale_group_stride;
+  const float* ws = split ? op.w_scale_split + gs * (op.n / 128) * kb
+                          : op.w_scale + g * op.w_scale_group_stride;
+  auto* d = split ? reinterpret_cast<typename K::ElementD*>(op.partial) + gs * op.capacity * op.n
+                  : static_cast<typename K::ElementD*>(op.y) + g * op.y_group_stride;
+  const int64_t d_row_stride = split ? op.n : op.y_row_stride;
   typename K::StrideA sa{};
   typename K::StrideB sb{};
   typename K::StrideD sd{};
   int m = rows, n = op.n;
   if constexpr (K::kSwap) {
     m = op.n, n = rows;
-    args.a[g] = w, args.b[g] = x, args.sfa[g] = ws, args.sfb[g] = xs;
+    args.a[gs] = w, args.b[gs] = x, args.sfa[gs] = ws, args.sfb[gs] = xs;
     cute::get<0>(sa) = op.w_row_stride;
     cute::get<0>(sb) = op.x_row_stride;
-    cute::get<1>(sd) = op.y_row_stride;  // D = y^T, column-major
+    cute::get<1>(sd) = d_row_stride;  // D = y^T, column-major
   } else {
-    args.a[g] = x, args.b[g] = w, args.sfa[g] = xs, args.sfb[g] = ws;
+    args.a[gs] = x, args.b[gs] = w, args.sfa[gs] = xs, args.sfb[gs] = ws;
     cute::get<0>(sa) = op.x_row_stride;
     cute::get<0>(sb) = op.w_row_stride;
-    cute::get<0>(sd) = op.y_row_stride;
+    cute::get<0>(sd) = d_row_stride;
   }
-  args.problem[g] = typename K::Problem{m, n, op.k};
-  args.d[g] = static_cast<typename K::ElementD*>(op.y) + g * op.y_group_stride;
-  args.stride_a[g] = sa;
-  args.stride_b[g] = sb;
-  args.stride_d[g] = sd;
+  args.problem[gs] = typename K::Problem{m, n, k};
+  args.d[gs] = d;
+  args.stride_a[gs] = sa;
+  args.stride_b[gs] = sb;
+  args.stride_d[gs] = sd;
   // The mainloop derives the scale layouts from (M, N, K) itself (packed
-  // K-major rows); these are kept consistent for any reader of the arrays.
-  args.layout_sfa[g] = K::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, op.k, 1));
-  args.layout_sfb[g] = K::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, op.k, 1));
+  // K-major rows, hence the split's packed copies); these are kept
+  // consistent for any reader of the arrays.
+  args.layout_sfa[gs] = K::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
+  args.layout_sfb[gs] = K::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
 }
 
 template <class K>

@@ -52,6 +52,19 @@ bool forced_tiles(GemmTiles* out) {
   return true;
 }
 
+// MOELINK_EXPERTS_SPLIT_K: unset or "auto", experts::split_k_for decides
+// where the swapped-operand tiles run; 1 never splits; 2, 4 or 8 split every
+// such GEMM whose K allows it (tuning: experts_bench.py --split-k).
+int forced_split_k() {
+  const char* v = std::getenv("MOELINK_EXPERTS_SPLIT_K");
+  if (v == nullptr || *v == '\0' || std::string(v) == "auto") return 0;
+  const std::string s(v);
+  if (s != "1" && s != "2" && s != "4" && s != "8")
+    throw InvalidArgument("moelink: environment variable MOELINK_EXPERTS_SPLIT_K = '" + s +
+                          "' must be auto, 1, 2, 4 or 8");
+  return std::stoi(s);
+}
+
 class CudaExperts final : public ExpertsImpl {
  public:
   explicit CudaExperts(const ExpertConfig& c) : config_(c) {
@@ -59,6 +72,7 @@ class CudaExperts final : public ExpertsImpl {
     MOELINK_CUDA_CHECK(cudaGetDevice(&device));
     MOELINK_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
     forced_ = forced_tiles(&forced_tiles_);
+    split_forced_ = forced_split_k();
     // The routed experts' GEMM first (it refuses a GPU other than Hopper), so
     // that a capture never allocates.
     gemm_object(tiles(c.expected_rows), c.num_experts);
@@ -74,6 +88,16 @@ class CudaExperts final : public ExpertsImpl {
     ws_.act_scale = Tensor::contiguous(p + gate_up + act_q, DType::kFloat32, {L, C, I / kQuantGroup});
     error_buffer_ = experts::device_alloc(sizeof(ExpertErrorRecord), true);
     error_ = static_cast<ExpertErrorRecord*>(error_buffer_.get());
+
+    // forward()'s two GEMMs split over K where their tiles are few (a
+    // handful of experts with a handful of rows, e.g. a shared expert): the
+    // buffers and GEMM objects exist from here, so a capture allocates nothing.
+    const int64_t H = c.hidden_dim;
+    const GemmTiles t = tiles(c.expected_rows);
+    split_gate_up_ = split_for(t, L, 2 * I, H);
+    split_down_ = split_for(t, L, H, I);
+    reserve_split(L, C, 2 * I, H, split_gate_up_);
+    reserve_split(L, C, H, I, split_down_);
   }
 
   void grouped_gemm(const Tensor& y, const Tensor& count, const Tensor& x, const Tensor& x_scale,
@@ -81,8 +105,10 @@ class CudaExperts final : public ExpertsImpl {
                     cudaStream_t stream) override {
     GemmOperands o = operands(y, x, x_scale, w, w_scale, op);
     o.counts = static_cast<const int32_t*>(count.data);
-    gemm_object(tiles(config_.expected_rows), config_.num_experts)
-        .run(o, error_, stream);
+    const int split = o.n == 2 * config_.intermediate_dim && o.k == config_.hidden_dim ? split_gate_up_
+                      : o.n == config_.hidden_dim && o.k == config_.intermediate_dim ? split_down_
+                                                                                       : 1;
+    run_gemm(o, tiles(config_.expected_rows), config_.num_experts, split, stream);
   }
 
   void gemm(const Tensor& y, const Tensor& x, const Tensor& x_scale, const Tensor& w,
@@ -90,7 +116,8 @@ class CudaExperts final : public ExpertsImpl {
     GemmOperands o = operands(as_one_group(y), as_one_group(x), as_one_group(x_scale),
                               as_one_group(w), as_one_group(w_scale), ExpertOp::kGemm);
     o.counts = static_cast<const int32_t*>(bound_m.data);  // null: all M rows
-    gemm_object(tiles(x.shape[0]), 1).run(o, error_, stream);
+    const GemmTiles t = tiles(x.shape[0]);
+    run_gemm(o, t, 1, split_for(t, 1, o.n, o.k), stream);
   }
 
   void silu_mul_quant(const Tensor& out_q, const Tensor& out_scale, const Tensor& gate_up,
@@ -120,6 +147,67 @@ class CudaExperts final : public ExpertsImpl {
 
  private:
   GemmTiles tiles(int64_t rows) const { return forced_ ? forced_tiles_ : tiles_for_rows(rows); }
+
+  // K slices for a GEMM of `groups` groups of n x k weights on `tiles`:
+  // only the swapped-operand tiles split (one row tile per group), else 1.
+  int split_for(GemmTiles tiles, int64_t groups, int64_t n, int64_t k) const {
+    if (tiles != GemmTiles::kSwap128N32) return 1;
+    const int64_t k_blocks = k / kQuantGroup;
+    if (split_forced_ > 0) return k_blocks % split_forced_ == 0 ? split_forced_ : 1;
+    return experts::split_k_for(groups * (n / kQuantGroup), k_blocks, sm_count_);
+  }
+
+  static size_t partial_bytes(int64_t groups, int64_t rows, int64_t n, int split) {
+    return static_cast<size_t>(split * groups * rows * n) * 4;
+  }
+  static size_t x_scale_split_bytes(int64_t groups, int64_t rows, int64_t k) {
+    return static_cast<size_t>(groups * rows * (k / kQuantGroup)) * 4;
+  }
+  static size_t w_scale_split_bytes(int64_t groups, int64_t n, int64_t k) {
+    return static_cast<size_t>(groups * (n / kQuantGroup) * (k / kQuantGroup)) * 4;
+  }
+  bool split_fits(int64_t groups, int64_t rows, int64_t n, int64_t k, int split) const {
+    return split <= 1 || (partial_bytes(groups, rows, n, split) <= partial_.bytes &&
+                          x_scale_split_bytes(groups, rows, k) <= x_scale_split_.bytes &&
+                          w_scale_split_bytes(groups, n, k) <= w_scale_split_.bytes);
+  }
+  // Grows the split buffers to hold a split GEMM of these dimensions and
+  // creates its GEMM object.
+  void reserve_split(int64_t groups, int64_t rows, int64_t n, int64_t k, int split) {
+    if (split <= 1) return;
+    auto grow = [](SizedBuffer& b, size_t bytes) {
+      if (b.bytes < bytes) b = {experts::device_alloc(bytes), bytes};
+    };
+    grow(partial_, partial_bytes(groups, rows, n, split));
+    grow(x_scale_split_, x_scale_split_bytes(groups, rows, k));
+    grow(w_scale_split_, w_scale_split_bytes(groups, n, k));
+    split_gemm(split * static_cast<int>(groups));
+  }
+
+  BlockScaledGemm& split_gemm(int groups) {
+    auto it = split_gemms_.find(groups);
+    if (it == split_gemms_.end()) it = split_gemms_.emplace(groups, experts::make_split_k_gemm(groups)).first;
+    return *it->second;
+  }
+
+  // The GEMM, split over K into `split` slices (packed scales, fp32
+  // partial sums, their sum) or whole: whole also when the split buffers,
+  // sized for forward()'s GEMMs, are too small (a larger dense gemm()).
+  void run_gemm(GemmOperands o, GemmTiles tiles, int groups, int split, cudaStream_t stream) {
+    if (!split_fits(groups, o.capacity, o.n, o.k, split)) split = 1;
+    if (split <= 1) {
+      gemm_object(tiles, groups).run(o, error_, stream);
+      return;
+    }
+    o.split_k = split;
+    o.groups = groups;
+    o.partial = static_cast<float*>(partial_.mem.get());
+    o.x_scale_split = static_cast<float*>(x_scale_split_.mem.get());
+    o.w_scale_split = static_cast<float*>(w_scale_split_.mem.get());
+    experts::launch_split_scales(o, stream);
+    split_gemm(split * groups).run(o, error_, stream);
+    experts::launch_split_reduce(o, stream);
+  }
 
   BlockScaledGemm& gemm_object(GemmTiles tiles, int groups) {
     auto key = std::make_pair(static_cast<int>(tiles), groups);
@@ -176,6 +264,14 @@ class CudaExperts final : public ExpertsImpl {
   bool forced_ = false;
   GemmTiles forced_tiles_ = GemmTiles::kRows64;
   int sm_count_ = 0;
+  int split_forced_ = 0;                      // MOELINK_EXPERTS_SPLIT_K; 0: auto
+  int split_gate_up_ = 1, split_down_ = 1;    // forward()'s GEMMs
+  struct SizedBuffer {
+    experts::DeviceBuffer mem;
+    size_t bytes = 0;
+  };
+  SizedBuffer partial_, x_scale_split_, w_scale_split_;  // split GEMMs' (GemmOperands)
+  std::map<int, std::unique_ptr<BlockScaledGemm>> split_gemms_;  // by groups
   experts::DeviceBuffer workspace_, error_buffer_;
   size_t workspace_bytes_ = 0;
   ExpertWorkspace ws_;

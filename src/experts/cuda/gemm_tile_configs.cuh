@@ -45,4 +45,8 @@ MOELINK_TILE_CONFIG(kSwap128N32P, _128,  _32,   _1,  PingPong,    true)
 MOELINK_TILE_CONFIG(kSwap128N32,  _128,  _32,   _1,  Cooperative, true)
 #undef MOELINK_TILE_CONFIG
 
+// The split-K partial sums (make_split_k_gemm): kSwap128N32's tiles, fp32 out.
+using SplitKKernel = Sm90BlockScaledKernel<tiles::Shape<tiles::_128, tiles::_32>, tiles::Cluster<tiles::_1>,
+                                           tiles::Cooperative, tiles::CooperativeEpilogue, true, float>;
+
 }  // namespace moelink::detail::experts
