@@ -150,7 +150,8 @@ void run_layer_case(const LayerCase& c) {
           ops->fill(dout, 0x7F, T * H * 2);
           layer->forward(Tensor::contiguous(dout, DType::kBFloat16, {T, H}),
                          Tensor::contiguous(dx, DType::kBFloat16, {T, H}),
-                         Tensor::contiguous(dm, DType::kInt32, {1}), ops->stream(), T);
+                         Tensor::contiguous(dm, DType::kInt32, {1}), ops->stream(),
+                         c.num_tokens_is_m ? mm : T);
           layer->check(ops->stream());
           std::vector<uint16_t> out(T * H);
           ops->d2h(out.data(), dout, out.size() * 2);

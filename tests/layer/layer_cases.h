@@ -30,6 +30,9 @@ struct LayerCase {
   moelink::MoEOverlap overlap = moelink::MoEOverlap::kAuto;
   bool cuda_graphs = false;
   int rounds = 2;  // forward() calls, each with new tokens and m
+  // forward()'s num_tokens: m itself (the host knows it: smaller graph
+  // buckets, and the decode-sized shared expert at <= 32 rows) instead of T.
+  bool num_tokens_is_m = false;
 };
 
 // Every overlap mode on worlds 1, 2 and 4 (and DP 2) for the three models.

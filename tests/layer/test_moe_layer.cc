@@ -61,6 +61,21 @@ std::vector<LayerCase> gpu_layer_cases() {
       if (ch == '-') ch = '_';
     cases.push_back(c);
   }
+  // T = 64 with num_tokens = m: calls of <= 32 rows take the decode-sized
+  // shared expert (split over K), larger ones the T-row one.
+  for (bool graphs : {false, true}) {
+    LayerCase c;
+    c.model = deepseek_like_model();
+    c.backend = Backend::kNVLink;
+    c.world = 1;
+    c.max_tokens = 64;
+    c.overlap = MoEOverlap::kDispatchOverlap;
+    c.cuda_graphs = graphs;
+    c.num_tokens_is_m = true;
+    c.rounds = 6;
+    c.name = graphs ? "DeepSeekLike_W1_T64_ExactTokens_Graphs" : "DeepSeekLike_W1_T64_ExactTokens";
+    cases.push_back(c);
+  }
   return cases;
 }
 INSTANTIATE_TEST_SUITE_P(Cases, GpuMoELayer, ::testing::ValuesIn(gpu_layer_cases()),
