@@ -117,7 +117,9 @@ class CudaExperts final : public ExpertsImpl {
                               as_one_group(w), as_one_group(w_scale), ExpertOp::kGemm);
     o.counts = static_cast<const int32_t*>(bound_m.data);  // null: all M rows
     const GemmTiles t = tiles(x.shape[0]);
-    run_gemm(o, t, 1, split_for(t, 1, o.n, o.k), stream);
+    const int split = split_for(t, 1, o.n, o.k);
+    reserve_split(1, o.capacity, o.n, o.k, split);  // the first call of a shape allocates, as gemm_object does
+    run_gemm(o, t, 1, split, stream);
   }
 
   void silu_mul_quant(const Tensor& out_q, const Tensor& out_scale, const Tensor& gate_up,
@@ -192,7 +194,8 @@ class CudaExperts final : public ExpertsImpl {
 
   // The GEMM, split over K into `split` slices (packed scales, fp32
   // partial sums, their sum) or whole: whole also when the split buffers,
-  // sized for forward()'s GEMMs, are too small (a larger dense gemm()).
+  // sized for forward()'s GEMMs, do not fit this call (grouped_gemm on
+  // larger tensors than forward takes).
   void run_gemm(GemmOperands o, GemmTiles tiles, int groups, int split, cudaStream_t stream) {
     if (!split_fits(groups, o.capacity, o.n, o.k, split)) split = 1;
     if (split <= 1) {
