@@ -46,8 +46,8 @@ struct GemmOperands {
   // Split over K (split_k > 1; the GEMM object of make_split_k_gemm, with
   // split_k * groups groups): group s * groups + g multiplies group g's K
   // slice s, [s k/split_k, (s+1) k/split_k), into partial[s * groups + g]
-  // ([capacity, n] fp32, n contiguous), with the slice's scales packed by
-  // launch_split_scales; launch_split_reduce then sums the slices into y.
+  // ([capacity, n] fp32, n contiguous), with the slice's scales packed
+  // first (run() does it); launch_split_reduce then sums the slices into y.
   // split_k divides k / 128. 0 or 1: no split (the fields below unused).
   int32_t split_k;
   int32_t groups;         // g's range
@@ -105,8 +105,8 @@ class BlockScaledGemm {
 std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups);
 
 // The split-K GEMM: kSwap128N32's tiles with fp32 output, `groups` =
-// split_k x the operands' groups (GemmOperands.split_k). Its run() expects
-// launch_split_scales before it and launch_split_reduce after it.
+// split_k x the operands' groups (GemmOperands.split_k). Its run() packs the
+// slices' scales; launch_split_reduce after it writes y.
 std::unique_ptr<BlockScaledGemm> make_split_k_gemm(int groups);
 
 // How many K slices make a GEMM of `tiles` output tiles and k/128 k-blocks
@@ -115,9 +115,6 @@ std::unique_ptr<BlockScaledGemm> make_split_k_gemm(int groups);
 // must gain 15 % by that count to pay for its two extra kernels.
 int split_k_for(int64_t tiles, int64_t k_blocks, int sm_count);
 
-// The scales of each K slice packed as their own rows (split GEMMs read
-// scale rows of k/split_k/128 values).
-void launch_split_scales(const GemmOperands& op, cudaStream_t stream);
 // y[g][r][n] = bf16(sum over s of partial[s * groups + g][r][n]) for rows r
 // < the group's count (clamped; the GEMM reported it).
 void launch_split_reduce(const GemmOperands& op, cudaStream_t stream);

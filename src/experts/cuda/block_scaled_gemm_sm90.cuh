@@ -18,6 +18,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 #include <cutlass/kernel_hardware_info.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 
@@ -100,14 +101,42 @@ struct GroupArguments {
   typename K::LayoutSFB* layout_sfb;
 };
 
+// Split over K: the scales of group g dealt to the slices' packed rows
+// (GemmOperands.x_scale_split, w_scale_split), by threads `first`,
+// first + stride, ... The mainloop reads scale rows of k / split_k / 128
+// values, so a slice cannot point into the unsplit rows.
+__device__ inline void pack_split_scales(const GemmOperands& op, int g, int64_t rows, int first,
+                                         int stride) {
+  const int L = op.groups, kb = op.k / 128, kbs = kb / op.split_k, nb = op.n / 128;
+  const int x_values = static_cast<int>(rows) * kb;
+  for (int i = first; i < x_values; i += stride) {
+    const int r = i / kb, c = i - r * kb, s = c / kbs;
+    op.x_scale_split[(static_cast<int64_t>(s * L + g) * op.capacity + r) * kbs + (c - s * kbs)] =
+        op.x_scale[g * op.x_scale_group_stride + i];
+  }
+  for (int i = first; i < nb * kb; i += stride) {
+    const int r = i / kb, c = i - r * kb, s = c / kbs;
+    op.w_scale_split[(static_cast<int64_t>(s * L + g) * nb + r) * kbs + (c - s * kbs)] =
+        op.w_scale[g * op.w_scale_group_stride + i];
+  }
+}
+
 // One thread per group: the group's rows from the device counts (clamped
 // and reported), its pointers and strides. Split over K (op.split_k > 1),
 // group gs is slice gs / op.groups of group gs % op.groups, writing fp32
-// partial sums (GemmOperands).
+// partial sums (GemmOperands), and block (x, g) of the launch also packs
+// group g's scales (pack_split_scales).
 template <class K>
 __global__ void write_group_arguments(GroupArguments<K> args, GemmOperands op, int groups,
                                       ExpertErrorRecord* error) {
-  const int gs = blockIdx.x * blockDim.x + threadIdx.x;
+  if (op.split_k > 1) {
+    const int g = blockIdx.y;
+    bool clamped = false;  // reported below, by the group's argument thread
+    const int64_t rows =
+        clamp_m(op.counts ? op.counts[g] : static_cast<int32_t>(op.capacity), op.capacity, &clamped);
+    pack_split_scales(op, g, rows, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+  }
+  const int gs = (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
   if (gs >= groups) return;
   const bool split = op.split_k > 1;
   const int g = split ? gs % op.groups : gs, slice = split ? gs / op.groups : 0;
@@ -230,8 +259,14 @@ class Sm90BlockScaledGemm final : public BlockScaledGemm {
 
   void run(const GemmOperands& op, ExpertErrorRecord* error, cudaStream_t stream) override {
     const int threads = 128;
-    write_group_arguments<K><<<(groups_ + threads - 1) / threads, threads, 0, stream>>>(
-        args_, op, groups_, error);
+    dim3 grid((groups_ + threads - 1) / threads);
+    if (op.split_k > 1) {
+      // Blocks (x, g) pack group g's scales, enough for one value a thread.
+      const int64_t values = std::max<int64_t>(op.capacity, op.n / 128) * (op.k / 128);
+      grid = dim3(static_cast<unsigned>(std::min<int64_t>((values + threads - 1) / threads, 64)),
+                  static_cast<unsigned>(op.groups));
+    }
+    write_group_arguments<K><<<grid, threads, 0, stream>>>(args_, op, groups_, error);
     MOELINK_CUDA_CHECK(cudaGetLastError());
     cutlass::Status s = gemm_.run(stream);
     if (s != cutlass::Status::kSuccess)

@@ -207,7 +207,6 @@ class CudaExperts final : public ExpertsImpl {
     o.partial = static_cast<float*>(partial_.mem.get());
     o.x_scale_split = static_cast<float*>(x_scale_split_.mem.get());
     o.w_scale_split = static_cast<float*>(w_scale_split_.mem.get());
-    experts::launch_split_scales(o, stream);
     split_gemm(split * groups).run(o, error_, stream);
     experts::launch_split_reduce(o, stream);
   }

@@ -20,46 +20,26 @@ __device__ inline int64_t group_rows(const GemmOperands& op, int g) {
   return clamp_m(op.counts ? op.counts[g] : static_cast<int32_t>(op.capacity), op.capacity, &bad);
 }
 
-// Block (x, g): group g's x_scale rows (< its count) and w_scale rows, each
-// row's K/128 values dealt to the slices' packed rows.
-__global__ void split_scales_kernel(GemmOperands op) {
-  const int g = blockIdx.y, L = op.groups;
-  const int kb = op.k / 128, kbs = kb / op.split_k, nb = op.n / 128;
-  const int64_t rows = group_rows(op, g), stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t i = first; i < rows * kb; i += stride) {
-    const int64_t r = i / kb;
-    const int c = static_cast<int>(i - r * kb), s = c / kbs, j = c - s * kbs;
-    op.x_scale_split[(static_cast<int64_t>(s * L + g) * op.capacity + r) * kbs + j] =
-        op.x_scale[g * op.x_scale_group_stride + i];
-  }
-  for (int64_t i = first; i < static_cast<int64_t>(nb) * kb; i += stride) {
-    const int64_t r = i / kb;
-    const int c = static_cast<int>(i - r * kb), s = c / kbs, j = c - s * kbs;
-    op.w_scale_split[(static_cast<int64_t>(s * L + g) * nb + r) * kbs + j] =
-        op.w_scale[g * op.w_scale_group_stride + i];
-  }
-}
-
-// Block (x, g): rows x, x + gridDim.x, ... of group g, 4 columns a thread.
+// Thread (x, y, g): columns 4 (x blockDim.x + thread) .. + 3 of group g's
+// rows y, y + gridDim.y, ... (a decode GEMM has a handful of rows: the
+// columns carry the parallelism).
 __global__ void split_reduce_kernel(GemmOperands op) {
-  const int g = blockIdx.y, L = op.groups, n4 = op.n / 4;
+  const int g = blockIdx.z, L = op.groups, v = blockIdx.x * blockDim.x + threadIdx.x;
+  if (v >= op.n / 4) return;
   const int64_t rows = group_rows(op, g);
   auto* y = static_cast<__nv_bfloat16*>(op.y) + g * op.y_group_stride;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    for (int v = threadIdx.x; v < n4; v += blockDim.x) {
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int s = 0; s < op.split_k; ++s) {
-        const float4 p = reinterpret_cast<const float4*>(
-            op.partial + (static_cast<int64_t>(s * L + g) * op.capacity + r) * op.n)[v];
-        acc.x += p.x, acc.y += p.y, acc.z += p.z, acc.w += p.w;
-      }
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
-      uint2 out;
-      out.x = *reinterpret_cast<const uint32_t*>(&lo);
-      out.y = *reinterpret_cast<const uint32_t*>(&hi);
-      *reinterpret_cast<uint2*>(y + r * op.y_row_stride + 4 * v) = out;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < op.split_k; ++s) {
+      const float4 p = reinterpret_cast<const float4*>(
+          op.partial + (static_cast<int64_t>(s * L + g) * op.capacity + r) * op.n)[v];
+      acc.x += p.x, acc.y += p.y, acc.z += p.z, acc.w += p.w;
     }
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
+    uint2 out;
+    out.x = *reinterpret_cast<const uint32_t*>(&lo);
+    out.y = *reinterpret_cast<const uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(y + r * op.y_row_stride + 4 * v) = out;
   }
 }
 
@@ -81,15 +61,11 @@ int split_k_for(int64_t tiles, int64_t k_blocks, int sm_count) {
   return best;
 }
 
-void launch_split_scales(const GemmOperands& op, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(op.capacity, 32)), static_cast<unsigned>(op.groups));
-  split_scales_kernel<<<grid, 256, 0, stream>>>(op);
-  MOELINK_CUDA_CHECK(cudaGetLastError());
-}
-
 void launch_split_reduce(const GemmOperands& op, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(op.capacity, 64)), static_cast<unsigned>(op.groups));
-  split_reduce_kernel<<<grid, 128, 0, stream>>>(op);
+  constexpr int kThreads = 128;
+  const dim3 grid(static_cast<unsigned>((op.n / 4 + kThreads - 1) / kThreads),
+                  static_cast<unsigned>(std::min<int64_t>(op.capacity, 32)), static_cast<unsigned>(op.groups));
+  split_reduce_kernel<<<grid, kThreads, 0, stream>>>(op);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
