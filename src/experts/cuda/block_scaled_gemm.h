@@ -111,8 +111,8 @@ std::unique_ptr<BlockScaledGemm> make_split_k_gemm(int groups);
 
 // How many K slices make a GEMM of `tiles` output tiles and k/128 k-blocks
 // on `sm_count` SMs faster (1: none): a slice's tiles run in waves of
-// sm_count, each paying its k-blocks plus a fixed pipeline fill; a split
-// must gain 15 % by that count to pay for its two extra kernels.
+// sm_count, each paying its k-blocks plus a fixed pipeline fill, and a
+// split pays for its partial sums and reduce kernel; it must gain 15 %.
 int split_k_for(int64_t tiles, int64_t k_blocks, int sm_count);
 
 // y[g][r][n] = bf16(sum over s of partial[s * groups + g][r][n]) for rows r

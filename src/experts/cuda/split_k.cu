@@ -50,9 +50,16 @@ std::unique_ptr<BlockScaledGemm> make_split_k_gemm(int groups) {
 }
 
 int split_k_for(int64_t tiles, int64_t k_blocks, int sm_count) {
-  constexpr double kFill = 4;  // k-blocks' worth of a tile's pipeline fill and epilogue
+  // In k-blocks of one wave (about 0.5 us on an H200): a tile's pipeline
+  // fill and epilogue, and a split's fp32 partials and reduce kernel.
+  // Fitted to experts_bench.py --split-k (bench/results): split 4 gains on
+  // a shared expert's 4096 x 7168 GEMM1 (32 tiles, 56 k-blocks: 24 -> 16 us
+  // at m = 1), split 2 loses on its 7168 x 2048 GEMM2 (56 tiles, 16 k-blocks:
+  // 12.4 -> 14.0 us), and any split loses with 8 or 32 experts.
+  constexpr double kFill = 8, kSplitCost = 6;
   auto cost = [&](int s) {
-    return std::ceil(static_cast<double>(tiles * s) / sm_count) * (static_cast<double>(k_blocks) / s + kFill);
+    return std::ceil(static_cast<double>(tiles * s) / sm_count) * (static_cast<double>(k_blocks) / s + kFill) +
+           (s > 1 ? kSplitCost : 0);
   };
   int best = 1;
   for (int s : {2, 4, 8})
