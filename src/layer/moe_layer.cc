@@ -152,7 +152,11 @@ class MoELayerImpl {
     }
     const AllToAll& any = full ? *a2a_ : *mb_[0];
     G_ = any.config().num_dp_groups();
-    C_ = (full ? T : half_) * G_;
+    // Rows per expert: a micro-batch's receive takes rows [part * half G,
+    // (part + 1) * half G) and counts of its own, so the second one neither
+    // adds to the first's counts (overflowing a capacity of half G) nor
+    // computes the first's rows again.
+    C_ = std::max(full ? T * G_ : 0, micro ? 2 * half_ * G_ : 0);
 
     ExpertConfig ec;
     ec.num_experts = L_;
@@ -186,7 +190,7 @@ class MoELayerImpl {
     logits_ = Buffer(d, T * E * 4);
     indices_ = Buffer(d, T * k * 4);
     weights_ = Buffer(d, T * k * 4);
-    counts_ = Buffer(d, L_ * 4);
+    counts_ = Buffer(d, 2 * L_ * 4);  // one set per micro-batch
     ex_x_ = Buffer(d, L_ * C_ * H);
     ex_xs_ = Buffer(d, L_ * C_ * (H / 128) * 4);
     ex_y_ = Buffer(d, L_ * C_ * H * 2);
@@ -394,8 +398,8 @@ class MoELayerImpl {
       int32_t* m01 = bounds_.as<int32_t>();
       dev_->split_bound(m, rows, half_, m01, m01 + 1, stream);
       const int64_t h = std::min(half_, rows);
-      const Batch a{mb_[0].get(), 0, h, Tensor::contiguous(m01, DType::kInt32, {1})};
-      const Batch b{mb_[1].get(), h, rows - h, Tensor::contiguous(m01 + 1, DType::kInt32, {1})};
+      const Batch a{mb_[0].get(), 0, h, Tensor::contiguous(m01, DType::kInt32, {1}), 0};
+      const Batch b{mb_[1].get(), h, rows - h, Tensor::contiguous(m01 + 1, DType::kInt32, {1}), 1};
       dispatch(a, xq, xs, true, false, stream);
       dispatch(b, xq, xs, true, false, stream);
       shared_expert();
@@ -410,7 +414,7 @@ class MoELayerImpl {
       mark(kDone);
       return;
     }
-    const Batch all{a2a_.get(), 0, rows, bound_m};
+    const Batch all{a2a_.get(), 0, rows, bound_m, 0};
     if (mode == MoEOverlap::kNone) {
       shared_expert();
       mark(kShared);
@@ -436,16 +440,25 @@ class MoELayerImpl {
     AllToAll* a2a;
     int64_t row0, rows;
     Tensor bound_m;
+    int part;  // the second micro-batch: 1 (its own counts and expert rows)
   };
 
   int64_t batch_capacity(const Batch& b) const { return b.a2a->config().expert_capacity(); }
+  Tensor batch_counts(const Batch& b) const {
+    return Tensor::contiguous(counts_.as<int32_t>() + b.part * L_, DType::kInt32, {L_});
+  }
+  // [L, capacity, cols] of an expert buffer: the batch's rows of each expert.
+  Tensor batch_rows(const Buffer& buf, DType t, int64_t cols, const Batch& b) const {
+    Tensor v = expert_tensor(buf, t, cols, batch_capacity(b));
+    v.data = static_cast<char*>(v.data) + b.part * half_ * G_ * cols * static_cast<int64_t>(dtype_size(t));
+    return v;
+  }
 
   void dispatch(const Batch& b, const Tensor& xq, const Tensor& xs, bool send, bool recv,
                 cudaStream_t stream) {
-    const int64_t H = model_.hidden_size, C = batch_capacity(b);
-    b.a2a->dispatch(Tensor::contiguous(counts_.get(), DType::kInt32, {L_}),
-                    expert_tensor(ex_x_, DType::kFloat8E4M3, H, C),
-                    expert_tensor(ex_xs_, DType::kFloat32, H / 128, C), rows_of(xq, b.row0, b.rows),
+    const int64_t H = model_.hidden_size;
+    b.a2a->dispatch(batch_counts(b), batch_rows(ex_x_, DType::kFloat8E4M3, H, b),
+                    batch_rows(ex_xs_, DType::kFloat32, H / 128, b), rows_of(xq, b.row0, b.rows),
                     rows_of(xs, b.row0, b.rows), rows_of(indices_tensor(), b.row0, b.rows),
                     rows_of(weights_tensor(), b.row0, b.rows), b.bound_m, stream, send, recv);
   }
@@ -456,10 +469,9 @@ class MoELayerImpl {
   template <class Mark>
   void experts(const Batch& b, cudaStream_t stream, const Mark* mark) {
     const int64_t H = model_.hidden_size, I = model_.moe_intermediate_size, C = batch_capacity(b);
-    const Tensor y = expert_tensor(ex_y_, DType::kBFloat16, H, C),
-                 count = Tensor::contiguous(counts_.get(), DType::kInt32, {L_}),
-                 x = expert_tensor(ex_x_, DType::kFloat8E4M3, H, C),
-                 xs = expert_tensor(ex_xs_, DType::kFloat32, H / 128, C);
+    const Tensor y = batch_rows(ex_y_, DType::kBFloat16, H, b), count = batch_counts(b),
+                 x = batch_rows(ex_x_, DType::kFloat8E4M3, H, b),
+                 xs = batch_rows(ex_xs_, DType::kFloat32, H / 128, b);
     if (mark == nullptr) {
       experts_->forward(y, count, x, xs, w13(), w13_scale(), w2(), w2_scale(), stream);
       return;
@@ -482,11 +494,10 @@ class MoELayerImpl {
 
   void combine(const Batch& b, const Tensor& out, bool send, bool recv, bool accumulate,
                cudaStream_t stream) {
-    const int64_t H = model_.hidden_size, C = batch_capacity(b);
+    const int64_t H = model_.hidden_size;
     b.a2a->combine(rows_of(out, b.row0, b.rows), rows_of(indices_tensor(), b.row0, b.rows),
-                   rows_of(weights_tensor(), b.row0, b.rows),
-                   expert_tensor(ex_y_, DType::kBFloat16, H, C), b.bound_m, stream, send, recv,
-                   accumulate);
+                   rows_of(weights_tensor(), b.row0, b.rows), batch_rows(ex_y_, DType::kBFloat16, H, b),
+                   b.bound_m, stream, send, recv, accumulate);
   }
 
   // out[t] = shared expert(x[t]) for t < m: an Experts of one expert whose

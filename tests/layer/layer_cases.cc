@@ -84,6 +84,18 @@ std::vector<LayerCase> layer_cases(Backend backend) {
         c.overlap = mode;
         cases.push_back(c);
       }
+  // Every token routed to expert 0: each micro-batch's receive must count
+  // only its own routes (it once added the second's to the first's).
+  for (int world : {1, 2}) {
+    LayerCase hot;
+    hot.name = "DeepSeekLike_W" + std::to_string(world) + "_MicroBatch_OneHotExpert";
+    hot.model = deepseek_like_model();
+    hot.backend = backend;
+    hot.world = world;
+    hot.overlap = MoEOverlap::kMicroBatch;
+    hot.one_hot_expert = true;
+    cases.push_back(hot);
+  }
   LayerCase dp;
   dp.name = "DeepSeekLike_W4_Dp2_MicroBatch";
   dp.model = deepseek_like_model();
@@ -131,6 +143,7 @@ void run_layer_case(const LayerCase& c) {
         o.dp_size = c.dp_size;
         auto layer = moelink::MoELayer::create(m, o, boot);
         LayerWeights w = random_layer_weights(m, seed);
+        if (c.one_hot_expert) w.gate_bias.at(0) += 10.0f;
         layer->set_weights(w.view(m, rank, layer->num_local_experts()));
         const int64_t T = c.max_tokens, H = m.hidden_size;
         void* dx = ops->alloc(T * H * 2);

@@ -33,6 +33,9 @@ struct LayerCase {
   // forward()'s num_tokens: m itself (the host knows it: smaller graph
   // buckets, and the decode-sized shared expert at <= 32 rows) instead of T.
   bool num_tokens_is_m = false;
+  // Expert 0's e_score_correction_bias raised so that every token picks it:
+  // more routes to one expert than a micro-batch has tokens.
+  bool one_hot_expert = false;
 };
 
 // Every overlap mode on worlds 1, 2 and 4 (and DP 2) for the three models.
