@@ -125,7 +125,7 @@ class MoELayerImpl {
     // two of ceil(T / 2) when it may. `auto` micro-batches only across ranks:
     // on one rank there is no transfer to hide and each half reads every
     // expert it touches again (2.0x the layer's time at 128 tokens on an
-    // H200, bench/results/2026-12-02_nvidia-h200_layer_e6b8ea9.json).
+    // H200, bench/results/2026-12-02_nvidia-h200_layer_c42921d.json).
     const bool full = options_.overlap != MoEOverlap::kMicroBatch;
     const bool micro = T >= 2 && (options_.overlap == MoEOverlap::kMicroBatch ||
                                   (options_.overlap == MoEOverlap::kAuto && world_ > 1 &&
