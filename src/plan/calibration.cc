@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <nlohmann/json.hpp>
 
 #include "moelink/plan/model.h"
@@ -39,20 +38,12 @@ bool is_layer_bench(const json& j) {
   return false;
 }
 
-// A field of the layer bench's "model": an object with Hugging Face names, or
-// the string layer_bench.py writes today, repr(MoEModelConfig):
-// "MoEModelConfig(deepseek-v3: hidden_size=7168, ..., n_routed_experts=256, ...)".
+// An integer field of the layer bench's "model" object (Hugging Face names).
 long model_field(const json& model, const std::string& field, const std::string& err) {
-  if (model.is_object() && model.contains(field) && model[field].is_number_integer()) return model[field].get<long>();
-  if (model.is_string()) {
-    const std::string s = model.get<std::string>();
-    const size_t at = s.find(" " + field + "=");
-    if (at != std::string::npos) {
-      const long v = std::strtol(s.c_str() + at + field.size() + 2, nullptr, 10);
-      if (v > 0) return v;
-    }
-  }
-  throw PlanError(err + "no integer model." + field + " (\"model\" names the benchmarked model's shape)");
+  if (model.is_object() && model.contains(field) && model[field].is_number_integer() &&
+      model[field].get<long>() > 0)
+    return model[field].get<long>();
+  throw PlanError(err + "no positive integer model." + field + " (\"model\" names the benchmarked model's shape)");
 }
 
 void parse_moelink_bench(const json& j, Calibration& c) {
@@ -83,8 +74,7 @@ void parse_moelink_bench(const json& j, Calibration& c) {
 void parse_layer_bench(const json& j, Calibration& c) {
   const std::string err = "layer bench results '" + c.source + "': ";
   c.format = Calibration::Format::kLayerBench;
-  // layer_bench.py runs one process (world 1) and does not write world_size yet.
-  c.world_size = j.value("world_size", 1);
+  c.world_size = j.value("world_size", 1);  // layer_bench.py runs one process
   const json model = j.value("model", json());
   c.hidden_dim = model_field(model, "hidden_size", err);
   c.experts = int(model_field(model, "n_routed_experts", err));

@@ -232,14 +232,13 @@ TEST(PlanCalibration, LayerBenchLeavesOtherLayoutsAndModelsModelled) {
             std::string::npos);
 }
 
-TEST(PlanCalibration, LayerBenchModelReprAndNoToolField) {
-  // layer_bench.py writes "model" as repr(MoEModelConfig) and no world_size;
-  // without "tool", results carrying stages_us tell the format.
+TEST(PlanCalibration, LayerBenchWithoutToolFieldOrWorldSize) {
+  // Without "tool", results carrying stages_us tell the format; without
+  // world_size the file is one process's.
   const std::string text =
-      R"x({"model": "MoEModelConfig(deepseek-v3: hidden_size=7168, moe_intermediate_size=2048, )x"
-      R"x(n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8)", "results": [)x" +
+      R"x({"model": {"hidden_size": 7168, "n_routed_experts": 256, "num_experts_per_tok": 8}, "results": [)x" +
       layer_result(8, 10, 300) + "," + layer_result(64, 12, 1500) + "]}";
-  Calibration c = Calibration::from_json_text(text, "repr.json");
+  Calibration c = Calibration::from_json_text(text, "no-tool.json");
   EXPECT_EQ(c.format, Calibration::Format::kLayerBench);
   EXPECT_EQ(c.world_size, 1);
   EXPECT_EQ(c.hidden_dim, 7168);
