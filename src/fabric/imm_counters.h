@@ -30,9 +30,10 @@ class ImmCounters {
   void add(const std::vector<std::pair<uint32_t, uint64_t>>& counts);
   // Waits until count(imm) >= count, then subtracts count. Throws
   // TimeoutError naming imm, the count wanted and the count seen.
-  // With `progress` (the engine's), the waiter runs progress passes itself,
-  // kSpinPolls of them before sleeping, then one after every short sleep
-  // (never sleeping when the engine busy-polls), as a ProgressHook::Waiter.
+  // With `progress` (the engine's), the waiter runs progress passes itself
+  // until kSpinPolls passes and kSpinWindow went by without work
+  // (drive_until), then one after every short sleep (never sleeping when
+  // the engine busy-polls), as a ProgressHook::Waiter.
   // A wait that finds the arrivals there touches no shared word.
   void wait(uint32_t imm, uint64_t count, double timeout_s, ProgressHook* progress = nullptr);
   uint64_t get(uint32_t imm) const;

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 
 #include "moelink/transfer_engine.h"
 
@@ -139,10 +140,20 @@ class ProgressHook {
   std::deque<std::string> names_;  // a deque: entries never move
 };
 
-// Waiters poll this many times (progress passes) before sleeping, then
-// sleep at most this long between passes: the workers' idle policy (in
-// yield mode; busy-polling engines' waiters never sleep).
+// Waiters sleep once both kSpinPolls passes (progress passes) in a row
+// and kSpinWindow have gone by without work; then they sleep at most
+// kIdleSleep between passes (yield mode; busy-polling engines' waiters
+// never sleep). A pass that finds work starts both again. The window is
+// what keeps a transfer moving over shm, where every write needs passes on
+// both sides (the target's provider copies the page, the source's reads
+// the answer): 200 passes there are only ~11 us (an idle pass ~55 ns), so
+// waiters slept between pages and a transfer crawled (2.5-9x behind
+// NIXL). Two sleep slices long, the window outlasts the peer's slice: a
+// peer waking from one still finds this side spinning. On tcp (~0.5 us a
+// pass) 200 passes already take about a window. A waiter with nothing
+// arriving still sleeps after one window.
 inline constexpr int kSpinPolls = 200;
+inline constexpr std::chrono::microseconds kSpinWindow{100};
 inline constexpr std::chrono::microseconds kIdleSleep{50};
 
 // A waiter's count of idle passes. A pass that found the endpoints busy
@@ -177,28 +188,45 @@ class IdlePasses {
 };
 
 // The waiters' loop (Transfer::wait, wait_imm): progress passes until
-// done(), like the workers' idle policy: after `spin` passes in a row
-// without work, sleep(until) in kIdleSleep slices (it returns early when
-// woken), a pass after each. The clock is read before each sleep and the
-// coarse clock every 64 passes; deadline() is asked only then, so a wait
-// over within 63 passes reads no clock. The waiter pauses at the same
-// points. Returns done() at the end.
-template <class Done, class Sleep, class Deadline>
+// done(), like the workers' idle policy: once `spin` passes in a row found
+// no work and kSpinWindow went by since the last that did, sleep(until) in
+// kIdleSleep slices (it returns early when woken), a pass after each. The
+// clock is read at the first idle pass after work, on every pass from the
+// `spin`th idle one and before each sleep, the coarse clock every 64
+// passes; none of them (nor deadline()) before pass 64, so a wait over
+// within 63 passes reads no clock (an idle streak from the wait's start is
+// timed from pass 64). The waiter pauses at the same points. Returns
+// done() at the end. SpinClock: the window's and the sleeps' clock (a
+// test's hand-driven one; its time_point is Clock's).
+template <class SpinClock = Clock, class Done, class Sleep, class Deadline>
 bool drive_until(Done&& done, Sleep&& sleep, Deadline&& deadline, ProgressHook::Waiter& waiter,
                  int spin) {
+  static_assert(std::is_same_v<typename SpinClock::time_point, Clock::time_point>);
   IdlePasses idle;
+  // The start of the passes without work: the time of the first idle one
+  // (from pass 64 on); unset while passes find work.
+  Clock::time_point quiet{};
   for (int pass = 0; !done(); ++pass) {
+    bool slept = false;
+    if (quiet == Clock::time_point{} && idle.idle() > 0 && pass >= 64) quiet = SpinClock::now();
     if (idle.idle() >= spin) {
-      waiter.pause();
-      const auto now = Clock::now();
-      if (now >= deadline()) break;
-      sleep(std::min<Clock::time_point>(deadline(), now + kIdleSleep));
-      if (done()) break;
-    } else if (pass % 64 == 63) {
+      const auto now = SpinClock::now();
+      if (quiet == Clock::time_point{}) quiet = now;
+      if (now - quiet >= kSpinWindow) {
+        waiter.pause();
+        if (now >= deadline()) break;
+        sleep(std::min<Clock::time_point>(deadline(), now + kIdleSleep));
+        if (done()) break;
+        slept = true;
+      }
+    }
+    if (!slept && pass % 64 == 63) {
       waiter.pause();
       if (coarse_now() >= deadline()) break;
     }
-    idle.after(waiter.pass());
+    const Pass p = waiter.pass();
+    if (p == Pass::kWork) quiet = Clock::time_point{};
+    idle.after(p);
   }
   return done();
 }

@@ -429,7 +429,8 @@ void Worker::release() {
     c->wr.op->fail(closed);
     put_ctx(c);
   }
-  for (auto& wr : pending_) wr.op->fail(closed);
+  for (auto& run : pending_.runs())
+    for (auto& wr : run.wrs) wr.op->fail(closed);
   pending_.clear();
   std::deque<WorkRequest> incoming;
   {
@@ -475,46 +476,46 @@ inline PostStatus Worker::try_post(WorkRequest& wr, bool more) {
 // then time out waiting for this rank and blame it. When kHeldDestinations
 // destinations refused, the endpoint itself is full and the pass stops. On
 // the worker a hard posting error fails the op; a user thread leaves that
-// to the worker.
+// to the worker. The queue is walked run by run (PendingQueue): a refusal
+// ends its run's turn, and later runs to a held destination are stepped
+// over without looking at their requests.
 int Worker::post_pending(bool on_worker) {
   int posted = 0;
   std::array<std::pair<const Nic*, uint64_t>, kHeldDestinations> held;
   size_t n_held = 0;
-  for (auto it = pending_.begin(); it != pending_.end();) {
-    // Behind a refused request to the same destination: stepped over
-    // reading the queue entry only (a deep queue to one destination is
-    // walked on every pass; the operation's state, elsewhere in memory, is
-    // looked at only for requests the pass may post).
-    const std::pair<const Nic*, uint64_t> dest{it->nic, it->dest};
+  auto& runs = pending_.runs();
+  for (auto run = runs.begin(); run != runs.end() && n_held < kHeldDestinations;) {
+    const std::pair<const Nic*, uint64_t> dest{run->nic, run->dest};
     if (std::find(held.begin(), held.begin() + n_held, dest) != held.begin() + n_held) {
-      ++it;
+      ++run;  // behind a refused request to the same destination
       continue;
     }
-    if (it->op->done()) {  // failed meanwhile
-      it = pending_.erase(it);
-      continue;
+    std::deque<WorkRequest>& q = run->wrs;
+    while (!q.empty()) {
+      WorkRequest& wr = q.front();
+      if (wr.op->done()) {  // failed meanwhile
+        q.pop_front();
+        continue;
+      }
+      const PostStatus r = try_post(wr, q.size() > 1);
+      if (r == PostStatus::kPosted) {
+        q.pop_front();
+        ++posted;
+      } else if (r == PostStatus::kFailed && on_worker) {
+        const std::string why = "TransferEngine " + wr.op->what() + ": posting failed on domain " +
+                                std::to_string(wr.nic->index()) + ": " + last_post_error_.text;
+        wr.op->fail(last_post_error_.timeout ? std::make_exception_ptr(TimeoutError(why))
+                                             : std::make_exception_ptr(FabricError(why)));
+        q.pop_front();
+      } else {
+        if (r == PostStatus::kFailed) post_failed_ = true;  // the worker's to report
+        // Held for this pass. kHeldDestinations held: the endpoint's queue
+        // is full, not one peer's, and the rest waits for the next pass.
+        held[n_held++] = dest;
+        break;
+      }
     }
-    const auto next = std::next(it);
-    const bool more = next != pending_.end() && same_destination(*it, *next);
-    const PostStatus r = try_post(*it, more);
-    if (r == PostStatus::kPosted) {
-      it = pending_.erase(it);
-      ++posted;
-    } else if (r == PostStatus::kFailed && on_worker) {
-      const std::string why = "TransferEngine " + it->op->what() + ": posting failed on domain " +
-                              std::to_string(it->nic->index()) + ": " + last_post_error_.text;
-      it->op->fail(last_post_error_.timeout ? std::make_exception_ptr(TimeoutError(why))
-                                            : std::make_exception_ptr(FabricError(why)));
-      it = pending_.erase(it);
-    } else {
-      if (r == PostStatus::kFailed) post_failed_ = true;  // the worker's to report
-      held[n_held++] = dest;
-      // Several destinations refused in one pass: the endpoint's queue is
-      // full, not one peer's; the rest waits for the next pass (which
-      // keeps a long queue from being walked on every pass).
-      if (n_held >= kHeldDestinations) break;
-      ++it;
-    }
+    run = q.empty() ? pending_.erase(run) : std::next(run);
   }
   flush_all();
   return posted;
@@ -538,12 +539,17 @@ void Worker::check_deadlines() {
           ": not complete within the engine timeout (the peer is unreachable or gone)")));
   }
   // Queued work of failed or expired operations is dropped.
-  for (auto it = pending_.begin(); it != pending_.end();) {
-    if (!it->op->done() && now > it->op->deadline())
-      it->op->fail(std::make_exception_ptr(TimeoutError(
-          "TransferEngine " + it->op->what() +
-          ": could not be posted within the engine timeout (the provider stayed busy)")));
-    it = it->op->done() ? pending_.erase(it) : it + 1;
+  auto& runs = pending_.runs();
+  for (auto run = runs.begin(); run != runs.end();) {
+    std::deque<WorkRequest>& q = run->wrs;
+    for (auto& wr : q)
+      if (!wr.op->done() && now > wr.op->deadline())
+        wr.op->fail(std::make_exception_ptr(TimeoutError(
+            "TransferEngine " + wr.op->what() +
+            ": could not be posted within the engine timeout (the provider stayed busy)")));
+    q.erase(std::remove_if(q.begin(), q.end(), [](const WorkRequest& wr) { return wr.op->done(); }),
+            q.end());
+    run = q.empty() ? pending_.erase(run) : std::next(run);
   }
 }
 

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -74,6 +75,48 @@ class OpMaker {
 struct WorkRequest : Wr {
   Nic* nic = nullptr;
   std::shared_ptr<OpState> op;
+};
+
+// Work requests the provider refused for now, in posting order, kept as
+// runs of consecutive requests to one (NIC, destination): a progress pass
+// steps over a destination that refuses in one step, not one request at a
+// time (thousands of KV-cache pages queued to one peer were walked on
+// every pass).
+class PendingQueue {
+ public:
+  struct Run {
+    const Nic* nic;
+    uint64_t dest;
+    std::deque<WorkRequest> wrs;  // never empty while in the queue
+  };
+  bool empty() const { return runs_.empty(); }
+  void push_back(WorkRequest&& wr) {
+    if (runs_.empty() || runs_.back().nic != wr.nic || runs_.back().dest != wr.dest)
+      runs_.push_back(Run{wr.nic, wr.dest, {}});
+    runs_.back().wrs.push_back(std::move(wr));
+  }
+  std::deque<Run>& runs() { return runs_; }
+  // Removes an emptied run and returns the one after it. When the runs
+  // around it go to one destination they become one, in order (the
+  // shorter one's requests move), so that runs next to each other always
+  // go to different destinations.
+  std::deque<Run>::iterator erase(std::deque<Run>::iterator run) {
+    run = runs_.erase(run);
+    if (run == runs_.begin() || run == runs_.end()) return run;
+    Run& before = *std::prev(run);
+    if (before.nic != run->nic || before.dest != run->dest) return run;
+    if (before.wrs.size() < run->wrs.size()) {
+      for (auto it = before.wrs.rbegin(); it != before.wrs.rend(); ++it)
+        run->wrs.push_front(std::move(*it));
+      return std::next(runs_.erase(std::prev(run)));
+    }
+    for (auto& wr : run->wrs) before.wrs.push_back(std::move(wr));
+    return runs_.erase(run);
+  }
+  void clear() { runs_.clear(); }
+
+ private:
+  std::deque<Run> runs_;
 };
 
 // Received two-sided messages, in arrival order.
@@ -184,7 +227,7 @@ class Worker {
   EndpointLock ep_mu_;
   bool stopped_ = false;
   PostError last_post_error_;
-  std::deque<WorkRequest> pending_;
+  PendingQueue pending_;
   // A user thread's pass met a hard posting error in pending_ (the worker
   // fails the op, where callbacks run; it is woken for that).
   bool post_failed_ = false;

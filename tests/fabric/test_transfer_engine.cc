@@ -243,6 +243,58 @@ TEST(FabricProgressHook, AWaiterHoldsThePassesAndCountsFromItsFirstPause) {
   EXPECT_TRUE(seen.empty()) << "a cleared hook ran a pass";
 }
 
+// drive_until's clock for the spin window, advanced by hand: each pass
+// takes kStep, each sleep its full kIdleSleep slice.
+struct StepClock {
+  using time_point = Clock::time_point;
+  static inline time_point t{};
+  static time_point now() { return t; }
+};
+
+// The yield-mode waiter's policy, on the pass count, with no real time
+// in it. Passes finding work every kSpinPolls + 100 passes (more idle
+// passes in a row than kSpinPolls, each gap well inside kSpinWindow), as
+// pages arriving over shm, where every write needs passes on both sides:
+// the waiter never sleeps between them (with 200 passes and no window it
+// slept after each, and a transfer crawled at a sleep per page). Once
+// nothing comes it sleeps after a window (and kSpinPolls passes), then
+// before every pass; the same from the start when nothing ever comes.
+TEST(FabricProgressHook, AWaiterSpinsWhilePassesFindWorkThenSleeps) {
+  constexpr int kGap = kSpinPolls + 100;
+  const auto step = std::chrono::nanoseconds(kSpinWindow) / (2 * kGap);  // a gap: half a window
+  ASSERT_GT(step.count(), 0);
+  const int window_passes = static_cast<int>(kSpinWindow / step);
+  for (const int works : {20, 0}) {
+    SCOPED_TRACE(std::to_string(works) + " passes with work");
+    StepClock::t = Clock::now();
+    int pass = 0;
+    ProgressHook hook([&] {
+      StepClock::t += step;
+      ++pass;
+      return pass <= works * kGap && pass % kGap == 0 ? Pass::kWork : Pass::kIdle;
+    });
+    const int last_work = works * kGap;
+    const int total = last_work + kSpinPolls + window_passes + 500;
+    std::vector<int> slept;  // passes run before each sleep
+    ProgressHook::Waiter w(hook);
+    const auto forever = StepClock::t + std::chrono::hours(1);
+    EXPECT_TRUE(drive_until<StepClock>(
+        [&] { return pass >= total; },
+        [&](Clock::time_point until) {
+          slept.push_back(pass);
+          StepClock::t = until;
+        },
+        [&] { return forever; }, w, kSpinPolls));
+    ASSERT_FALSE(slept.empty()) << "the waiter never slept";
+    EXPECT_GT(slept.front(), last_work + kSpinPolls) << "slept while work kept arriving";
+    EXPECT_GE(slept.front(), last_work + window_passes) << "slept within a window of work";
+    EXPECT_LE(slept.front(), last_work + kSpinPolls + window_passes + 1)
+        << "spun on past its window with nothing arriving";
+    // Asleep before every pass from then on.
+    EXPECT_EQ(slept.size(), static_cast<size_t>(total - slept.front()));
+  }
+}
+
 TEST(FabricProvider, UnknownProviderThrows) {
   run_processes(1, [](int, int) {
     moelink_test::expect_throw_naming<moelink::ProviderUnavailable>(

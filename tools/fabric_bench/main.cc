@@ -619,10 +619,10 @@ int main(int argc, char** argv) {
   doc["options"] = jo;
   const std::string polling =
       o.yield_when_idle
-          ? "yield-when-idle: engine EngineOptions::yield_when_idle=true (waiters and worker sleep "
-            "up to 50 us per poll after 200 idle polls; the worker sleeps while a user thread "
-            "waits and polls); raw loop does the same (200 idle polls, then sleep_for(50 us) per "
-            "poll)"
+          ? "yield-when-idle: engine EngineOptions::yield_when_idle=true (waiters sleep up to "
+            "50 us per poll once 200 polls and 100 us found nothing, the worker after 200 idle "
+            "polls; the worker sleeps while a user thread waits and polls); raw loop does as the "
+            "waiters (200 idle polls and 100 us, then sleep_for(50 us) per poll)"
           : "busy-poll: engine yield_when_idle=false (waiters never sleep; the worker sleeps "
             "while a user thread waits and polls), raw loop never sleeps";
   doc["polling"] = polling;

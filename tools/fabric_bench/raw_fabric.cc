@@ -170,19 +170,25 @@ int RawFabric::poll() {
   return static_cast<int>(n);
 }
 
-// The engine worker's loop, minus its queues: poll; when 200 polls in a row
-// found nothing, sleep 50 us per iteration (yield mode); a deadline checked
-// every iteration (the engine reads the clock every iteration as well).
+// The engine waiter's loop, minus its queues: poll; once 200 polls in a row
+// and 100 us found nothing (the engine's kSpinPolls and kSpinWindow, the
+// window timed from the first idle poll), sleep 50 us per iteration (yield
+// mode); a deadline checked every iteration (the clock read there times
+// the window too).
 template <class Pred>
 void RawFabric::progress_until(Pred pred, const char* what) {
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(timeout_s_));
+  auto now = std::chrono::steady_clock::now();
+  const auto deadline = now + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                  std::chrono::duration<double>(timeout_s_));
   while (!pred()) {
-    if (yield_ && idle_ > 200) std::this_thread::sleep_for(std::chrono::microseconds(50));
-    idle_ = poll() ? 0 : idle_ + 1;
-    if (std::chrono::steady_clock::now() > deadline)
-      throw std::runtime_error(std::string("raw libfabric: timeout in ") + what);
+    if (yield_ && idle_ > 200 && now - quiet_ >= std::chrono::microseconds(100))
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (poll())
+      idle_ = 0;
+    else if (idle_++ == 0)
+      quiet_ = now;
+    now = std::chrono::steady_clock::now();
+    if (now > deadline) throw std::runtime_error(std::string("raw libfabric: timeout in ") + what);
   }
 }
 

@@ -10,8 +10,9 @@
 //  * the same number of posted receives (64 x 4096 bytes) and their repost
 //    under FI_RX_CQ_DATA;
 //  * completions read 32 at a time and classified by flags, like the engine;
-//  * the same polling policy: after 200 idle polls, sleep 50 us per
-//    iteration (the engine's yield_when_idle), or busy-poll when that is off.
+//  * the same polling policy: once 200 polls in a row and 100 us found
+//    nothing, sleep 50 us per iteration (the engine waiters' yield_when_idle
+//    policy), or busy-poll when that is off.
 // Unlike the engine, everything runs on the calling thread (no worker, no
 // queue, no per-request allocation, no operation objects).
 #pragma once
@@ -108,7 +109,8 @@ class RawFabric {
   uint64_t posted_ = 0, completed_ = 0;
   std::deque<uint64_t> ops_;  // cumulative posted count at each op's end
   std::unordered_map<uint32_t, uint64_t> imms_;
-  int idle_ = 0;
+  int idle_ = 0;  // polls in a row without work (a post counts as work)
+  std::chrono::steady_clock::time_point quiet_{};  // the first of them
 };
 
 }  // namespace moelink_fabric_bench
