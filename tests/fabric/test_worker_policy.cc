@@ -244,20 +244,22 @@ class OneStuckPeerNic final : public CompletingNic {
 // A destination that refuses holds back only its own queued requests: a
 // write to another peer, queued behind hundreds to the stuck one, goes out
 // and completes at once.
+// A 4 KiB region of a fake peer whose name is also its endpoint.
+MemoryDescriptor fake_peer(const char* name) {
+  MemoryDescriptor d;
+  d.owner.name = name;
+  d.owner.endpoints = {name};
+  d.size = 4096;
+  d.remote_base = {0};
+  d.keys = {1};
+  return d;
+}
+
 TEST(FabricWorker, AStuckPeerHoldsBackOnlyItsOwnWrites) {
   FakeEngine f = FakeEngine::make<OneStuckPeerNic>(10.0);
   TransferEngine* e = f.engine.get();
   const MemoryRegion& r = f.region;
-  auto peer = [](const char* name, const char* endpoint) {
-    MemoryDescriptor d;
-    d.owner.name = name;
-    d.owner.endpoints = {endpoint};
-    d.size = 4096;
-    d.remote_base = {0};
-    d.keys = {1};
-    return d;
-  };
-  const MemoryDescriptor stuck = peer("stuck", "stuck"), fine = peer("fine", "fine");
+  const MemoryDescriptor stuck = fake_peer("stuck"), fine = fake_peer("fine");
   std::vector<TransferPtr> held;
   for (int i = 0; i < 300; ++i) held.push_back(e->write(r, 0, stuck, 0, 64, 1u));
   const auto t0 = Clock::now();
@@ -309,16 +311,7 @@ TEST(FabricWorker, QueuedWritesKeepTheirOrderPerDestination) {
     return n;
   });
   const MemoryRegion region = engine->register_memory(buf.data(), buf.size());
-  auto peer = [](const char* name) {
-    MemoryDescriptor d;
-    d.owner.name = name;
-    d.owner.endpoints = {name};
-    d.size = 4096;
-    d.remote_base = {0};
-    d.keys = {1};
-    return d;
-  };
-  const MemoryDescriptor slow = peer("slow"), fast = peer("fast");
+  const MemoryDescriptor slow = fake_peer("slow"), fast = fake_peer("fast");
   // Runs of 1, 2, 3, 4, 1, ... writes to one peer, then the other; write i
   // goes to remote address i * 8.
   std::vector<TransferPtr> ops;
