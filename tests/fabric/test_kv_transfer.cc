@@ -368,6 +368,60 @@ TEST_P(KvTransferTest, TimeoutWhenPrefillDies) {
   }, kTimeout);
 }
 
+// The decode process takes 3 of 6 layers and dies; prefill's next writes of
+// the same request fail with an error naming the peer (tcp: "could not be
+// posted within the engine timeout", after 4 s), or land in the
+// dead peer's still-mapped memory (shm may accept them), within the engine's
+// timeout: never a hang. The engine stays usable for other peers (itself).
+TEST_P(KvTransferTest, PrefillErrorsWhenDecodeDies) {
+  const std::string prov = provider();
+  run_ranks(2, [&](int rank, moelink::Bootstrap& b) {
+    const bool prefill = rank == 0;  // rank 0 runs the bootstrap: it stays
+    Side s = setup(prov, rank, b, prefill, /*timeout_s=*/4.0);
+    const int32_t my_pid = getpid();
+    std::vector<int32_t> pids(2);
+    b.all_gather(&my_pid, pids.data(), sizeof(my_pid));
+    auto req = make_request(37, scattered(kPool, 10, 5), scattered(kPool, 10, 6), 60,
+                            KvImmMode::kPerLayer);
+    if (!prefill) {
+      wait_kv_cache(*s.e, dst_layout(), req, "rank0", 30, 0, 3);
+      b.barrier();  // prefill saw layers 0..2 arrive
+      _exit(0);
+    }
+    write_kv_cache(*s.e, s.region, src_layout(), s.d[1], dst_layout(), req, 0, 3)->wait();
+    b.barrier();
+    usleep(300 * 1000);  // the decode process is gone
+    const auto start = std::chrono::steady_clock::now();
+    bool failed = false;
+    for (int i = 0; i < 20 && !failed; ++i) {
+      try {
+        write_kv_cache(*s.e, s.region, src_layout(), s.d[1], dst_layout(), req, 3, 3)->wait();
+      } catch (const moelink::Error& err) {
+        failed = true;
+        RANK_CHECK(std::string(err.what()).find("rank1") != std::string::npos)
+            << "the error does not name the dead peer: " << err.what();
+      }
+    }
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (prov != "shm") {
+      RANK_CHECK(failed) << "KV writes to a dead decode peer did not fail";
+    }
+    RANK_CHECK(sec < 15) << "the writes to a dead peer took " << sec << " s to end";
+    // Still usable: a request to itself (imm 200..205) arrives whole.
+    auto self = make_request(9, {1, 2, 3}, {4, 5, 6}, 200, KvImmMode::kPerLayer);
+    std::vector<uint8_t> mine(src_layout().required_bytes());
+    auto mine_region = s.e->register_memory(mine.data(), mine.size());
+    write_kv_cache(*s.e, s.region, src_layout(), s.e->descriptor(mine_region), src_layout(), self)
+        ->wait();
+    wait_kv_cache(*s.e, src_layout(), self, "rank0", 10);
+    RANK_CHECK(std::memcmp(&mine[src_layout().page_offset(2, 5)], &s.buf[src_layout().page_offset(2, 2)],
+                           src_layout().page_bytes()) == 0)
+        << "the engine's request to itself after the dead peer arrived wrong";
+    s.e.reset();
+    if (prov == "shm") remove_shm_files_of(pids[1]);
+  }, kTimeout);
+}
+
 INSTANTIATE_TEST_SUITE_P(Providers, KvTransferTest, testing::Values("shm", "tcp"),
                          [](const auto& info) { return std::string(info.param); });
 

@@ -88,7 +88,12 @@ def test_bad_input_and_a_missing_peer():
         src = np.zeros(layout.required_bytes, dtype=np.uint8)
         dst = np.zeros(layout.required_bytes, dtype=np.uint8)
         src_region = a.register_memory(src)
-        peer = moelink.MemoryDescriptor.from_bytes(b.descriptor(b.register_memory(dst)))
+        desc = bytes(b.descriptor(b.register_memory(dst)))
+        peer = moelink.MemoryDescriptor.from_bytes(desc)
+        # A descriptor cut short in transit, or not one at all.
+        for junk in (desc[:-1], desc[: len(desc) // 2], b"garbage"):
+            with pytest.raises(moelink.InvalidArgument, match="MemoryDescriptor"):
+                moelink.MemoryDescriptor.from_bytes(junk)
         with pytest.raises(moelink.InvalidArgument, match="writable"):
             a.register_memory(b"read-only bytes")
         with pytest.raises(moelink.InvalidArgument, match="imm_mode 'nope'"):

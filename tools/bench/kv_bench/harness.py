@@ -9,15 +9,20 @@ Protocol on the control channel (common.Channel; decode listens):
              needs both sides in it)
   iteration  decode -> {"iter": it, "dst": (concurrency, pages) page ids}
                  (decode is waiting when prefill reads this: the start barrier)
-             prefill: t_issue[i] just before request i's engine calls, all
-                 requests issued back to back, then waits for local completion
+             prefill: t_issue[i] just before request i's engine calls and
+                 t_posted[i] when they returned, all requests issued back to
+                 back, then waits for local completion
              decode: t_done[i] when the engine says request i's pages arrived
-             prefill -> {"iter_done": it, "src": ids, "t_issue": [...]}
+             prefill -> {"iter_done": it, "src": ids, "t_issue": [...], "t_posted": [...]}
              decode verifies every page (untimed), zeroes, checks the rest
   end        decode -> {"bye": True}
 
 Timed: latency per request = t_done - t_issue (one monotonic clock: same
-host); iteration throughput = bytes / (max t_done - min t_issue); CPU
+host); latency from the batch's start = t_done - min(t_issue), what a
+request waits when all were ready at once (an engine whose issue call
+itself moves the bytes delays the next request's t_issue: its per-request
+latency then hides the queueing); issue time = t_posted - t_issue;
+iteration throughput = bytes / (max t_done - min t_issue); CPU
 seconds = getrusage deltas over the timed windows (prefill: issue ->
 all local completions; decode: sending the page ids -> all requests seen).
 
@@ -145,10 +150,11 @@ def run_prefill(ctx: Context, make: Factory, control: str) -> Dict[str, Any]:
         dst = msg["dst"]
         src = common.pick_src_pages(rng, case)
         c0 = common.cpu_seconds()
-        t_issue, handles = [], []
+        t_issue, t_posted, handles = [], [], []
         for i in range(case.concurrency):
             t_issue.append(common.now_ns())
             handles.append(eng.issue(it, i, src[i], dst[i]))
+            t_posted.append(common.now_ns())
         for i, h in enumerate(handles):
             eng.wait(h, it, i)
         t_local = common.now_ns()
@@ -157,7 +163,7 @@ def run_prefill(ctx: Context, make: Factory, control: str) -> Dict[str, Any]:
         if it >= case.warmup:
             cpu_s += c1 - c0
             local_ns.append(t_local - min(t_issue))
-        ch.send({"iter_done": it, "src": src, "t_issue": t_issue})
+        ch.send({"iter_done": it, "src": src, "t_issue": t_issue, "t_posted": t_posted})
     msg = ch.recv()
     assert msg.get("bye"), f"prefill: expected bye, got {msg!r:.80}"
     return {"setup_s": setup_s, "cpu_s": cpu_s, "local_completion_ns": local_ns,
@@ -178,7 +184,7 @@ def run_decode(ctx: Context, make: Factory, control: str, engine_name: str,
     setup_s = time.monotonic() - t0
 
     rng = np.random.default_rng([case.seed, 1])
-    lat, gbps, spans, cpu_s, verified = [], [], [], 0.0, 0
+    lat, lat_start, issue, gbps, spans, cpu_s, verified = [], [], [], [], [], 0.0, 0
     result: Dict[str, Any] = {"_adapter": eng}
     for it in range(case.warmup + case.iters):
         dst = common.alloc_dst_pages(rng, case)
@@ -192,6 +198,8 @@ def run_decode(ctx: Context, make: Factory, control: str, engine_name: str,
         if it >= case.warmup:
             cpu_s += c1 - c0
             lat.extend(int(d - s) for s, d in zip(t_issue, t_done))
+            lat_start.extend(int(d - min(t_issue)) for d in t_done)
+            issue.extend(int(p - s) for s, p in zip(t_issue, msg["t_posted"]))
             span = max(t_done) - min(t_issue)
             spans.append(int(span))
             gbps.append(case.iteration_bytes / span)  # bytes per ns == GB/s
@@ -200,7 +208,8 @@ def run_decode(ctx: Context, make: Factory, control: str, engine_name: str,
             pool[layer, page, 0] ^= 0xFF
         verified += common.verify_and_clear(engine_name, pool, case, dst, msg["src"], sums)
     ch.send({"bye": True})
-    result.update({"setup_s": setup_s, "cpu_s": cpu_s, "latency_ns": lat, "iteration_gbps": gbps,
+    result.update({"setup_s": setup_s, "cpu_s": cpu_s, "latency_ns": lat,
+                   "latency_from_start_ns": lat_start, "issue_ns": issue, "iteration_gbps": gbps,
                    "iteration_span_ns": spans, "verified_pages": verified,
                    "engine": eng.info()})
     return result

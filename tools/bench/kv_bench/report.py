@@ -1,7 +1,12 @@
 """Summaries and the SVG chart of a kv_bench run.
 
 Per (engine, case, transport), over the rounds that succeeded:
-  latency p50 / p99   over all timed requests of all rounds (ms)
+  latency p50 / p99   over all timed requests of all rounds (ms), from the
+                      request's own issue call
+  from start p50/p99  the same from the batch's first issue (all requests
+                      ready at once; equals the latency at concurrency 1)
+  issue p50           time inside the engine's issue call (ms): an engine
+                      that moves the bytes there serializes its requests
   GB/s                median over rounds of the round's throughput (timed
                       bytes / summed iteration spans; 1 GB = 1e9 B)
   CPU s per GB        median over rounds of (prefill + decode CPU seconds in
@@ -9,7 +14,8 @@ Per (engine, case, transport), over the rounds that succeeded:
   vs baseline         median over rounds of the per-round ratio to the
                       baseline engine (moelink by default) on the same case
                       and transport: GB/s ratio (> 1: faster than the
-                      baseline), p50 ratio (> 1: slower), CPU ratio
+                      baseline), p50 and from-start p50 ratios (> 1:
+                      slower), CPU ratio
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ def _round_stats(cell: Dict[str, Any]) -> Optional[Dict[str, float]]:
     nbytes = d["case"]["concurrency"] * d["case"]["layers"] * d["case"]["tokens"] * d["case"]["bytes_per_token_layer"]
     total = nbytes * len(spans)
     lat = np.asarray(d["latency_ns"], dtype=np.float64) / 1e6
+    start = np.asarray(d.get("latency_from_start_ns") or d["latency_ns"], dtype=np.float64) / 1e6
     return {"gbps": total / sum(spans), "p50_ms": float(np.median(lat)),
+            "start_p50_ms": float(np.median(start)),
             "cpu_s_per_gb": (d["cpu_s"] + p["cpu_s"]) / (total / 1e9)}
 
 
@@ -69,6 +77,11 @@ def summarize(cells: List[Dict[str, Any]], baseline: str = "moelink") -> List[Di
         row["latency_ms_p50"] = float(np.percentile(lat, 50)) if lat else None
         row["latency_ms_p99"] = float(np.percentile(lat, 99)) if lat else None
         row["requests"] = len(lat)
+        start = [x / 1e6 for c in cs if c.get("ok") for x in c["decode"].get("latency_from_start_ns", [])]
+        issue = [x / 1e6 for c in cs if c.get("ok") for x in c["decode"].get("issue_ns", [])]
+        row["latency_from_start_ms_p50"] = float(np.percentile(start, 50)) if start else None
+        row["latency_from_start_ms_p99"] = float(np.percentile(start, 99)) if start else None
+        row["issue_ms_p50"] = float(np.percentile(issue, 50)) if issue else None
         row["gbps"] = _median([s["gbps"] for _, s in per])
         row["gbps_rounds"] = [s["gbps"] for _, s in per]
         row["cpu_s_per_gb"] = _median([s["cpu_s_per_gb"] for _, s in per])
@@ -87,9 +100,11 @@ def summarize(cells: List[Dict[str, Any]], baseline: str = "moelink") -> List[Di
                 if b:
                     ratios["gbps"].append(s["gbps"] / b["gbps"])
                     ratios["p50"].append(s["p50_ms"] / b["p50_ms"])
+                    ratios["start_p50"].append(s["start_p50_ms"] / b["start_p50_ms"])
                     ratios["cpu"].append(s["cpu_s_per_gb"] / b["cpu_s_per_gb"] if b["cpu_s_per_gb"] else math.nan)
             row[f"gbps_vs_{baseline}"] = _median(ratios["gbps"])
             row[f"p50_vs_{baseline}"] = _median(ratios["p50"])
+            row[f"start_p50_vs_{baseline}"] = _median(ratios["start_p50"])
             row[f"cpu_vs_{baseline}"] = _median(ratios["cpu"])
         rows.append(row)
     return rows
@@ -99,7 +114,8 @@ def format_table(rows: List[Dict[str, Any]], baseline: str) -> str:
     """A plain-text table for the terminal."""
     def f(x: Any, fmt: str) -> str:
         return format("-", ">" + fmt.split(".")[0]) if x is None else format(x, fmt)
-    head = (f"{'case':26} {'tr':4} {'engine':9} {'p50 ms':>9} {'p99 ms':>9} {'GB/s':>7} {'CPU s/GB':>8} "
+    head = (f"{'case':26} {'tr':4} {'engine':9} {'p50 ms':>9} {'p99 ms':>9} {'start p50':>9} "
+            f"{'issue p50':>9} {'GB/s':>7} {'CPU s/GB':>8} "
             f"{'GB/s x':>7} {'p50 x':>7}  rounds")
     out = [head, "-" * len(head)]
     for r in rows:
@@ -107,7 +123,8 @@ def format_table(rows: List[Dict[str, Any]], baseline: str) -> str:
             out.append(f"{r['case']:26} {r['transport']:4} {r['engine']:9} skipped: {r['reason'][:80]}")
             continue
         out.append(f"{r['case']:26} {r['transport']:4} {r['engine']:9} {f(r['latency_ms_p50'], '9.3f')} "
-                   f"{f(r['latency_ms_p99'], '9.3f')} {f(r['gbps'], '7.3f')} {f(r['cpu_s_per_gb'], '8.3f')} "
+                   f"{f(r['latency_ms_p99'], '9.3f')} {f(r.get('latency_from_start_ms_p50'), '9.3f')} "
+                   f"{f(r.get('issue_ms_p50'), '9.3f')} {f(r['gbps'], '7.3f')} {f(r['cpu_s_per_gb'], '8.3f')} "
                    f"{f(r.get(f'gbps_vs_{baseline}'), '7.2f')} {f(r.get(f'p50_vs_{baseline}'), '7.2f')}  "
                    f"{r['rounds_ok']}/{r['rounds']}")
         for e in r.get("errors", []):
