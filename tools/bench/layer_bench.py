@@ -29,8 +29,16 @@ router on random tokens picks the experts.
     PYTHONPATH=build-gpu/python python3 tools/bench/layer_bench.py --json out.json
     python3 tools/bench/layer_report.py out.json --plan build-plan/tools/plan/moelink-plan --svg out.svg
 
-One process, world 1 (every expert local; the NVLink backend's dispatch and
-combine kernels still run, as local copies).
+World 1 (default): one process, every expert local (the NVLink backend's
+dispatch and combine kernels still run, as local copies). --world N starts N
+processes, rank r on GPU r % (GPUs here), each holding E / N experts and its
+own batch of tokens (the batch is per rank); a cell's wall_us,
+sum_of_kernels_us and floor_us are the slowest rank's (the step waits for
+all), each rank's in *_by_rank, stages_us rank 0's. The floor at world > 1
+is HBM only (each rank's touched local experts); the NVLink transfer is on
+top. Ranks sharing a GPU check the script, not the layer's speed.
+
+    python3 tools/bench/layer_bench.py --world 2 --batches 8,32,64,128 --json w2.json
 """
 import argparse
 import datetime
@@ -48,11 +56,10 @@ import moelink
 from layer_report import STAGES, stage_of_kernels
 
 
-def _boot():
+def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return moelink.TcpBootstrap(0, 1, "127.0.0.1", port, 30.0)
+        return s.getsockname()[1]
 
 
 def block_fp8(shape, std):
@@ -144,20 +151,35 @@ def main():
     p.add_argument("--profile-iters", type=int, default=5, help="forwards under torch.profiler")
     p.add_argument("--machine", default="nvidia-h200")
     p.add_argument("--json", default="-")
+    p.add_argument("--world", type=int, default=1,
+                   help="ranks (processes), rank r on GPU r %% GPUs; the batch is per rank")
+    p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # a spawned rank
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.world < 1:
+        p.error(f"--world = {a.world} must be at least 1")
+    if a.world > 1 and a.rank is None:
+        return run_ranks(a)
+    rank = a.rank or 0
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    boot = moelink.TcpBootstrap(rank, a.world, "127.0.0.1", a.port or _free_port(), 60.0)
     cfg = moelink.model_config(a.model)
     E, H, I, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    if E % a.world:
+        p.error(f"--world = {a.world} must divide the model's {E} routed experts")
+    L = E // a.world
     Is = cfg.n_shared_experts * I
-    torch.manual_seed(0)
-    w13, w13s = block_fp8((E, 2 * I, H), 0.02)
-    w2, w2s = block_fp8((E, H, I), 0.02)
+    torch.manual_seed(0)  # the router and the shared expert: the same on every rank
+    gate = (torch.randn(E, H, device="cuda") / H ** 0.5).to(torch.bfloat16)
+    bias = torch.randn(E, device="cuda") * 0.05
     shared = {}
     if Is:
         sw13, sw13s = block_fp8((2 * Is, H), 0.02)
         sw2, sw2s = block_fp8((H, Is), 0.02)
         shared = dict(shared_w13=sw13, shared_w13_scale=sw13s, shared_w2=sw2, shared_w2_scale=sw2s)
-    gate = (torch.randn(E, H, device="cuda") / H ** 0.5).to(torch.bfloat16)
-    bias = torch.randn(E, device="cuda") * 0.05
+    torch.manual_seed(1 + rank)  # this rank's experts
+    w13, w13s = block_fp8((L, 2 * I, H), 0.02)
+    w2, w2s = block_fp8((L, H, I), 0.02)
     bw = copy_gbs()
     rec = {"tool": "tools/bench/layer_bench.py", "machine": a.machine,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -165,7 +187,7 @@ def main():
            "command": " ".join(["layer_bench.py"] + sys.argv[1:]),
            "git_commit": os.environ.get("MOELINK_GIT_COMMIT") or subprocess.run(
                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           "world_size": 1,
+           "world_size": a.world,
            "model": {"name": cfg.name, "preset": a.model, "hidden_size": H, "moe_intermediate_size": I,
                      "n_routed_experts": E, "num_experts_per_tok": k,
                      "n_shared_experts": cfg.n_shared_experts},
@@ -175,22 +197,31 @@ def main():
     batches = [int(b) for b in a.batches.split(",")]
 
     def new_layer(batch, mode, graphs, profile):
-        layer = moelink.MoELayer(cfg, max_tokens=batch, backend="nvlink", bootstrap=_boot(),
+        layer = moelink.MoELayer(cfg, max_tokens=batch, backend="nvlink", bootstrap=boot,
                                  overlap=mode, cuda_graphs=graphs, profile=profile)
         layer.set_weights(gate, w13, w2, gate_bias=bias, w13_scale=w13s, w2_scale=w2s, **shared)
         return layer
 
     for batch in batches:
-        x = torch.randn(batch, H, device="cuda").to(torch.bfloat16)
+        # Every rank's tokens (rank r's from seed 100 + r), routed here: the
+        # local experts some token of any rank goes to (the floor reads only
+        # those).
+        xs = []
+        for r in range(a.world):
+            torch.manual_seed(100 + r)
+            xs.append(torch.randn(batch, H, device="cuda").to(torch.bfloat16))
+        x = xs[rank]
         out = torch.empty_like(x)
         bm = torch.tensor([batch], dtype=torch.int32, device="cuda")
-        # The experts this routing touches (the floor reads only those).
         probe = new_layer(batch, "none", False, False)
         idx = torch.empty(batch, k, dtype=torch.int32, device="cuda")
         wts = torch.empty(batch, k, dtype=torch.float32, device="cuda")
-        probe.route(idx, wts, x, bm)
-        touched = int(torch.unique(idx).numel())
-        del probe
+        mine = set()
+        for xr in xs:
+            probe.route(idx, wts, xr, bm)
+            mine |= {e for e in torch.unique(idx).tolist() if rank * L <= e < (rank + 1) * L}
+        touched = len(mine)
+        del probe, xs
         floor_bytes = E * H * 2 + touched * expert_bytes + shared_bytes + batch * H * 4
         floor_us = floor_bytes / (bw * 1e9) * 1e6
         for mode in a.modes.split(","):
@@ -228,16 +259,66 @@ def main():
                     r["stage_marks_us"] = {s: statistics.median(t[s] for t in samples) for s in keys}
                     del layer
                 rec["results"].append(r)
-                print(f"batch {batch:5d} {mode:16s} {'graph' if graphs else 'eager':5s} "
-                      f"wall {wall:9.1f} us  kernels {r.get('sum_of_kernels_us', float('nan')):9.1f} us  "
-                      f"floor {floor_us:8.1f} us  wall/floor {r['wall_over_floor']:5.2f}",
-                      file=sys.stderr, flush=True)
+                if not rank:
+                    print(f"batch {batch:5d} {mode:16s} {'graph' if graphs else 'eager':5s} "
+                          f"wall {wall:9.1f} us  kernels {r.get('sum_of_kernels_us', float('nan')):9.1f} us  "
+                          f"floor {floor_us:8.1f} us  wall/floor {r['wall_over_floor']:5.2f}"
+                          + (" (rank 0)" if a.world > 1 else ""), file=sys.stderr, flush=True)
                 torch.cuda.empty_cache()
                 if a.json != "-":  # after every cell: a run cut short keeps what it measured
                     with open(a.json, "w") as f:
                         f.write(json.dumps(rec, indent=1) + "\n")
     if a.json == "-":
         print(json.dumps(rec, indent=1))
+
+
+def run_ranks(a):
+    """--world N: this script once per rank (same arguments, --rank r, one
+    bootstrap port), each writing its own JSON; then one record whose cells
+    hold the slowest rank's times and every rank's in *_by_rank."""
+    import tempfile
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="layer_bench.") as tmp:
+        argv = [x for x in sys.argv[1:]]
+        if "--json" in argv:
+            i = argv.index("--json")
+            del argv[i:i + 2]
+        argv = [x for x in argv if not x.startswith("--json=")]
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--rank", str(r),
+                                   "--port", str(port), "--json", os.path.join(tmp, f"rank{r}.json")])
+                 for r in range(a.world)]
+        codes = [pr.wait() for pr in procs]
+        recs = []
+        for r in range(a.world):
+            try:
+                with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                    recs.append(json.load(f))
+            except (OSError, ValueError):
+                recs.append({"results": []})
+    rec = dict(recs[0])
+    rec["command"] = " ".join(["layer_bench.py"] + sys.argv[1:])
+    rec["rank_exit_codes"] = codes
+    cells = min(len(x["results"]) for x in recs)  # a rank that failed early cuts the run
+    rec["results"] = []
+    for i in range(cells):
+        rs = [x["results"][i] for x in recs]
+        c = dict(rs[0])
+        for key in ("wall_us", "sum_of_kernels_us", "floor_us", "floor_bytes", "touched_experts"):
+            if all(key in x for x in rs):
+                c[key + "_by_rank"] = [x[key] for x in rs]
+                c[key] = max(x[key] for x in rs)
+        c["wall_over_floor"] = c["wall_us"] / c["floor_us"]
+        if "sum_of_kernels_us" in c:
+            c["wall_over_kernels"] = c["wall_us"] / c["sum_of_kernels_us"]
+        rec["results"].append(c)
+    text = json.dumps(rec, indent=1) + "\n"
+    if a.json == "-":
+        print(text, end="")
+    else:
+        with open(a.json, "w") as f:
+            f.write(text)
+    if any(codes):
+        sys.exit(f"layer_bench: rank exit codes {codes}; kept the {cells} cells every rank finished")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The MoE layer benchmark's report: tables and a stacked-bar SVG of what
 tools/bench/layer_bench.py measured, beside what moelink-plan predicts for
-the same layer (world 1, one token per request, no MTP).
+the same layer (EP = the run's world size, one token per request, no MTP).
 
     python3 tools/bench/layer_report.py layer.json \\
         --plan build-plan/tools/plan/moelink-plan --svg layer.svg
@@ -65,9 +65,9 @@ def measured_groups(stages: Dict[str, float]) -> Dict[str, float]:
     return {g: sum(stages.get(k, 0.0) for k in keys) for g, keys, _, _ in GROUPS}
 
 
-def planned_groups(plan_bin: str, batch: int, model: str) -> Optional[Dict[str, float]]:
-    """moelink-plan's per-kernel prediction for `batch` tokens at EP1."""
-    cmd = [plan_bin, "--model", model, "--ep", "1", "--tp", "1", "--batch", str(batch), "--mtp", "0",
+def planned_groups(plan_bin: str, batch: int, model: str, ep: int = 1) -> Optional[Dict[str, float]]:
+    """moelink-plan's per-kernel prediction for `batch` tokens per rank at EP `ep`."""
+    cmd = [plan_bin, "--model", model, "--ep", str(ep), "--tp", "1", "--batch", str(batch), "--mtp", "0",
            "--overlap", "dispatch", "--ignore-memory", "--json", "-"]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
@@ -144,7 +144,7 @@ def write_svg(path: str, rec: dict, plans: Dict[int, Dict[str, float]]) -> None:
            f'font-size="12">', f'<rect width="{W}" height="{H}" fill="white"/>',
            f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15">{rec["model"]["name"]} MoE layer '
            f'on one {rec["gpu"]}: measured stages vs moelink-plan</text>',
-           f'<text x="{W / 2}" y="40" text-anchor="middle" fill="#555">eager, overlap none, world 1, each '
+           f'<text x="{W / 2}" y="40" text-anchor="middle" fill="#555">eager, overlap none, world {rec["world_size"]}, each '
            f'row on its own scale; kernel time per stage (torch.profiler); {rec["date"][:10]}, commit {rec["git_commit"]}</text>']
     y = top
     for b, bars in rows:
@@ -188,7 +188,8 @@ def main():
     plans = {}
     if a.plan:
         for b in sorted({r["batch"] for r in rec["results"]}):
-            g = planned_groups(a.plan, b, rec["model"].get("preset", rec["model"]["name"].lower()))
+            g = planned_groups(a.plan, b, rec["model"].get("preset", rec["model"]["name"].lower()),
+                               ep=int(rec.get("world_size", 1)))
             if g:
                 plans[b] = g
     print_tables(rec, plans)
