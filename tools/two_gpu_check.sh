@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The two-GPU evidence (nvidia-h200-x2; docs/performance.md and issue 21's
-# list), in three device calls of at most 10 minutes that must follow each
+# The two-GPU evidence (nvidia-h200-x2: the backends over NVLink P2P between
+# two GPUs, the core's latency targets, the layer at world 2), in three
+# device calls of at most 10 minutes that must follow each
 # other while the machine is warm (build-gpu/ is kept only then):
 #
 #   bash tools/two_gpu_check.sh build nvshmem internode   # call 1

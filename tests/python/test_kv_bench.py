@@ -58,6 +58,10 @@ def test_moves_and_verifies(engine, transport, tmp_path):
     assert d["verified_pages"] == (case.warmup + case.iters) * case.concurrency * case.layers * case.request_pages
     assert len(d["latency_ns"]) == case.iters * case.concurrency
     assert all(x > 0 for x in d["latency_ns"])
+    # From the batch's start is never shorter than from the request's own issue.
+    assert len(d["latency_from_start_ns"]) == len(d["latency_ns"])
+    assert all(s >= x for s, x in zip(d["latency_from_start_ns"], d["latency_ns"]))
+    assert len(d["issue_ns"]) == len(d["latency_ns"]) and all(x >= 0 for x in d["issue_ns"])
     assert cell["prefill"]["cpu_s"] >= 0 and d["cpu_s"] >= 0
 
 
