@@ -112,6 +112,14 @@ bool all_zero(const std::vector<uint8_t>& buf, const std::string& ctx) {
   return true;
 }
 
+// Every rank's process id, by rank.
+std::vector<int32_t> gather_pids(moelink::Bootstrap& b) {
+  const int32_t mine = getpid();
+  std::vector<int32_t> pids(b.world_size());
+  b.all_gather(&mine, pids.data(), sizeof(mine));
+  return pids;
+}
+
 void remove_shm_files_of(int pid) {
   const std::string prefix = std::to_string(pid) + ":";
   std::error_code ec;
@@ -345,9 +353,7 @@ TEST_P(KvTransferTest, TimeoutWhenPrefillDies) {
   run_ranks(2, [&](int rank, moelink::Bootstrap& b) {
     const bool prefill = rank == 1;  // rank 0 runs the bootstrap: it stays
     Side s = setup(prov, rank, b, prefill, /*timeout_s=*/10.0);
-    const int32_t my_pid = getpid();
-    std::vector<int32_t> pids(2);
-    b.all_gather(&my_pid, pids.data(), sizeof(my_pid));
+    const std::vector<int32_t> pids = gather_pids(b);  // for the dead rank's shm files
     auto req = make_request(37, scattered(kPool, 10, 3), scattered(kPool, 10, 4), 40,
                             KvImmMode::kPerLayer);
     if (prefill) {
@@ -378,9 +384,7 @@ TEST_P(KvTransferTest, PrefillErrorsWhenDecodeDies) {
   run_ranks(2, [&](int rank, moelink::Bootstrap& b) {
     const bool prefill = rank == 0;  // rank 0 runs the bootstrap: it stays
     Side s = setup(prov, rank, b, prefill, /*timeout_s=*/4.0);
-    const int32_t my_pid = getpid();
-    std::vector<int32_t> pids(2);
-    b.all_gather(&my_pid, pids.data(), sizeof(my_pid));
+    const std::vector<int32_t> pids = gather_pids(b);  // for the dead rank's shm files
     auto req = make_request(37, scattered(kPool, 10, 5), scattered(kPool, 10, 6), 60,
                             KvImmMode::kPerLayer);
     if (!prefill) {
