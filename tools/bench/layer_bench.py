@@ -49,6 +49,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -287,6 +288,17 @@ def run_ranks(a):
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--rank", str(r),
                                    "--port", str(port), "--json", os.path.join(tmp, f"rank{r}.json")])
                  for r in range(a.world)]
+        # A rank that fails leaves the others in a collective: they get 30 s
+        # to finish, then are stopped (never a hang).
+        failed_at = None
+        while any(pr.poll() is None for pr in procs):
+            if failed_at is None and any(pr.poll() not in (None, 0) for pr in procs):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() > failed_at + 30:
+                for pr in procs:
+                    if pr.poll() is None:
+                        pr.kill()
+            time.sleep(0.2)
         codes = [pr.wait() for pr in procs]
         recs = []
         for r in range(a.world):
