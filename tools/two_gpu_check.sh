@@ -48,14 +48,12 @@ if has internode; then
   FI_TCP_IFACE=lo build-gpu/src/fabric/tests/moelink_internode_tests >"$OUT/internode-tests.log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests? ran|FAILED" "$OUT/internode-tests.log" | tail -20
   for ns in 1 2; do
-    np=$(( ns == 1 ? 2 : 4 ))  # node_size 2: two "nodes" of two ranks (ranks share the GPUs)
-    echo "== moelink-bench internode, node_size $ns, $np ranks, beside nvlink"
-    cmd=($bench --nproc $np --backend internode --node-size $ns --compare nvlink --fabric-provider shm
-         --tokens 1,128,4096 --split --machine "nvidia-h200-x$ngpu"
-         --json "$OUT/bench-internode-ns$ns.json")
-    echo "${cmd[*]}"
-    timeout 240 "${cmd[@]}" >"$OUT/bench-internode-ns$ns.log" 2>&1 || status=1
-    tail -25 "$OUT/bench-internode-ns$ns.log"
+    # gpu_check.sh's internode step (moelink-bench beside nvlink, libfabric
+    # shm), its JSON and log under $OUT/node-size-$ns; node_size 2: two
+    # "nodes" of two ranks (ranks share the GPUs).
+    MOELINK_BENCH_NPROC=$(( ns == 1 ? 2 : 4 )) OUT="$OUT/node-size-$ns" \
+      MOELINK_INTERNODE_BENCH_ARGS="--node-size $ns --tokens 1,128,4096 --split" \
+      timeout 240 bash tools/gpu_check.sh internode || status=1
   done
   elapsed
 fi
@@ -77,12 +75,9 @@ if has core; then
   elapsed
 fi
 if has layer; then
-  echo "== MoE layer at world $ngpu: tools/bench/layer_bench.py --world $ngpu"
-  cmd=($py tools/bench/layer_bench.py --world "$ngpu" --batches 8,32,64,128 --machine "nvidia-h200-x$ngpu"
-       --json "$OUT/layer-w$ngpu.json")
-  echo "${cmd[*]}"
-  PYTHONPATH="$root/build-gpu/python" timeout 300 "${cmd[@]}" 2>&1 | tee "$OUT/layer-bench-w$ngpu.log" | tail -30
-  (( PIPESTATUS[0] == 0 )) || status=1
+  # gpu_check.sh's layer step at world $ngpu; its layer.json under $OUT/layer-world-$ngpu.
+  OUT="$OUT/layer-world-$ngpu" MOELINK_LAYER_BENCH_ARGS="--world $ngpu --batches 8,32,64,128" \
+    timeout 300 bash tools/gpu_check.sh layer || status=1
   elapsed
 fi
 if has sanitize; then
