@@ -81,8 +81,8 @@ TEST(GpuExpertsTiles, EveryBuiltConfigurationMatchesReference) {
   REQUIRE_HOPPER();
   GpuMemoryOps ops(0);
   int built = 0;
-  for (const char* name : {"swap128n32", "rows64", "rows128", "rows64c2", "rows128c2",
-                           "swap128n16p", "swap128n32p"}) {
+  for (const char* name : {"swap128n32", "rows64", "rows128", "rows64plain", "rows128plain",
+                           "rows128c2", "rows128cols"}) {
     SCOPED_TRACE(name);
     setenv("MOELINK_EXPERTS_TILES", name, 1);
     try {

@@ -14,10 +14,10 @@ MOELINK_DECLARE(kSwap128N32)
 MOELINK_DECLARE(kRows64)
 MOELINK_DECLARE(kRows128)
 #if defined(MOELINK_EXPERTS_TILE_SWEEP)
-MOELINK_DECLARE(kRows64C2)
+MOELINK_DECLARE(kRows64Plain)
+MOELINK_DECLARE(kRows128Plain)
 MOELINK_DECLARE(kRows128C2)
-MOELINK_DECLARE(kSwap128N16P)
-MOELINK_DECLARE(kSwap128N32P)
+MOELINK_DECLARE(kRows128Cols)
 #endif
 #undef MOELINK_DECLARE
 
@@ -25,11 +25,11 @@ const char* gemm_tiles_name(GemmTiles t) {
   switch (t) {
     case GemmTiles::kRows64: return "rows64";
     case GemmTiles::kRows128: return "rows128";
-    case GemmTiles::kRows64C2: return "rows64c2";
-    case GemmTiles::kRows128C2: return "rows128c2";
-    case GemmTiles::kSwap128N16P: return "swap128n16p";
-    case GemmTiles::kSwap128N32P: return "swap128n32p";
     case GemmTiles::kSwap128N32: return "swap128n32";
+    case GemmTiles::kRows64Plain: return "rows64plain";
+    case GemmTiles::kRows128Plain: return "rows128plain";
+    case GemmTiles::kRows128C2: return "rows128c2";
+    case GemmTiles::kRows128Cols: return "rows128cols";
   }
   return "?";
 }
@@ -52,16 +52,18 @@ bool gemm_tiles_built(GemmTiles t) {
 #endif
 }
 
+bool gemm_tiles_scale_columns(GemmTiles t) { return t == GemmTiles::kRows128Cols; }
+
 std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups) {
   switch (tiles) {
     case GemmTiles::kSwap128N32: return make_gemm_kSwap128N32(groups);
     case GemmTiles::kRows64: return make_gemm_kRows64(groups);
     case GemmTiles::kRows128: return make_gemm_kRows128(groups);
 #if defined(MOELINK_EXPERTS_TILE_SWEEP)
-    case GemmTiles::kRows64C2: return make_gemm_kRows64C2(groups);
+    case GemmTiles::kRows64Plain: return make_gemm_kRows64Plain(groups);
+    case GemmTiles::kRows128Plain: return make_gemm_kRows128Plain(groups);
     case GemmTiles::kRows128C2: return make_gemm_kRows128C2(groups);
-    case GemmTiles::kSwap128N16P: return make_gemm_kSwap128N16P(groups);
-    case GemmTiles::kSwap128N32P: return make_gemm_kSwap128N32P(groups);
+    case GemmTiles::kRows128Cols: return make_gemm_kRows128Cols(groups);
 #endif
     default: break;
   }

@@ -27,26 +27,28 @@ using Cluster = cute::Shape<Cm, _1, _1>;
 template <GemmTiles T>
 struct TileConfig;
 
-#define MOELINK_TILE_CONFIG(name, m, n, cm, schedule, swap)                                   \
+#define MOELINK_TILE_CONFIG(name, m, n, cm, schedule, options)                                \
   template <>                                                                                 \
   struct TileConfig<GemmTiles::name> {                                                        \
     using Kernel = Sm90BlockScaledKernel<tiles::Shape<tiles::m, tiles::n>, tiles::Cluster<tiles::cm>, \
-                                         tiles::schedule, tiles::schedule##Epilogue, swap>;   \
+                                         tiles::schedule, tiles::schedule##Epilogue, options>; \
   };
 
 // Swapped operands need 128-row tiles: the weights' scales come per 128 rows.
-// name           tile M  tile N  cluster M  schedule     swap A/B
-MOELINK_TILE_CONFIG(kRows64,      _64,   _128,  _1,  PingPong,    false)
-MOELINK_TILE_CONFIG(kRows128,     _128,  _128,  _1,  Cooperative, false)
-MOELINK_TILE_CONFIG(kRows64C2,    _64,   _128,  _2,  PingPong,    false)
-MOELINK_TILE_CONFIG(kRows128C2,   _128,  _128,  _2,  Cooperative, false)
-MOELINK_TILE_CONFIG(kSwap128N16P, _128,  _16,   _1,  PingPong,    true)
-MOELINK_TILE_CONFIG(kSwap128N32P, _128,  _32,   _1,  PingPong,    true)
-MOELINK_TILE_CONFIG(kSwap128N32,  _128,  _32,   _1,  Cooperative, true)
+constexpr unsigned kSwap = kSwapOperands, kOverlap = kOverlapPromotion, kColumns = kXScaleColumns;
+// name              tile M  tile N  cluster M  schedule     options (KernelOptions)
+MOELINK_TILE_CONFIG(kRows64,      _64,   _128,  _1,  PingPong,    kOverlap)
+MOELINK_TILE_CONFIG(kRows128,     _128,  _128,  _1,  Cooperative, kOverlap)
+MOELINK_TILE_CONFIG(kSwap128N32,  _128,  _32,   _1,  Cooperative, kSwap)
+MOELINK_TILE_CONFIG(kRows64Plain, _64,   _128,  _1,  PingPong,    0)
+MOELINK_TILE_CONFIG(kRows128Plain, _128, _128,  _1,  Cooperative, 0)
+MOELINK_TILE_CONFIG(kRows128C2,   _128,  _128,  _2,  Cooperative, kOverlap)
+MOELINK_TILE_CONFIG(kRows128Cols, _128,  _128,  _1,  Cooperative, kOverlap | kColumns)
 #undef MOELINK_TILE_CONFIG
 
 // The split-K partial sums (make_split_k_gemm): kSwap128N32's tiles, fp32 out.
 using SplitKKernel = Sm90BlockScaledKernel<tiles::Shape<tiles::_128, tiles::_32>, tiles::Cluster<tiles::_1>,
-                                           tiles::Cooperative, tiles::CooperativeEpilogue, true, float>;
+                                           tiles::Cooperative, tiles::CooperativeEpilogue, kSwapOperands,
+                                           float>;
 
 }  // namespace moelink::detail::experts
