@@ -13,11 +13,10 @@ namespace moelink::detail::experts {
 MOELINK_DECLARE(kSwap128N32)
 MOELINK_DECLARE(kRows64)
 MOELINK_DECLARE(kRows128)
+MOELINK_DECLARE(kRows128C2)
 #if defined(MOELINK_EXPERTS_TILE_SWEEP)
 MOELINK_DECLARE(kRows64Plain)
 MOELINK_DECLARE(kRows128Plain)
-MOELINK_DECLARE(kRows128C2)
-MOELINK_DECLARE(kRows128Cols)
 #endif
 #undef MOELINK_DECLARE
 
@@ -29,7 +28,6 @@ const char* gemm_tiles_name(GemmTiles t) {
     case GemmTiles::kRows64Plain: return "rows64plain";
     case GemmTiles::kRows128Plain: return "rows128plain";
     case GemmTiles::kRows128C2: return "rows128c2";
-    case GemmTiles::kRows128Cols: return "rows128cols";
   }
   return "?";
 }
@@ -48,22 +46,20 @@ bool gemm_tiles_built(GemmTiles t) {
   (void)t;
   return true;
 #else
-  return t == GemmTiles::kSwap128N32 || t == GemmTiles::kRows64 || t == GemmTiles::kRows128;
+  return t == GemmTiles::kSwap128N32 || t == GemmTiles::kRows64 || t == GemmTiles::kRows128 ||
+         t == GemmTiles::kRows128C2;
 #endif
 }
-
-bool gemm_tiles_scale_columns(GemmTiles t) { return t == GemmTiles::kRows128Cols; }
 
 std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups) {
   switch (tiles) {
     case GemmTiles::kSwap128N32: return make_gemm_kSwap128N32(groups);
     case GemmTiles::kRows64: return make_gemm_kRows64(groups);
     case GemmTiles::kRows128: return make_gemm_kRows128(groups);
+    case GemmTiles::kRows128C2: return make_gemm_kRows128C2(groups);
 #if defined(MOELINK_EXPERTS_TILE_SWEEP)
     case GemmTiles::kRows64Plain: return make_gemm_kRows64Plain(groups);
     case GemmTiles::kRows128Plain: return make_gemm_kRows128Plain(groups);
-    case GemmTiles::kRows128C2: return make_gemm_kRows128C2(groups);
-    case GemmTiles::kRows128Cols: return make_gemm_kRows128Cols(groups);
 #endif
     default: break;
   }

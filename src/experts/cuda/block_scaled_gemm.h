@@ -54,18 +54,13 @@ struct GemmOperands {
   float* partial;         // [split_k * groups, capacity, n]
   float* x_scale_split;   // [split_k * groups, capacity, k / split_k / 128]
   float* w_scale_split;   // [split_k * groups, n / 128, k / split_k / 128]
-
-  // Tiles that read x's scales as columns (gemm_tiles_scale_columns): room
-  // for them, [groups, capacity * k / 128]; run() packs group g's column kb
-  // at g * capacity * k / 128 + kb * rows(g). Unused (may be null) otherwise.
-  float* x_scale_columns;
 };
 
 // Tile configurations (gemm_tile_configs.cuh). The build always compiles
-// the defaults, kSwap128N32, kRows64 and kRows128 (cuda_experts.cc picks one
-// by the expected rows per group); the others are candidates compiled with
-// -DMOELINK_EXPERTS_TILE_SWEEP=ON for tools/bench/experts_bench.py --tiles.
-// MOELINK_EXPERTS_TILES=<name> forces one.
+// the defaults, kSwap128N32, kRows64, kRows128 and kRows128C2
+// (cuda_experts.cc picks one by the expected rows per group); the others are
+// candidates compiled with -DMOELINK_EXPERTS_TILE_SWEEP=ON for
+// tools/bench/experts_bench.py --tiles. MOELINK_EXPERTS_TILES=<name> forces one.
 enum class GemmTiles {
   // 64 x 128 x 128 tiles (rows x N x K), ping-pong consumer warpgroups: one
   // warpgroup's epilogue overlaps the other's mainloop. Promotion overlapped
@@ -74,27 +69,25 @@ enum class GemmTiles {
   // 128 x 128 x 128 tiles, two cooperative consumer warpgroups, promotion
   // overlapped.
   kRows128,
+  // kRows128 in clusters of 2 CTAs along M: each w tile is loaded once from
+  // L2 and multicast to both. Pays when a group has 2+ row tiles (a lone
+  // tile leaves its cluster's other CTA idle).
+  kRows128C2,
   // Swapped operands (D^T = w . x^T): 128 weight rows by 32 token rows,
   // cooperative, CUTLASS's mainloop. Decode: a tile's wgmma is not mostly
   // padding, and the GEMM streams weights, so promotion does not limit it.
   kSwap128N32,
-  // Candidates: kRows64 and kRows128 on CUTLASS's own mainloop (promotion
-  // after each k-tile's wgmma), kRows128 in clusters of 2 along M (w tiles
-  // multicast to both CTAs), and kRows128 reading x's scales as columns
-  // (GemmOperands.x_scale_columns).
+  // Candidates: kRows64 and kRows128 on CUTLASS's own mainloop (each k-tile
+  // promoted after its wgmma finished, before the next is issued).
   kRows64Plain,
   kRows128Plain,
-  kRows128C2,
-  kRows128Cols,
 };
-constexpr GemmTiles kAllGemmTiles[] = {GemmTiles::kRows64,       GemmTiles::kRows128,
-                                       GemmTiles::kSwap128N32,   GemmTiles::kRows64Plain,
-                                       GemmTiles::kRows128Plain, GemmTiles::kRows128C2,
-                                       GemmTiles::kRows128Cols};
+constexpr GemmTiles kAllGemmTiles[] = {GemmTiles::kRows64,      GemmTiles::kRows128,
+                                       GemmTiles::kRows128C2,   GemmTiles::kSwap128N32,
+                                       GemmTiles::kRows64Plain, GemmTiles::kRows128Plain};
 const char* gemm_tiles_name(GemmTiles t);  // "rows64", "rows128plain", ...
 bool gemm_tiles_from_name(const char* name, GemmTiles* out);
 bool gemm_tiles_built(GemmTiles t);  // compiled into this build
-bool gemm_tiles_scale_columns(GemmTiles t);  // needs GemmOperands.x_scale_columns
 
 // One CUTLASS kernel with its device-side argument arrays for `groups`
 // groups. Calls on one object are ordered on one stream at a time (the

@@ -43,24 +43,16 @@ enum KernelOptions : unsigned {
   // CUTLASS's consumer mainloop replaced by OverlappedPromotionMainloop (the
   // next k-tile's wgmma in flight while the previous one is promoted).
   kOverlapPromotion = 2,
-  // x's scales read as columns (MN-major): column kb holds the kb-th scale
-  // of every row, `rows` apart (the group's row count: CUTLASS derives the
-  // stride from the problem's M), so the producer loads a tile's row scales
-  // contiguously instead of one 4-byte load per row; run() packs the columns
-  // into GemmOperands.x_scale_columns.
-  kXScaleColumns = 4,
 };
 
-// The CUTLASS kernel for one tile configuration. w_scale K-major: rows of
-// K/128 floats per 128 rows of w (the checkpoint's weight_scale_inv layout);
-// x_scale K-major (rows of K/128 floats, as dispatch and quantize write them)
-// unless kXScaleColumns. No C operand. ElementD: bf16 (y), or fp32 for the
-// partial sums of a split over K.
+// The CUTLASS kernel for one tile configuration. Scales K-major: x_scale
+// rows of K/128 floats, w_scale rows of K/128 floats per 128 rows of w (the
+// checkpoint's weight_scale_inv layout). No C operand. ElementD: bf16 (y),
+// or fp32 for the partial sums of a split over K.
 template <class TileShape, class ClusterShape_, class KernelSchedule, class EpilogueSchedule,
           unsigned kOptions, class ElementD_ = cutlass::bfloat16_t>
 struct Sm90BlockScaledKernel {
   static constexpr bool kSwap = (kOptions & kSwapOperands) != 0;
-  static constexpr bool kScaleColumns = (kOptions & kXScaleColumns) != 0;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
@@ -73,10 +65,8 @@ struct Sm90BlockScaledKernel {
   static constexpr int kAlignD = 16 / static_cast<int>(sizeof(ElementD));
   using ClusterShape = ClusterShape_;  // 2 x 1: B tiles multicast to the two CTAs
 
-  static constexpr auto kXScaleMajor = kScaleColumns ? cute::GMMA::Major::MN : cute::GMMA::Major::K;
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<
-      kSwap ? 128 : 1, kSwap ? 1 : 128, 128, kSwap ? cute::GMMA::Major::K : kXScaleMajor,
-      kSwap ? kXScaleMajor : cute::GMMA::Major::K>;
+      kSwap ? 128 : 1, kSwap ? 1 : 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
@@ -142,40 +132,20 @@ __device__ inline void pack_split_scales(const GemmOperands& op, int g, int64_t 
   }
 }
 
-// x_scale of group g as columns (kXScaleColumns): column kb at kb * rows
-// of the group's part of GemmOperands.x_scale_columns, by threads `first`,
-// first + stride, ... Consecutive threads write consecutive rows of one
-// column (coalesced writes; the reads stride by a row's K/128 scales).
-__device__ inline void pack_scale_columns(const GemmOperands& op, int g, int64_t rows, int first,
-                                          int stride) {
-  const int kb = op.k / 128;
-  float* columns = op.x_scale_columns + g * op.capacity * kb;
-  const float* scale_rows = op.x_scale + g * op.x_scale_group_stride;
-  for (int64_t i = first; i < rows * kb; i += stride) {
-    const int64_t c = i / rows, r = i - c * rows;
-    columns[i] = scale_rows[r * kb + c];
-  }
-}
-
 // One thread per group: the group's rows from the device counts (clamped
 // and reported), its pointers and strides. Split over K (op.split_k > 1),
 // group gs is slice gs / op.groups of group gs % op.groups, writing fp32
 // partial sums (GemmOperands), and block (x, g) of the launch also packs
-// group g's scales (pack_split_scales); with K::kScaleColumns it packs
-// group g's x scales as columns (pack_scale_columns).
+// group g's scales (pack_split_scales).
 template <class K>
 __global__ void write_group_arguments(GroupArguments<K> args, GemmOperands op, int groups,
                                       ExpertErrorRecord* error) {
-  if (op.split_k > 1 || K::kScaleColumns) {
+  if (op.split_k > 1) {
     const int g = blockIdx.y;
     bool clamped = false;  // reported below, by the group's argument thread
     const int64_t rows =
         clamp_m(op.counts ? op.counts[g] : static_cast<int32_t>(op.capacity), op.capacity, &clamped);
-    const int first = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
-    if constexpr (K::kScaleColumns)
-      pack_scale_columns(op, g, rows, first, stride);
-    else
-      pack_split_scales(op, g, rows, first, stride);
+    pack_split_scales(op, g, rows, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
   }
   const int gs = (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
   if (gs >= groups) return;
@@ -192,9 +162,8 @@ __global__ void write_group_arguments(GroupArguments<K> args, GemmOperands op, i
   const auto* w = static_cast<const typename K::ElementB*>(op.w) + g * op.w_group_stride +
                   static_cast<int64_t>(slice) * k;
   const int64_t kb = k / 128;
-  const float* xs = split              ? op.x_scale_split + gs * op.capacity * kb
-                    : K::kScaleColumns ? op.x_scale_columns + g * op.capacity * kb
-                                       : op.x_scale + g * op.x_scale_group_stride;
+  const float* xs = split ? op.x_scale_split + gs * op.capacity * kb
+                          : op.x_scale + g * op.x_scale_group_stride;
   const float* ws = split ? op.w_scale_split + gs * (op.n / 128) * kb
                           : op.w_scale + g * op.w_scale_group_stride;
   auto* d = split ? reinterpret_cast<typename K::ElementD*>(op.partial) + gs * op.capacity * op.n
@@ -222,7 +191,7 @@ __global__ void write_group_arguments(GroupArguments<K> args, GemmOperands op, i
   args.stride_b[gs] = sb;
   args.stride_d[gs] = sd;
   // The mainloop derives the scale layouts from (M, N, K) itself (packed
-  // rows or columns, hence the packed copies); these are kept
+  // K-major rows, hence the split's packed copies); these are kept
   // consistent for any reader of the arrays.
   args.layout_sfa[gs] = K::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
   args.layout_sfb[gs] = K::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
@@ -300,16 +269,13 @@ class Sm90BlockScaledGemm final : public BlockScaledGemm {
   }
 
   void run(const GemmOperands& op, ExpertErrorRecord* error, cudaStream_t stream) override {
-    if (K::kScaleColumns && (op.x_scale_columns == nullptr || op.split_k > 1))
-      throw InvalidArgument(std::string("moelink: Experts: GEMM tiles '") + gemm_tiles_name(tiles_) +
-                            "' need GemmOperands.x_scale_columns and no split over K");
     const int threads = 128;
     dim3 grid((groups_ + threads - 1) / threads);
-    if (op.split_k > 1 || K::kScaleColumns) {
+    if (op.split_k > 1) {
       // Blocks (x, g) pack group g's scales, enough for one value a thread.
       const int64_t values = std::max<int64_t>(op.capacity, op.n / 128) * (op.k / 128);
       grid = dim3(static_cast<unsigned>(std::min<int64_t>((values + threads - 1) / threads, 64)),
-                  static_cast<unsigned>(op.split_k > 1 ? op.groups : groups_));
+                  static_cast<unsigned>(op.groups));
     }
     write_group_arguments<K><<<grid, threads, 0, stream>>>(args_, op, groups_, error);
     MOELINK_CUDA_CHECK(cudaGetLastError());

@@ -3,7 +3,6 @@
 // checked Tensor views into the kernels' argument blocks.
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -32,10 +31,12 @@ using experts::kQuantGroup;
 // experts_bench.py --tiles on an H200 (bench/results, docs/experts.md):
 // swapped operands (128 weight rows x 32 token rows) up to 32 rows, where a
 // tile's wgmma would otherwise be mostly padding; 64-row ping-pong tiles up
-// to 64; 128-row cooperative tiles above.
+// to 64; 128-row cooperative tiles up to 128; above, where a group has two
+// or more row tiles, the same in clusters of 2 sharing each weight tile.
 GemmTiles tiles_for_rows(int64_t rows) {
   if (rows <= 32) return GemmTiles::kSwap128N32;
-  return rows <= 64 ? GemmTiles::kRows64 : GemmTiles::kRows128;
+  if (rows <= 64) return GemmTiles::kRows64;
+  return rows <= 128 ? GemmTiles::kRows128 : GemmTiles::kRows128C2;
 }
 
 // MOELINK_EXPERTS_TILES=<name> forces one tile configuration for every GEMM
@@ -99,7 +100,6 @@ class CudaExperts final : public ExpertsImpl {
     split_down_ = split_for(t, L, H, I);
     reserve_split(L, C, 2 * I, H, split_gate_up_);
     reserve_split(L, C, H, I, split_down_);
-    reserve_scale_columns(t, L, C, std::max(H, I));
   }
 
   void grouped_gemm(const Tensor& y, const Tensor& count, const Tensor& x, const Tensor& x_scale,
@@ -110,9 +110,7 @@ class CudaExperts final : public ExpertsImpl {
     const int split = o.n == 2 * config_.intermediate_dim && o.k == config_.hidden_dim ? split_gate_up_
                       : o.n == config_.hidden_dim && o.k == config_.intermediate_dim ? split_down_
                                                                                        : 1;
-    const GemmTiles t = tiles(config_.expected_rows);
-    reserve_scale_columns(t, config_.num_experts, o.capacity, o.k);  // a larger capacity than forward's allocates
-    run_gemm(o, t, config_.num_experts, split, stream);
+    run_gemm(o, tiles(config_.expected_rows), config_.num_experts, split, stream);
   }
 
   void gemm(const Tensor& y, const Tensor& x, const Tensor& x_scale, const Tensor& w,
@@ -123,7 +121,6 @@ class CudaExperts final : public ExpertsImpl {
     const GemmTiles t = tiles(x.shape[0]);
     const int split = split_for(t, 1, o.n, o.k);
     reserve_split(1, o.capacity, o.n, o.k, split);  // the first call of a shape allocates, as gemm_object does
-    reserve_scale_columns(t, 1, o.capacity, o.k);
     run_gemm(o, t, 1, split, stream);
   }
 
@@ -178,14 +175,6 @@ class CudaExperts final : public ExpertsImpl {
                           x_scale_split_bytes(groups, rows, k) <= x_scale_split_.bytes &&
                           w_scale_split_bytes(groups, n, k) <= w_scale_split_.bytes);
   }
-  // Grows the room for x's scales as columns (tiles that read them so) to
-  // `groups` x `rows` x k / 128.
-  void reserve_scale_columns(GemmTiles tiles, int64_t groups, int64_t rows, int64_t k) {
-    if (!experts::gemm_tiles_scale_columns(tiles)) return;
-    const size_t bytes = static_cast<size_t>(groups * rows * (k / kQuantGroup)) * 4;
-    if (x_scale_columns_.bytes < bytes) x_scale_columns_ = {experts::device_alloc(bytes), bytes};
-  }
-
   // Grows the split buffers to hold a split GEMM of these dimensions and
   // creates its GEMM object.
   void reserve_split(int64_t groups, int64_t rows, int64_t n, int64_t k, int split) {
@@ -212,7 +201,6 @@ class CudaExperts final : public ExpertsImpl {
   void run_gemm(GemmOperands o, GemmTiles tiles, int groups, int split, cudaStream_t stream) {
     if (!split_fits(groups, o.capacity, o.n, o.k, split)) split = 1;
     if (split <= 1) {
-      o.x_scale_columns = static_cast<float*>(x_scale_columns_.mem.get());
       gemm_object(tiles, groups).run(o, error_, stream);
       return;
     }
@@ -287,7 +275,6 @@ class CudaExperts final : public ExpertsImpl {
     size_t bytes = 0;
   };
   SizedBuffer partial_, x_scale_split_, w_scale_split_;  // split GEMMs' (GemmOperands)
-  SizedBuffer x_scale_columns_;  // GemmOperands.x_scale_columns
   std::map<int, std::unique_ptr<BlockScaledGemm>> split_gemms_;  // by groups
   experts::DeviceBuffer workspace_, error_buffer_;
   size_t workspace_bytes_ = 0;
