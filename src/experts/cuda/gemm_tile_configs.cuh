@@ -35,14 +35,13 @@ struct TileConfig;
   };
 
 // Swapped operands need 128-row tiles: the weights' scales come per 128 rows.
-constexpr unsigned kSwap = kSwapOperands, kOverlap = kOverlapPromotion;
-// name              tile M  tile N  cluster M  schedule     options (KernelOptions)
-MOELINK_TILE_CONFIG(kRows64,      _64,   _128,  _1,  PingPong,    kOverlap)
-MOELINK_TILE_CONFIG(kRows128,     _128,  _128,  _1,  Cooperative, kOverlap)
-MOELINK_TILE_CONFIG(kRows128C2,   _128,  _128,  _2,  Cooperative, kOverlap)
-MOELINK_TILE_CONFIG(kSwap128N32,  _128,  _32,   _1,  Cooperative, kSwap)
-MOELINK_TILE_CONFIG(kRows64Plain, _64,   _128,  _1,  PingPong,    0)
-MOELINK_TILE_CONFIG(kRows128Plain, _128, _128,  _1,  Cooperative, 0)
+// name               tile M  tile N  cluster M  schedule     options (KernelOptions)
+MOELINK_TILE_CONFIG(kRows64,       _64,   _128,  _1,  PingPong,    kOverlapPromotion)
+MOELINK_TILE_CONFIG(kRows128,      _128,  _128,  _1,  Cooperative, kOverlapPromotion)
+MOELINK_TILE_CONFIG(kRows128C2,    _128,  _128,  _2,  Cooperative, kOverlapPromotion)
+MOELINK_TILE_CONFIG(kSwap128N32,   _128,  _32,   _1,  Cooperative, kSwapOperands)
+MOELINK_TILE_CONFIG(kRows64Plain,  _64,   _128,  _1,  PingPong,    0)
+MOELINK_TILE_CONFIG(kRows128Plain, _128,  _128,  _1,  Cooperative, 0)
 #undef MOELINK_TILE_CONFIG
 
 // The split-K partial sums (make_split_k_gemm): kSwap128N32's tiles, fp32 out.
