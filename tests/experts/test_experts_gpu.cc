@@ -12,6 +12,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 
 #include "experts/expert_cases.h"
 #include "experts/expert_reference.h"
@@ -137,6 +138,40 @@ TEST(GpuExpertsSplitK, EverySplitMatchesReference) {
     EXPECT_NE(std::string(e.what()).find("MOELINK_EXPERTS_SPLIT_K = '3'"), std::string::npos) << e.what();
   }
   unsetenv("MOELINK_EXPERTS_SPLIT_K");
+}
+
+// The launch settings other than the defaults (PDL, balanced GEMM grids; the
+// cases above): kernels in plain stream order and one GEMM block per SM, each
+// alone and together; and the errors for values they do not take.
+TEST(GpuExpertsLaunch, PlainOrderAndFullGridsMatchReference) {
+  REQUIRE_HOPPER();
+  GpuMemoryOps ops(0);
+  const char* settings[][2] = {{"0", "balanced"}, {"1", "all"}, {"0", "all"}};
+  for (const auto& s : settings) {
+    SCOPED_TRACE(std::string("MOELINK_EXPERTS_PDL=") + s[0] + " MOELINK_EXPERTS_GEMM_CTAS=" + s[1]);
+    setenv("MOELINK_EXPERTS_PDL", s[0], 1);
+    setenv("MOELINK_EXPERTS_GEMM_CTAS", s[1], 1);
+    run_forward_case(ExpertDevice::kCUDA, ops, {deepseek_shape(), CountPattern::kTop8, 16});
+    run_forward_case(ExpertDevice::kCUDA, ops, {{"Rows300", 2, 300, 512, 256}, CountPattern::kRandom, 300});
+    run_grouped_gemm_case(ExpertDevice::kCUDA, ops, {small_shape(), CountPattern::kSkewed, 48});
+    run_gemm_case(ExpertDevice::kCUDA, ops, 2, 2 * 2048, 7168, 1);  // split over K
+    run_quantize_case(ExpertDevice::kCUDA, ops, 37, 7168, 20);
+    run_out_of_range_case(ExpertDevice::kCUDA, ops);
+  }
+  moelink::ExpertConfig c;
+  c.num_experts = 1, c.max_rows = 1, c.hidden_dim = 128, c.intermediate_dim = 128;
+  for (const auto& [var, bad] : {std::pair{"MOELINK_EXPERTS_PDL", "yes"}, {"MOELINK_EXPERTS_GEMM_CTAS", "7"}}) {
+    setenv(var, bad, 1);
+    try {
+      moelink::Experts::create(c);
+      ADD_FAILURE() << var << "=" << bad << " was accepted";
+    } catch (const moelink::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string(var) + " = '" + bad + "'"), std::string::npos) << e.what();
+    }
+    unsetenv(var);
+  }
+  unsetenv("MOELINK_EXPERTS_PDL");
+  unsetenv("MOELINK_EXPERTS_GEMM_CTAS");
 }
 
 TEST(GpuExpertsDense, QuantizeMatchesReference) {

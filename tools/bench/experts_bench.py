@@ -212,6 +212,10 @@ def main():
     p.add_argument("--split-k", default="", help="split-over-K settings to compare (values "
                    "MOELINK_EXPERTS_SPLIT_K takes: auto, 1, 2, 4, 8), each with every --tiles entry; "
                    "empty: the library's choice")
+    p.add_argument("--env", action="append", default=[], metavar="VAR=V1,V2",
+                   help="an environment variable an Experts reads (MOELINK_EXPERTS_PDL, "
+                   "MOELINK_EXPERTS_GEMM_CTAS, ...) and the values to compare, each with every "
+                   "other variant; repeatable")
     p.add_argument("--machine", default="nvidia-h200")
     p.add_argument("--json", default="-")
     a = p.parse_args()
@@ -239,6 +243,13 @@ def main():
             env = {"MOELINK_EXPERTS_TILES": None if tiles == "auto" else tiles,
                    "MOELINK_EXPERTS_SPLIT_K": split}
             variants.append((tiles if split is None else f"{tiles}+splitk-{split}", env))
+    for spec in a.env:
+        var, _, values = spec.partition("=")
+        if not var or not values:
+            p.error(f"--env {spec!r}: expected VAR=V1,V2,...")
+        variants = [(f"{name}+{var}={v}", {**env, var: v})
+                    for name, env in variants for v in values.split(",")]
+    env_vars = sorted({k for _, env in variants for k in env})
     rec["tiles"] = [name for name, _ in variants]
     rows = []
     for L in [int(v) for v in a.experts.split(",")]:
@@ -253,7 +264,7 @@ def main():
                         os.environ[k] = v
                 ex = moelink.Experts(L, C, H, I, expected_rows=m)
                 cases[name] = Case(L, m, H, I, ex, shared=next(iter(cases.values()), None))
-            for k in ("MOELINK_EXPERTS_TILES", "MOELINK_EXPERTS_SPLIT_K"):
+            for k in env_vars:
                 os.environ.pop(k, None)
             first = next(iter(cases.values()))
             errs = {t: c.check() for t, c in cases.items()}

@@ -2,6 +2,7 @@
 // kernel (each compiled in its own generated translation unit).
 #include "experts/cuda/block_scaled_gemm.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -9,7 +10,7 @@
 
 namespace moelink::detail::experts {
 
-#define MOELINK_DECLARE(name) std::unique_ptr<BlockScaledGemm> make_gemm_##name(int groups);
+#define MOELINK_DECLARE(name) std::unique_ptr<BlockScaledGemm> make_gemm_##name(int groups, int ctas);
 MOELINK_DECLARE(kSwap128N32)
 MOELINK_DECLARE(kRows64)
 MOELINK_DECLARE(kRows128)
@@ -51,15 +52,27 @@ bool gemm_tiles_built(GemmTiles t) {
 #endif
 }
 
-std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups) {
+int64_t gemm_tile_count(GemmTiles tiles, int64_t groups, int64_t rows, int64_t n) {
+  const GemmTileExtent e = gemm_tile_extent(tiles);
+  return groups * ((rows + e.rows - 1) / e.rows) * ((n + e.cols - 1) / e.cols);
+}
+
+int balanced_ctas(int64_t tile_count, int sm_count, int cluster) {
+  const int64_t clusters = std::max(sm_count / cluster, 1);
+  const int64_t units = (std::max<int64_t>(tile_count, 1) + cluster - 1) / cluster;
+  const int64_t waves = (units + clusters - 1) / clusters;
+  return static_cast<int>((units + waves - 1) / waves * cluster);
+}
+
+std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups, int ctas) {
   switch (tiles) {
-    case GemmTiles::kSwap128N32: return make_gemm_kSwap128N32(groups);
-    case GemmTiles::kRows64: return make_gemm_kRows64(groups);
-    case GemmTiles::kRows128: return make_gemm_kRows128(groups);
-    case GemmTiles::kRows128C2: return make_gemm_kRows128C2(groups);
+    case GemmTiles::kSwap128N32: return make_gemm_kSwap128N32(groups, ctas);
+    case GemmTiles::kRows64: return make_gemm_kRows64(groups, ctas);
+    case GemmTiles::kRows128: return make_gemm_kRows128(groups, ctas);
+    case GemmTiles::kRows128C2: return make_gemm_kRows128C2(groups, ctas);
 #if defined(MOELINK_EXPERTS_TILE_SWEEP)
-    case GemmTiles::kRows64Plain: return make_gemm_kRows64Plain(groups);
-    case GemmTiles::kRows128Plain: return make_gemm_kRows128Plain(groups);
+    case GemmTiles::kRows64Plain: return make_gemm_kRows64Plain(groups, ctas);
+    case GemmTiles::kRows128Plain: return make_gemm_kRows128Plain(groups, ctas);
 #endif
     default: break;
   }

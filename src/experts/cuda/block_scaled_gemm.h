@@ -85,6 +85,23 @@ enum class GemmTiles {
 constexpr GemmTiles kAllGemmTiles[] = {GemmTiles::kRows64,      GemmTiles::kRows128,
                                        GemmTiles::kRows128C2,   GemmTiles::kSwap128N32,
                                        GemmTiles::kRows64Plain, GemmTiles::kRows128Plain};
+// A tile's extent in y: token rows by output columns (swapped operands: the
+// kernel's 128 x 32 tile transposed), and the CTAs of its cluster. The
+// kernels' tile shapes are checked against it (gemm_tile_configs.cuh).
+struct GemmTileExtent {
+  int rows, cols, cluster;
+};
+constexpr GemmTileExtent gemm_tile_extent(GemmTiles t) {
+  switch (t) {
+    case GemmTiles::kSwap128N32: return {32, 128, 1};
+    case GemmTiles::kRows64:
+    case GemmTiles::kRows64Plain: return {64, 128, 1};
+    case GemmTiles::kRows128:
+    case GemmTiles::kRows128Plain: return {128, 128, 1};
+    case GemmTiles::kRows128C2: return {128, 128, 2};
+  }
+  return {0, 0, 0};
+}
 const char* gemm_tiles_name(GemmTiles t);  // "rows64", "rows128plain", ...
 bool gemm_tiles_from_name(const char* name, GemmTiles* out);
 bool gemm_tiles_built(GemmTiles t);  // compiled into this build
@@ -95,23 +112,38 @@ bool gemm_tiles_built(GemmTiles t);  // compiled into this build
 class BlockScaledGemm {
  public:
   virtual ~BlockScaledGemm() = default;
-  // Writes the arguments from `op.counts` on `stream`, then runs the GEMM.
-  // A count outside [0, C] is clamped and recorded in *error.
-  virtual void run(const GemmOperands& op, ExpertErrorRecord* error, cudaStream_t stream) = 0;
+  // Writes the arguments from `op.counts` on `stream`, then runs the GEMM;
+  // both kernels launched with PDL when `programmatic`
+  // (programmatic_launch.cuh). A count outside [0, C] is clamped and
+  // recorded in *error.
+  virtual void run(const GemmOperands& op, ExpertErrorRecord* error, cudaStream_t stream,
+                   bool programmatic) = 0;
   virtual GemmTiles tiles() const = 0;
   // Device memory the object holds (argument arrays, CUTLASS workspace).
   virtual size_t device_bytes() const = 0;
 };
 
-// For the current CUDA device. Throws SystemError when CUDA fails and
+// For the current CUDA device, its persistent kernel `ctas` blocks wide (0
+// or more than the SMs: one per SM). Throws SystemError when CUDA fails and
 // InvalidArgument when the device is not a Hopper GPU (sm_90) or the tiles
 // are not in this build.
-std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups);
+std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups, int ctas);
 
 // The split-K GEMM: kSwap128N32's tiles with fp32 output, `groups` =
 // split_k x the operands' groups (GemmOperands.split_k). Its run() packs the
 // slices' scales; launch_split_reduce after it writes y.
-std::unique_ptr<BlockScaledGemm> make_split_k_gemm(int groups);
+std::unique_ptr<BlockScaledGemm> make_split_k_gemm(int groups, int ctas);
+
+// Output tiles of a GEMM on `tiles` with `groups` groups of `rows` rows and
+// n columns (swapped operands: a tile is 128 columns by 32 rows).
+int64_t gemm_tile_count(GemmTiles tiles, int64_t groups, int64_t rows, int64_t n);
+
+// The persistent grid for `tile_count` tiles on `sm_count` SMs, in clusters
+// of `cluster` blocks: as many waves as one block per SM needs, spread evenly
+// (448 tiles on 132 SMs: 4 waves either way, 112 blocks of 4 tiles rather
+// than 52 of 4 and 80 of 3). A weight-streaming GEMM then ends with every
+// block busy until its last tile rather than a partial last wave.
+int balanced_ctas(int64_t tile_count, int sm_count, int cluster);
 
 // How many K slices make a GEMM of `tiles` output tiles and k/128 k-blocks
 // on `sm_count` SMs faster (1: none): a slice's tiles run in waves of
@@ -121,6 +153,6 @@ int split_k_for(int64_t tiles, int64_t k_blocks, int sm_count);
 
 // y[g][r][n] = bf16(sum over s of partial[s * groups + g][r][n]) for rows r
 // < the group's count (clamped; the GEMM reported it).
-void launch_split_reduce(const GemmOperands& op, cudaStream_t stream);
+void launch_split_reduce(const GemmOperands& op, cudaStream_t stream, bool programmatic);
 
 }  // namespace moelink::detail::experts

@@ -27,6 +27,7 @@
 #include "experts/cuda/device_buffer.h"
 #include "experts/cuda/expert_error_device.cuh"
 #include "experts/cuda/overlapped_promotion.cuh"
+#include "experts/cuda/programmatic_launch.cuh"
 #include "nvlink/cuda_check.h"
 
 namespace moelink::detail::experts {
@@ -43,6 +44,19 @@ enum KernelOptions : unsigned {
   // CUTLASS's consumer mainloop replaced by OverlappedPromotionMainloop (the
   // next k-tile's wgmma in flight while the previous one is promoted).
   kOverlapPromotion = 2,
+};
+
+// A CUTLASS kernel that begins with begin_programmatic_kernel(), so that it
+// may be launched with PDL (programmatic_launch.cuh). CUTLASS 4.2's grouped
+// SM90 kernels do not wait on the grid dependency themselves; waiting before
+// the whole kernel, rather than before its first load, also covers the
+// argument arrays it reads first.
+template <class Base>
+struct ProgrammaticGemmKernel : Base {
+  CUTLASS_DEVICE void operator()(typename Base::Params const& params, char* smem) {
+    begin_programmatic_kernel();
+    Base::operator()(params, smem);
+  }
 };
 
 // The CUTLASS kernel for one tile configuration. Scales K-major: x_scale
@@ -86,8 +100,8 @@ struct Sm90BlockScaledKernel {
   using CollectiveMainloop = std::conditional_t<(kOptions & kOverlapPromotion) != 0,
                                                 OverlappedPromotionMainloop<BuiltMainloop>, BuiltMainloop>;
 
-  using Kernel =
-      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Kernel = ProgrammaticGemmKernel<
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   using StrideA = typename Kernel::InternalStrideA;
@@ -140,6 +154,7 @@ __device__ inline void pack_split_scales(const GemmOperands& op, int g, int64_t 
 template <class K>
 __global__ void write_group_arguments(GroupArguments<K> args, GemmOperands op, int groups,
                                       ExpertErrorRecord* error) {
+  begin_programmatic_kernel();
   if (op.split_k > 1) {
     const int g = blockIdx.y;
     bool clamped = false;  // reported below, by the group's argument thread
@@ -200,7 +215,7 @@ __global__ void write_group_arguments(GroupArguments<K> args, GemmOperands op, i
 template <class K>
 class Sm90BlockScaledGemm final : public BlockScaledGemm {
  public:
-  Sm90BlockScaledGemm(GemmTiles tiles, int groups) : tiles_(tiles), groups_(groups) {
+  Sm90BlockScaledGemm(GemmTiles tiles, int groups, int ctas) : tiles_(tiles), groups_(groups) {
     int device = 0;
     MOELINK_CUDA_CHECK(cudaGetDevice(&device));
     cudaDeviceProp prop{};
@@ -246,7 +261,8 @@ class Sm90BlockScaledGemm final : public BlockScaledGemm {
     // they are built once: a call only rewrites the arrays and launches.
     cutlass::KernelHardwareInfo hw;
     hw.device_id = device;
-    hw.sm_count = prop.multiProcessorCount;
+    // The persistent kernel's grid: `ctas` blocks (make_block_scaled_gemm).
+    hw.sm_count = ctas > 0 ? std::min(ctas, prop.multiProcessorCount) : prop.multiProcessorCount;
     typename K::Gemm::Arguments a{
         cutlass::gemm::GemmUniversalMode::kGrouped,
         {groups, args_.problem, nullptr},  // problem sizes on the device only
@@ -268,7 +284,8 @@ class Sm90BlockScaledGemm final : public BlockScaledGemm {
     device_bytes_ = arrays_bytes + workspace_bytes;
   }
 
-  void run(const GemmOperands& op, ExpertErrorRecord* error, cudaStream_t stream) override {
+  void run(const GemmOperands& op, ExpertErrorRecord* error, cudaStream_t stream,
+           bool programmatic) override {
     const int threads = 128;
     dim3 grid((groups_ + threads - 1) / threads);
     if (op.split_k > 1) {
@@ -277,9 +294,9 @@ class Sm90BlockScaledGemm final : public BlockScaledGemm {
       grid = dim3(static_cast<unsigned>(std::min<int64_t>((values + threads - 1) / threads, 64)),
                   static_cast<unsigned>(op.groups));
     }
-    write_group_arguments<K><<<grid, threads, 0, stream>>>(args_, op, groups_, error);
-    MOELINK_CUDA_CHECK(cudaGetLastError());
-    cutlass::Status s = gemm_.run(stream);
+    launch_expert_kernel(write_group_arguments<K>, grid, dim3(threads), 0, stream, programmatic,
+                         args_, op, groups_, error);
+    cutlass::Status s = gemm_.run(stream, nullptr, programmatic);
     if (s != cutlass::Status::kSuccess)
       throw SystemError(std::string("moelink: Experts: CUTLASS GEMM launch failed: ") +
                         cutlass::cutlassGetStatusString(s) + " (" +

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "experts/cuda/block_scaled_gemm.h"
@@ -67,6 +68,30 @@ int forced_split_k() {
   return std::stoi(s);
 }
 
+// MOELINK_EXPERTS_PDL: 1 (default) launches the kernels with programmatic
+// dependent launch (programmatic_launch.cuh), 0 in plain stream order.
+bool programmatic_launch() {
+  const char* v = std::getenv("MOELINK_EXPERTS_PDL");
+  if (v == nullptr || *v == '\0') return true;
+  const std::string s(v);
+  if (s != "0" && s != "1")
+    throw InvalidArgument("moelink: environment variable MOELINK_EXPERTS_PDL = '" + s + "' must be 0 or 1");
+  return s == "1";
+}
+
+// MOELINK_EXPERTS_GEMM_CTAS: "balanced" (default) sizes each GEMM's
+// persistent grid by experts::balanced_ctas for the tiles it expects; "all"
+// launches one block per SM.
+bool balanced_grid() {
+  const char* v = std::getenv("MOELINK_EXPERTS_GEMM_CTAS");
+  if (v == nullptr || *v == '\0') return true;
+  const std::string s(v);
+  if (s != "balanced" && s != "all")
+    throw InvalidArgument("moelink: environment variable MOELINK_EXPERTS_GEMM_CTAS = '" + s +
+                          "' must be balanced or all");
+  return s == "balanced";
+}
+
 class CudaExperts final : public ExpertsImpl {
  public:
   explicit CudaExperts(const ExpertConfig& c) : config_(c) {
@@ -75,10 +100,16 @@ class CudaExperts final : public ExpertsImpl {
     MOELINK_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
     forced_ = forced_tiles(&forced_tiles_);
     split_forced_ = forced_split_k();
-    // The routed experts' GEMM first (it refuses a GPU other than Hopper), so
-    // that a capture never allocates.
-    gemm_object(tiles(c.expected_rows), c.num_experts);
-    const int64_t L = c.num_experts, C = c.max_rows, I = c.intermediate_dim;
+    programmatic_ = programmatic_launch();
+    balanced_ = balanced_grid();
+    const int64_t L = c.num_experts, C = c.max_rows, H = c.hidden_dim, I = c.intermediate_dim;
+    const GemmTiles t = tiles(c.expected_rows);
+    // forward()'s two GEMMs whole first (the first refuses a GPU other than
+    // Hopper, before anything else is allocated), and below, where their
+    // tiles are few (a handful of experts with a handful of rows, e.g. a
+    // shared expert), split over K: the GEMM objects and buffers exist from
+    // here, so that a capture allocates nothing.
+    for (int64_t n : {2 * I, H}) gemm_for(t, L, c.expected_rows, n, 1);
     const size_t gate_up = static_cast<size_t>(L * C * 2 * I) * 2;
     const size_t act_q = static_cast<size_t>(L * C * I);
     const size_t act_scale = static_cast<size_t>(L * C * (I / kQuantGroup)) * 4;
@@ -91,15 +122,12 @@ class CudaExperts final : public ExpertsImpl {
     error_buffer_ = experts::device_alloc(sizeof(ExpertErrorRecord), true);
     error_ = static_cast<ExpertErrorRecord*>(error_buffer_.get());
 
-    // forward()'s two GEMMs split over K where their tiles are few (a
-    // handful of experts with a handful of rows, e.g. a shared expert): the
-    // buffers and GEMM objects exist from here, so a capture allocates nothing.
-    const int64_t H = c.hidden_dim;
-    const GemmTiles t = tiles(c.expected_rows);
     split_gate_up_ = split_for(t, L, 2 * I, H);
     split_down_ = split_for(t, L, H, I);
     reserve_split(L, C, 2 * I, H, split_gate_up_);
     reserve_split(L, C, H, I, split_down_);
+    gemm_for(t, L, c.expected_rows, 2 * I, split_gate_up_);
+    gemm_for(t, L, c.expected_rows, H, split_down_);
   }
 
   void grouped_gemm(const Tensor& y, const Tensor& count, const Tensor& x, const Tensor& x_scale,
@@ -110,7 +138,7 @@ class CudaExperts final : public ExpertsImpl {
     const int split = o.n == 2 * config_.intermediate_dim && o.k == config_.hidden_dim ? split_gate_up_
                       : o.n == config_.hidden_dim && o.k == config_.intermediate_dim ? split_down_
                                                                                        : 1;
-    run_gemm(o, tiles(config_.expected_rows), config_.num_experts, split, stream);
+    run_gemm(o, tiles(config_.expected_rows), config_.num_experts, config_.expected_rows, split, stream);
   }
 
   void gemm(const Tensor& y, const Tensor& x, const Tensor& x_scale, const Tensor& w,
@@ -120,8 +148,8 @@ class CudaExperts final : public ExpertsImpl {
     o.counts = static_cast<const int32_t*>(bound_m.data);  // null: all M rows
     const GemmTiles t = tiles(x.shape[0]);
     const int split = split_for(t, 1, o.n, o.k);
-    reserve_split(1, o.capacity, o.n, o.k, split);  // the first call of a shape allocates, as gemm_object does
-    run_gemm(o, t, 1, split, stream);
+    reserve_split(1, o.capacity, o.n, o.k, split);  // the first call of a shape allocates, as gemm_for does
+    run_gemm(o, t, 1, x.shape[0], split, stream);
   }
 
   void silu_mul_quant(const Tensor& out_q, const Tensor& out_scale, const Tensor& gate_up,
@@ -130,7 +158,7 @@ class CudaExperts final : public ExpertsImpl {
     a.up_offset = gate_up.shape[2] / 2;
     a.quant_groups_per_row = static_cast<int32_t>(a.up_offset / kQuantGroup);
     a.counts = static_cast<const int32_t*>(count.data);
-    experts::launch_group_quant(a, GroupQuantInput::kSiluMul, sm_count_, error_, stream);
+    experts::launch_group_quant(a, GroupQuantInput::kSiluMul, sm_count_, error_, stream, programmatic_);
   }
 
   void quantize(const Tensor& out_q, const Tensor& out_scale, const Tensor& x,
@@ -139,7 +167,7 @@ class CudaExperts final : public ExpertsImpl {
         quant_args(as_one_group(out_q), as_one_group(out_scale), as_one_group(x), ExpertOp::kQuantize);
     a.quant_groups_per_row = static_cast<int32_t>(x.shape[1] / kQuantGroup);
     a.counts = static_cast<const int32_t*>(bound_m.data);
-    experts::launch_group_quant(a, GroupQuantInput::kPlain, sm_count_, error_, stream);
+    experts::launch_group_quant(a, GroupQuantInput::kPlain, sm_count_, error_, stream, programmatic_);
   }
 
   const ExpertWorkspace& workspace() const override { return ws_; }
@@ -175,8 +203,7 @@ class CudaExperts final : public ExpertsImpl {
                           x_scale_split_bytes(groups, rows, k) <= x_scale_split_.bytes &&
                           w_scale_split_bytes(groups, n, k) <= w_scale_split_.bytes);
   }
-  // Grows the split buffers to hold a split GEMM of these dimensions and
-  // creates its GEMM object.
+  // Grows the split buffers to hold a split GEMM of these dimensions.
   void reserve_split(int64_t groups, int64_t rows, int64_t n, int64_t k, int split) {
     if (split <= 1) return;
     auto grow = [](SizedBuffer& b, size_t bytes) {
@@ -185,12 +212,21 @@ class CudaExperts final : public ExpertsImpl {
     grow(partial_, partial_bytes(groups, rows, n, split));
     grow(x_scale_split_, x_scale_split_bytes(groups, rows, k));
     grow(w_scale_split_, w_scale_split_bytes(groups, n, k));
-    split_gemm(split * static_cast<int>(groups));
   }
 
-  BlockScaledGemm& split_gemm(int groups) {
-    auto it = split_gemms_.find(groups);
-    if (it == split_gemms_.end()) it = split_gemms_.emplace(groups, experts::make_split_k_gemm(groups)).first;
+  // The GEMM object for `groups` groups of about `rows` rows and n columns
+  // on `tiles`, split over K into `split` slices (the split-K kernel with
+  // split x groups groups) or whole, created on first use. Its grid is
+  // balanced for the tiles those rows give (MOELINK_EXPERTS_GEMM_CTAS).
+  BlockScaledGemm& gemm_for(GemmTiles tiles, int groups, int64_t rows, int64_t n, int split) {
+    if (split > 1) tiles = GemmTiles::kSwap128N32, groups *= split;
+    const int ctas = balanced_ ? experts::balanced_ctas(experts::gemm_tile_count(tiles, groups, rows, n),
+                                                        sm_count_, experts::gemm_tile_extent(tiles).cluster)
+                               : 0;
+    if (split <= 1) return gemm_object(tiles, groups, ctas);
+    auto it = split_gemms_.find({groups, ctas});
+    if (it == split_gemms_.end())
+      it = split_gemms_.emplace(std::make_pair(groups, ctas), experts::make_split_k_gemm(groups, ctas)).first;
     return *it->second;
   }
 
@@ -198,10 +234,12 @@ class CudaExperts final : public ExpertsImpl {
   // partial sums, their sum) or whole: whole also when the split buffers,
   // sized for forward()'s GEMMs, do not fit this call (grouped_gemm on
   // larger tensors than forward takes).
-  void run_gemm(GemmOperands o, GemmTiles tiles, int groups, int split, cudaStream_t stream) {
+  void run_gemm(GemmOperands o, GemmTiles tiles, int groups, int64_t rows, int split,
+                cudaStream_t stream) {
     if (!split_fits(groups, o.capacity, o.n, o.k, split)) split = 1;
+    BlockScaledGemm& gemm = gemm_for(tiles, groups, rows, o.n, split);
     if (split <= 1) {
-      gemm_object(tiles, groups).run(o, error_, stream);
+      gemm.run(o, error_, stream, programmatic_);
       return;
     }
     o.split_k = split;
@@ -209,15 +247,15 @@ class CudaExperts final : public ExpertsImpl {
     o.partial = static_cast<float*>(partial_.mem.get());
     o.x_scale_split = static_cast<float*>(x_scale_split_.mem.get());
     o.w_scale_split = static_cast<float*>(w_scale_split_.mem.get());
-    split_gemm(split * groups).run(o, error_, stream);
-    experts::launch_split_reduce(o, stream);
+    gemm.run(o, error_, stream, programmatic_);
+    experts::launch_split_reduce(o, stream, programmatic_);
   }
 
-  BlockScaledGemm& gemm_object(GemmTiles tiles, int groups) {
-    auto key = std::make_pair(static_cast<int>(tiles), groups);
+  BlockScaledGemm& gemm_object(GemmTiles tiles, int groups, int ctas) {
+    const std::tuple<int, int, int> key{static_cast<int>(tiles), groups, ctas};
     auto it = gemms_.find(key);
     if (it == gemms_.end())
-      it = gemms_.emplace(key, experts::make_block_scaled_gemm(tiles, groups)).first;
+      it = gemms_.emplace(key, experts::make_block_scaled_gemm(tiles, groups, ctas)).first;
     return *it->second;
   }
 
@@ -269,18 +307,20 @@ class CudaExperts final : public ExpertsImpl {
   GemmTiles forced_tiles_ = GemmTiles::kRows64;
   int sm_count_ = 0;
   int split_forced_ = 0;                      // MOELINK_EXPERTS_SPLIT_K; 0: auto
+  bool programmatic_ = true;                  // MOELINK_EXPERTS_PDL
+  bool balanced_ = true;                      // MOELINK_EXPERTS_GEMM_CTAS
   int split_gate_up_ = 1, split_down_ = 1;    // forward()'s GEMMs
   struct SizedBuffer {
     experts::DeviceBuffer mem;
     size_t bytes = 0;
   };
   SizedBuffer partial_, x_scale_split_, w_scale_split_;  // split GEMMs' (GemmOperands)
-  std::map<int, std::unique_ptr<BlockScaledGemm>> split_gemms_;  // by groups
+  std::map<std::pair<int, int>, std::unique_ptr<BlockScaledGemm>> split_gemms_;  // by groups, CTAs
   experts::DeviceBuffer workspace_, error_buffer_;
   size_t workspace_bytes_ = 0;
   ExpertWorkspace ws_;
   ExpertErrorRecord* error_ = nullptr;
-  std::map<std::pair<int, int>, std::unique_ptr<BlockScaledGemm>> gemms_;
+  std::map<std::tuple<int, int, int>, std::unique_ptr<BlockScaledGemm>> gemms_;  // by tiles, groups, CTAs
 };
 
 }  // namespace

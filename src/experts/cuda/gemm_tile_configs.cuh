@@ -27,12 +27,23 @@ using Cluster = cute::Shape<Cm, _1, _1>;
 template <GemmTiles T>
 struct TileConfig;
 
+// gemm_tile_extent (block_scaled_gemm.h: the host's view) against a row of
+// the table below.
+constexpr bool tile_extent_is(GemmTiles t, int m, int n, int cluster, unsigned options) {
+  const GemmTileExtent e = gemm_tile_extent(t);
+  const bool swap = (options & kSwapOperands) != 0;
+  return e.rows == (swap ? n : m) && e.cols == (swap ? m : n) && e.cluster == cluster;
+}
+
 #define MOELINK_TILE_CONFIG(name, m, n, cm, schedule, options)                                \
   template <>                                                                                 \
   struct TileConfig<GemmTiles::name> {                                                        \
     using Kernel = Sm90BlockScaledKernel<tiles::Shape<tiles::m, tiles::n>, tiles::Cluster<tiles::cm>, \
                                          tiles::schedule, tiles::schedule##Epilogue, options>; \
-  };
+  };                                                                                          \
+  static_assert(tile_extent_is(GemmTiles::name, tiles::m::value, tiles::n::value,             \
+                               tiles::cm::value, options),                                    \
+                "gemm_tile_extent(" #name ") disagrees with its kernel");
 
 // Swapped operands need 128-row tiles: the weights' scales come per 128 rows.
 // name               tile M  tile N  cluster M  schedule     options (KernelOptions)

@@ -10,6 +10,7 @@
 #include <algorithm>
 
 #include "experts/cuda/expert_error_device.cuh"
+#include "experts/cuda/programmatic_launch.cuh"
 #include "experts/cuda/quant_kernels.h"
 #include "experts/fp8_group_quant.h"
 #include "nvlink/cuda_check.h"
@@ -93,6 +94,7 @@ __device__ inline void load_group_values(const uint16_t* row, int64_t up_offset,
 template <GroupQuantInput kInput>
 __global__ void __launch_bounds__(kThreads)
     group_quant_kernel(GroupQuantArgs a, ExpertErrorRecord* error) {
+  begin_programmatic_kernel();
   const int g = blockIdx.y;
   const int32_t seen = a.counts ? a.counts[g] : static_cast<int32_t>(a.capacity);
   bool bad = false;
@@ -127,7 +129,7 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 void launch_group_quant(const GroupQuantArgs& args, GroupQuantInput input, int sm_count,
-                        ExpertErrorRecord* error, cudaStream_t stream) {
+                        ExpertErrorRecord* error, cudaStream_t stream, bool programmatic) {
   if (args.groups <= 0) return;
   // A block per row of a full group, capped so that all groups together
   // keep about 8 blocks per SM; blocks loop over the rows left. Groups with
@@ -135,11 +137,9 @@ void launch_group_quant(const GroupQuantArgs& args, GroupQuantInput input, int s
   const int64_t cap = std::max<int64_t>(1, int64_t{sm_count} * 8 / args.groups);
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(std::max<int64_t>(args.capacity, 1), cap)),
                   static_cast<unsigned>(args.groups));
-  if (input == GroupQuantInput::kSiluMul)
-    group_quant_kernel<GroupQuantInput::kSiluMul><<<grid, kThreads, 0, stream>>>(args, error);
-  else
-    group_quant_kernel<GroupQuantInput::kPlain><<<grid, kThreads, 0, stream>>>(args, error);
-  MOELINK_CUDA_CHECK(cudaGetLastError());
+  launch_expert_kernel(input == GroupQuantInput::kSiluMul ? group_quant_kernel<GroupQuantInput::kSiluMul>
+                                                         : group_quant_kernel<GroupQuantInput::kPlain>,
+                       grid, dim3(kThreads), 0, stream, programmatic, args, error);
 }
 
 }  // namespace moelink::detail::experts

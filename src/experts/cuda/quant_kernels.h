@@ -35,7 +35,8 @@ struct GroupQuantArgs {
 
 enum class GroupQuantInput { kPlain, kSiluMul };
 
+// `programmatic`: launched with PDL (programmatic_launch.cuh).
 void launch_group_quant(const GroupQuantArgs& args, GroupQuantInput input, int sm_count,
-                        ExpertErrorRecord* error, cudaStream_t stream);
+                        ExpertErrorRecord* error, cudaStream_t stream, bool programmatic);
 
 }  // namespace moelink::detail::experts

@@ -24,6 +24,7 @@ __device__ inline int64_t group_rows(const GemmOperands& op, int g) {
 // rows y, y + gridDim.y, ... (a decode GEMM has a handful of rows: the
 // columns carry the parallelism).
 __global__ void split_reduce_kernel(GemmOperands op) {
+  begin_programmatic_kernel();
   const int g = blockIdx.z, L = op.groups, v = blockIdx.x * blockDim.x + threadIdx.x;
   if (v >= op.n / 4) return;
   const int64_t rows = group_rows(op, g);
@@ -45,8 +46,8 @@ __global__ void split_reduce_kernel(GemmOperands op) {
 
 }  // namespace
 
-std::unique_ptr<BlockScaledGemm> make_split_k_gemm(int groups) {
-  return std::make_unique<Sm90BlockScaledGemm<SplitKKernel>>(GemmTiles::kSwap128N32, groups);
+std::unique_ptr<BlockScaledGemm> make_split_k_gemm(int groups, int ctas) {
+  return std::make_unique<Sm90BlockScaledGemm<SplitKKernel>>(GemmTiles::kSwap128N32, groups, ctas);
 }
 
 int split_k_for(int64_t tiles, int64_t k_blocks, int sm_count) {
@@ -68,12 +69,11 @@ int split_k_for(int64_t tiles, int64_t k_blocks, int sm_count) {
   return best;
 }
 
-void launch_split_reduce(const GemmOperands& op, cudaStream_t stream) {
+void launch_split_reduce(const GemmOperands& op, cudaStream_t stream, bool programmatic) {
   constexpr int kThreads = 128;
   const dim3 grid(static_cast<unsigned>((op.n / 4 + kThreads - 1) / kThreads),
                   static_cast<unsigned>(std::min<int64_t>(op.capacity, 32)), static_cast<unsigned>(op.groups));
-  split_reduce_kernel<<<grid, kThreads, 0, stream>>>(op);
-  MOELINK_CUDA_CHECK(cudaGetLastError());
+  launch_expert_kernel(split_reduce_kernel, grid, dim3(kThreads), 0, stream, programmatic, op);
 }
 
 }  // namespace moelink::detail::experts
