@@ -283,6 +283,21 @@ void run_grouped_gemm_case(ExpertDevice device, MemoryOps& ops, const ExpertCase
   check_grouped_gemm(*ex, ops, rng, s.num_experts, s.rows, s.hidden, s.intermediate, counts);
 }
 
+void run_grouped_gemm_reuse_case(ExpertDevice device, MemoryOps& ops, const ExpertShape& s,
+                                 int64_t expected_rows) {
+  const uint64_t seed = fresh_seed();
+  MOELINK_SEED_TRACE(seed);
+  std::mt19937_64 rng(seed);
+  auto ex = make_experts(device, s, expected_rows);
+  for (CountPattern p : {CountPattern::kSkewed, CountPattern::kFull, CountPattern::kZero,
+                         CountPattern::kRandom, CountPattern::kOne}) {
+    SCOPED_TRACE(count_pattern_name(p));
+    const std::vector<int32_t> counts = make_counts(p, s.num_experts, s.rows, rng);
+    check_grouped_gemm(*ex, ops, rng, s.num_experts, s.rows, 2 * s.intermediate, s.hidden, counts);
+    check_grouped_gemm(*ex, ops, rng, s.num_experts, s.rows, s.hidden, s.intermediate, counts);
+  }
+}
+
 void run_silu_mul_quant_case(ExpertDevice device, MemoryOps& ops, const ExpertCase& c) {
   const uint64_t seed = fresh_seed();
   MOELINK_SEED_TRACE(seed);

@@ -56,6 +56,12 @@ std::vector<ExpertCase> expert_cases();
 uint64_t fresh_seed();
 
 void run_grouped_gemm_case(moelink::ExpertDevice device, MemoryOps& ops, const ExpertCase& c);
+// One Experts object through grouped_gemm calls with one count pattern
+// after another (few tiles, then many, none, ...): nothing a call leaves in
+// the object (argument arrays, the tile scheduler's counter) may change the
+// next call's result.
+void run_grouped_gemm_reuse_case(moelink::ExpertDevice device, MemoryOps& ops, const ExpertShape& s,
+                                 int64_t expected_rows);
 void run_silu_mul_quant_case(moelink::ExpertDevice device, MemoryOps& ops, const ExpertCase& c);
 void run_forward_case(moelink::ExpertDevice device, MemoryOps& ops, const ExpertCase& c);
 // quantize of x [M, K]; m < 0: no bound_m (all M rows).

@@ -72,6 +72,12 @@ std::vector<ExpertCase> gpu_cases() {
   out.push_back({{"Rows300", 2, 300, 512, 256}, CountPattern::kRandom, 48});
   out.push_back({{"Rows300", 2, 300, 512, 256}, CountPattern::kRandom, 300});
   out.push_back({{"Rows300", 3, 300, 512, 256}, CountPattern::kSkewed, 300});
+  // Swapped-operand GEMMs with several tiles per CTA, the later ones handed
+  // out by the dynamic scheduler (GEMM2: 16 experts x 32 tiles on 128
+  // CTAs), with empty experts (random counts include 0; skewed: one expert
+  // only, so most CTAs find no tile at all).
+  for (CountPattern p : {CountPattern::kRandom, CountPattern::kSkewed, CountPattern::kOne})
+    out.push_back({{"ManyTiles", 16, 32, 4096, 256}, p, 16});
   return out;
 }
 
@@ -140,17 +146,33 @@ TEST(GpuExpertsSplitK, EverySplitMatchesReference) {
   unsetenv("MOELINK_EXPERTS_SPLIT_K");
 }
 
-// The launch settings other than the defaults (PDL, balanced GEMM grids; the
-// cases above): kernels in plain stream order and one GEMM block per SM, each
-// alone and together; and the errors for values they do not take.
+// One object through calls with few, many and no tiles in turn: the
+// swapped-operand tiles (16 rows expected) on 16 experts x 32 tiles, then
+// DeepSeek-V3's shape on the 64- and 128-row tiles.
+TEST(GpuExpertsReuse, CallAfterCallMatchesReference) {
+  REQUIRE_HOPPER();
+  GpuMemoryOps ops(0);
+  run_grouped_gemm_reuse_case(ExpertDevice::kCUDA, ops, {"ManyTiles", 16, 32, 4096, 256}, 16);
+  run_grouped_gemm_reuse_case(ExpertDevice::kCUDA, ops, deepseek_shape(), 16);
+  run_grouped_gemm_reuse_case(ExpertDevice::kCUDA, ops, {"Rows300", 3, 300, 512, 256}, 48);
+  run_grouped_gemm_reuse_case(ExpertDevice::kCUDA, ops, {"Rows300", 3, 300, 512, 256}, 300);
+}
+
+// The launch settings other than the defaults (PDL, balanced GEMM grids,
+// dynamic tile order; the cases above): kernels in plain stream order, one
+// GEMM block per SM and CUTLASS's static tile order; and the errors for
+// values they do not take.
 TEST(GpuExpertsLaunch, PlainOrderAndFullGridsMatchReference) {
   REQUIRE_HOPPER();
   GpuMemoryOps ops(0);
-  const char* settings[][2] = {{"0", "balanced"}, {"1", "all"}, {"0", "all"}};
+  const char* settings[][3] = {{"0", "balanced", "1"}, {"1", "all", "1"}, {"0", "all", "1"},
+                                {"1", "balanced", "0"}};
   for (const auto& s : settings) {
-    SCOPED_TRACE(std::string("MOELINK_EXPERTS_PDL=") + s[0] + " MOELINK_EXPERTS_GEMM_CTAS=" + s[1]);
+    SCOPED_TRACE(std::string("MOELINK_EXPERTS_PDL=") + s[0] + " MOELINK_EXPERTS_GEMM_CTAS=" + s[1] +
+                 " MOELINK_EXPERTS_DYNAMIC_TILES=" + s[2]);
     setenv("MOELINK_EXPERTS_PDL", s[0], 1);
     setenv("MOELINK_EXPERTS_GEMM_CTAS", s[1], 1);
+    setenv("MOELINK_EXPERTS_DYNAMIC_TILES", s[2], 1);
     run_forward_case(ExpertDevice::kCUDA, ops, {deepseek_shape(), CountPattern::kTop8, 16});
     run_forward_case(ExpertDevice::kCUDA, ops, {{"Rows300", 2, 300, 512, 256}, CountPattern::kRandom, 300});
     run_grouped_gemm_case(ExpertDevice::kCUDA, ops, {small_shape(), CountPattern::kSkewed, 48});
@@ -160,7 +182,9 @@ TEST(GpuExpertsLaunch, PlainOrderAndFullGridsMatchReference) {
   }
   moelink::ExpertConfig c;
   c.num_experts = 1, c.max_rows = 1, c.hidden_dim = 128, c.intermediate_dim = 128;
-  for (const auto& [var, bad] : {std::pair{"MOELINK_EXPERTS_PDL", "yes"}, {"MOELINK_EXPERTS_GEMM_CTAS", "7"}}) {
+  unsetenv("MOELINK_EXPERTS_DYNAMIC_TILES");
+  for (const auto& [var, bad] : {std::pair{"MOELINK_EXPERTS_PDL", "yes"}, {"MOELINK_EXPERTS_GEMM_CTAS", "7"},
+                                 {"MOELINK_EXPERTS_DYNAMIC_TILES", "on"}}) {
     setenv(var, bad, 1);
     try {
       moelink::Experts::create(c);

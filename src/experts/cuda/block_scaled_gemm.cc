@@ -10,7 +10,7 @@
 
 namespace moelink::detail::experts {
 
-#define MOELINK_DECLARE(name) std::unique_ptr<BlockScaledGemm> make_gemm_##name(int groups, int ctas);
+#define MOELINK_DECLARE(name) std::unique_ptr<BlockScaledGemm> make_gemm_##name(int groups, GemmGrid grid);
 MOELINK_DECLARE(kSwap128N32)
 MOELINK_DECLARE(kRows64)
 MOELINK_DECLARE(kRows128)
@@ -64,15 +64,15 @@ int balanced_ctas(int64_t tile_count, int sm_count, int cluster) {
   return static_cast<int>((units + waves - 1) / waves * cluster);
 }
 
-std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups, int ctas) {
+std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups, GemmGrid grid) {
   switch (tiles) {
-    case GemmTiles::kSwap128N32: return make_gemm_kSwap128N32(groups, ctas);
-    case GemmTiles::kRows64: return make_gemm_kRows64(groups, ctas);
-    case GemmTiles::kRows128: return make_gemm_kRows128(groups, ctas);
-    case GemmTiles::kRows128C2: return make_gemm_kRows128C2(groups, ctas);
+    case GemmTiles::kSwap128N32: return make_gemm_kSwap128N32(groups, grid);
+    case GemmTiles::kRows64: return make_gemm_kRows64(groups, grid);
+    case GemmTiles::kRows128: return make_gemm_kRows128(groups, grid);
+    case GemmTiles::kRows128C2: return make_gemm_kRows128C2(groups, grid);
 #if defined(MOELINK_EXPERTS_TILE_SWEEP)
-    case GemmTiles::kRows64Plain: return make_gemm_kRows64Plain(groups, ctas);
-    case GemmTiles::kRows128Plain: return make_gemm_kRows128Plain(groups, ctas);
+    case GemmTiles::kRows64Plain: return make_gemm_kRows64Plain(groups, grid);
+    case GemmTiles::kRows128Plain: return make_gemm_kRows128Plain(groups, grid);
 #endif
     default: break;
   }

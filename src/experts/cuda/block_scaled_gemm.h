@@ -123,16 +123,23 @@ class BlockScaledGemm {
   virtual size_t device_bytes() const = 0;
 };
 
-// For the current CUDA device, its persistent kernel `ctas` blocks wide (0
-// or more than the SMs: one per SM). Throws SystemError when CUDA fails and
+// How a GEMM object's persistent kernel runs through its tiles.
+struct GemmGrid {
+  int ctas = 0;  // blocks (balanced_ctas); 0 or more than the SMs: one per SM
+  // Swapped-operand tiles: a CTA's tiles after its first handed out while
+  // the kernel runs (DynamicGroupScheduler), not b, b + ctas, ... fixed.
+  bool dynamic = true;
+};
+
+// For the current CUDA device. Throws SystemError when CUDA fails and
 // InvalidArgument when the device is not a Hopper GPU (sm_90) or the tiles
 // are not in this build.
-std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups, int ctas);
+std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups, GemmGrid grid);
 
 // The split-K GEMM: kSwap128N32's tiles with fp32 output, `groups` =
 // split_k x the operands' groups (GemmOperands.split_k). Its run() packs the
 // slices' scales; launch_split_reduce after it writes y.
-std::unique_ptr<BlockScaledGemm> make_split_k_gemm(int groups, int ctas);
+std::unique_ptr<BlockScaledGemm> make_split_k_gemm(int groups, GemmGrid grid);
 
 // Output tiles of a GEMM on `tiles` with `groups` groups of `rows` rows and
 // n columns (swapped operands: a tile is 128 columns by 32 rows).

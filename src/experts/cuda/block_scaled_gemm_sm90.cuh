@@ -25,6 +25,7 @@
 
 #include "experts/cuda/block_scaled_gemm.h"
 #include "experts/cuda/device_buffer.h"
+#include "experts/cuda/dynamic_group_scheduler.cuh"
 #include "experts/cuda/expert_error_device.cuh"
 #include "experts/cuda/overlapped_promotion.cuh"
 #include "experts/cuda/programmatic_launch.cuh"
@@ -102,6 +103,9 @@ struct Sm90BlockScaledKernel {
 
   using Kernel = ProgrammaticGemmKernel<
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>>;
+  static_assert(!kSwap || std::is_same_v<typename Kernel::TileScheduler,
+                                         DynamicGroupScheduler<ProblemShape, 8>>,
+                "the swapped-operand tiles should use moelink's DynamicGroupScheduler");
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   using StrideA = typename Kernel::InternalStrideA;
@@ -153,8 +157,10 @@ __device__ inline void pack_split_scales(const GemmOperands& op, int g, int64_t 
 // group g's scales (pack_split_scales).
 template <class K>
 __global__ void write_group_arguments(GroupArguments<K> args, GemmOperands op, int groups,
-                                      ExpertErrorRecord* error) {
+                                      ExpertErrorRecord* error, uint32_t* next_tile) {
   begin_programmatic_kernel();
+  // The GEMM's DynamicGroupScheduler counts from 0 in every launch.
+  if (next_tile != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *next_tile = 0;
   if (op.split_k > 1) {
     const int g = blockIdx.y;
     bool clamped = false;  // reported below, by the group's argument thread
@@ -215,7 +221,7 @@ __global__ void write_group_arguments(GroupArguments<K> args, GemmOperands op, i
 template <class K>
 class Sm90BlockScaledGemm final : public BlockScaledGemm {
  public:
-  Sm90BlockScaledGemm(GemmTiles tiles, int groups, int ctas) : tiles_(tiles), groups_(groups) {
+  Sm90BlockScaledGemm(GemmTiles tiles, int groups, GemmGrid grid) : tiles_(tiles), groups_(groups) {
     int device = 0;
     MOELINK_CUDA_CHECK(cudaGetDevice(&device));
     cudaDeviceProp prop{};
@@ -261,8 +267,8 @@ class Sm90BlockScaledGemm final : public BlockScaledGemm {
     // they are built once: a call only rewrites the arrays and launches.
     cutlass::KernelHardwareInfo hw;
     hw.device_id = device;
-    // The persistent kernel's grid: `ctas` blocks (make_block_scaled_gemm).
-    hw.sm_count = ctas > 0 ? std::min(ctas, prop.multiProcessorCount) : prop.multiProcessorCount;
+    // The persistent kernel's grid: `grid.ctas` blocks.
+    hw.sm_count = grid.ctas > 0 ? std::min(grid.ctas, prop.multiProcessorCount) : prop.multiProcessorCount;
     typename K::Gemm::Arguments a{
         cutlass::gemm::GemmUniversalMode::kGrouped,
         {groups, args_.problem, nullptr},  // problem sizes on the device only
@@ -272,6 +278,7 @@ class Sm90BlockScaledGemm final : public BlockScaledGemm {
         hw};
     a.epilogue.thread.alpha = 1.0f;
     a.epilogue.thread.beta = 0.0f;
+    if constexpr (K::kSwap) a.scheduler.dynamic = grid.dynamic;  // DynamicGroupScheduler
     if (gemm_.can_implement(a) != cutlass::Status::kSuccess)
       throw InvalidArgument("moelink: Experts: CUTLASS cannot run the block-scaled GEMM (" +
                             std::string(gemm_tiles_name(tiles)) + ") here");
@@ -294,8 +301,10 @@ class Sm90BlockScaledGemm final : public BlockScaledGemm {
       grid = dim3(static_cast<unsigned>(std::min<int64_t>((values + threads - 1) / threads, 64)),
                   static_cast<unsigned>(op.groups));
     }
+    uint32_t* next_tile = nullptr;
+    if constexpr (K::kSwap) next_tile = gemm_.params().scheduler.next_tile;
     launch_expert_kernel(write_group_arguments<K>, grid, dim3(threads), 0, stream, programmatic,
-                         args_, op, groups_, error);
+                         args_, op, groups_, error, next_tile);
     cutlass::Status s = gemm_.run(stream, nullptr, programmatic);
     if (s != cutlass::Status::kSuccess)
       throw SystemError(std::string("moelink: Experts: CUTLASS GEMM launch failed: ") +

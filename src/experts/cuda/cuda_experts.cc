@@ -92,6 +92,19 @@ bool balanced_grid() {
   return s == "balanced";
 }
 
+// MOELINK_EXPERTS_DYNAMIC_TILES: 1 (default) hands the swapped-operand
+// GEMMs' tiles out while they run (experts::GemmGrid), 0 keeps CUTLASS's
+// fixed order.
+bool dynamic_tiles() {
+  const char* v = std::getenv("MOELINK_EXPERTS_DYNAMIC_TILES");
+  if (v == nullptr || *v == '\0') return true;
+  const std::string s(v);
+  if (s != "0" && s != "1")
+    throw InvalidArgument("moelink: environment variable MOELINK_EXPERTS_DYNAMIC_TILES = '" + s +
+                          "' must be 0 or 1");
+  return s == "1";
+}
+
 class CudaExperts final : public ExpertsImpl {
  public:
   explicit CudaExperts(const ExpertConfig& c) : config_(c) {
@@ -102,6 +115,7 @@ class CudaExperts final : public ExpertsImpl {
     split_forced_ = forced_split_k();
     programmatic_ = programmatic_launch();
     balanced_ = balanced_grid();
+    dynamic_ = dynamic_tiles();
     const int64_t L = c.num_experts, C = c.max_rows, H = c.hidden_dim, I = c.intermediate_dim;
     const GemmTiles t = tiles(c.expected_rows);
     // forward()'s two GEMMs whole first (the first refuses a GPU other than
@@ -226,7 +240,8 @@ class CudaExperts final : public ExpertsImpl {
     if (split <= 1) return gemm_object(tiles, groups, ctas);
     auto it = split_gemms_.find({groups, ctas});
     if (it == split_gemms_.end())
-      it = split_gemms_.emplace(std::make_pair(groups, ctas), experts::make_split_k_gemm(groups, ctas)).first;
+      it = split_gemms_.emplace(std::make_pair(groups, ctas), experts::make_split_k_gemm(groups, {ctas, dynamic_}))
+               .first;
     return *it->second;
   }
 
@@ -255,7 +270,7 @@ class CudaExperts final : public ExpertsImpl {
     const std::tuple<int, int, int> key{static_cast<int>(tiles), groups, ctas};
     auto it = gemms_.find(key);
     if (it == gemms_.end())
-      it = gemms_.emplace(key, experts::make_block_scaled_gemm(tiles, groups, ctas)).first;
+      it = gemms_.emplace(key, experts::make_block_scaled_gemm(tiles, groups, {ctas, dynamic_})).first;
     return *it->second;
   }
 
@@ -309,6 +324,7 @@ class CudaExperts final : public ExpertsImpl {
   int split_forced_ = 0;                      // MOELINK_EXPERTS_SPLIT_K; 0: auto
   bool programmatic_ = true;                  // MOELINK_EXPERTS_PDL
   bool balanced_ = true;                      // MOELINK_EXPERTS_GEMM_CTAS
+  bool dynamic_ = true;                       // MOELINK_EXPERTS_DYNAMIC_TILES
   int split_gate_up_ = 1, split_down_ = 1;    // forward()'s GEMMs
   struct SizedBuffer {
     experts::DeviceBuffer mem;

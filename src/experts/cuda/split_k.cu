@@ -46,8 +46,8 @@ __global__ void split_reduce_kernel(GemmOperands op) {
 
 }  // namespace
 
-std::unique_ptr<BlockScaledGemm> make_split_k_gemm(int groups, int ctas) {
-  return std::make_unique<Sm90BlockScaledGemm<SplitKKernel>>(GemmTiles::kSwap128N32, groups, ctas);
+std::unique_ptr<BlockScaledGemm> make_split_k_gemm(int groups, GemmGrid grid) {
+  return std::make_unique<Sm90BlockScaledGemm<SplitKKernel>>(GemmTiles::kSwap128N32, groups, grid);
 }
 
 int split_k_for(int64_t tiles, int64_t k_blocks, int sm_count) {
