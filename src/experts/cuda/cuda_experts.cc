@@ -68,41 +68,16 @@ int forced_split_k() {
   return std::stoi(s);
 }
 
-// MOELINK_EXPERTS_PDL: 1 (default) launches the kernels with programmatic
-// dependent launch (programmatic_launch.cuh), 0 in plain stream order.
-bool programmatic_launch() {
-  const char* v = std::getenv("MOELINK_EXPERTS_PDL");
-  if (v == nullptr || *v == '\0') return true;
+// A setting with two values, read when an Experts is created: true for
+// `on`, false for `off`, `fallback` when unset or empty.
+bool env_switch(const char* name, const char* on, const char* off, bool fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
   const std::string s(v);
-  if (s != "0" && s != "1")
-    throw InvalidArgument("moelink: environment variable MOELINK_EXPERTS_PDL = '" + s + "' must be 0 or 1");
-  return s == "1";
-}
-
-// MOELINK_EXPERTS_GEMM_CTAS: "balanced" (default) sizes each GEMM's
-// persistent grid by experts::balanced_ctas for the tiles it expects; "all"
-// launches one block per SM.
-bool balanced_grid() {
-  const char* v = std::getenv("MOELINK_EXPERTS_GEMM_CTAS");
-  if (v == nullptr || *v == '\0') return true;
-  const std::string s(v);
-  if (s != "balanced" && s != "all")
-    throw InvalidArgument("moelink: environment variable MOELINK_EXPERTS_GEMM_CTAS = '" + s +
-                          "' must be balanced or all");
-  return s == "balanced";
-}
-
-// MOELINK_EXPERTS_DYNAMIC_TILES: 1 (default) hands the swapped-operand
-// GEMMs' tiles out while they run (experts::GemmGrid), 0 keeps CUTLASS's
-// fixed order.
-bool dynamic_tiles() {
-  const char* v = std::getenv("MOELINK_EXPERTS_DYNAMIC_TILES");
-  if (v == nullptr || *v == '\0') return true;
-  const std::string s(v);
-  if (s != "0" && s != "1")
-    throw InvalidArgument("moelink: environment variable MOELINK_EXPERTS_DYNAMIC_TILES = '" + s +
-                          "' must be 0 or 1");
-  return s == "1";
+  if (s != on && s != off)
+    throw InvalidArgument(std::string("moelink: environment variable ") + name + " = '" + s +
+                          "' must be " + on + " or " + off);
+  return s == on;
 }
 
 class CudaExperts final : public ExpertsImpl {
@@ -113,9 +88,14 @@ class CudaExperts final : public ExpertsImpl {
     MOELINK_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
     forced_ = forced_tiles(&forced_tiles_);
     split_forced_ = forced_split_k();
-    programmatic_ = programmatic_launch();
-    balanced_ = balanced_grid();
-    dynamic_ = dynamic_tiles();
+    // MOELINK_EXPERTS_PDL=0: plain stream order instead of programmatic
+    // dependent launch (programmatic_launch.cuh). MOELINK_EXPERTS_GEMM_CTAS=all:
+    // one GEMM CTA per SM instead of experts::balanced_ctas.
+    // MOELINK_EXPERTS_DYNAMIC_TILES=0: CUTLASS's fixed tile order instead of
+    // DynamicGroupScheduler's (experts::GemmGrid). For A/B runs.
+    programmatic_ = env_switch("MOELINK_EXPERTS_PDL", "1", "0", true);
+    balanced_ = env_switch("MOELINK_EXPERTS_GEMM_CTAS", "balanced", "all", true);
+    dynamic_ = env_switch("MOELINK_EXPERTS_DYNAMIC_TILES", "1", "0", true);
     const int64_t L = c.num_experts, C = c.max_rows, H = c.hidden_dim, I = c.intermediate_dim;
     const GemmTiles t = tiles(c.expected_rows);
     // forward()'s two GEMMs whole first (the first refuses a GPU other than
