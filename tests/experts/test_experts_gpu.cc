@@ -147,14 +147,16 @@ TEST(GpuExpertsSplitK, EverySplitMatchesReference) {
 }
 
 // One object through calls with few, many and no tiles in turn: the
-// swapped-operand tiles (16 rows expected) on 16 experts x 32 tiles, then
-// DeepSeek-V3's shape on the 64- and 128-row tiles.
+// swapped-operand tiles (16 rows expected) on 16 experts x 32 tiles and on
+// DeepSeek-V3's shape, then groups of 300 rows on the 64-row tiles, the
+// 128-row tiles (in the dynamic order) and the 128-row tiles in clusters.
 TEST(GpuExpertsReuse, CallAfterCallMatchesReference) {
   REQUIRE_HOPPER();
   GpuMemoryOps ops(0);
   run_grouped_gemm_reuse_case(ExpertDevice::kCUDA, ops, {"ManyTiles", 16, 32, 4096, 256}, 16);
   run_grouped_gemm_reuse_case(ExpertDevice::kCUDA, ops, deepseek_shape(), 16);
   run_grouped_gemm_reuse_case(ExpertDevice::kCUDA, ops, {"Rows300", 3, 300, 512, 256}, 48);
+  run_grouped_gemm_reuse_case(ExpertDevice::kCUDA, ops, {"Rows300", 3, 300, 512, 256}, 128);
   run_grouped_gemm_reuse_case(ExpertDevice::kCUDA, ops, {"Rows300", 3, 300, 512, 256}, 300);
 }
 
@@ -176,6 +178,7 @@ TEST(GpuExpertsLaunch, PlainOrderAndFullGridsMatchReference) {
     run_forward_case(ExpertDevice::kCUDA, ops, {deepseek_shape(), CountPattern::kTop8, 16});
     run_forward_case(ExpertDevice::kCUDA, ops, {{"Rows300", 2, 300, 512, 256}, CountPattern::kRandom, 300});
     run_grouped_gemm_case(ExpertDevice::kCUDA, ops, {small_shape(), CountPattern::kSkewed, 48});
+    run_grouped_gemm_case(ExpertDevice::kCUDA, ops, {{"Rows300", 3, 300, 512, 256}, CountPattern::kRandom, 128});
     run_gemm_case(ExpertDevice::kCUDA, ops, 2, 2 * 2048, 7168, 1);  // split over K
     run_quantize_case(ExpertDevice::kCUDA, ops, 37, 7168, 20);
     run_out_of_range_case(ExpertDevice::kCUDA, ops);

@@ -126,8 +126,9 @@ class BlockScaledGemm {
 // How a GEMM object's persistent kernel runs through its tiles.
 struct GemmGrid {
   int ctas = 0;  // blocks (balanced_ctas); 0 or more than the SMs: one per SM
-  // Swapped-operand tiles: a CTA's tiles after its first handed out while
-  // the kernel runs (DynamicGroupScheduler), not b, b + ctas, ... fixed.
+  // Cooperative tiles without clusters (kSwap128N32, kRows128): a CTA's
+  // tiles after its first handed out while the kernel runs
+  // (DynamicGroupScheduler), not b, b + ctas, ... fixed.
   bool dynamic = true;
 };
 

@@ -103,8 +103,11 @@ struct Sm90BlockScaledKernel {
 
   using Kernel = ProgrammaticGemmKernel<
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>>;
-  static_assert(!kSwap || std::is_same_v<typename Kernel::TileScheduler,
-                                         DynamicGroupScheduler<ProblemShape, 8>>,
+  // moelink's DynamicGroupScheduler (the cooperative 128-row tiles without
+  // clusters: dynamic_group_scheduler.cuh) rather than CUTLASS's.
+  static constexpr bool kDynamicTiles =
+      std::is_same_v<typename Kernel::TileScheduler, DynamicGroupScheduler<ProblemShape, 8>>;
+  static_assert(!kSwap || kDynamicTiles,
                 "the swapped-operand tiles should use moelink's DynamicGroupScheduler");
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
@@ -278,7 +281,7 @@ class Sm90BlockScaledGemm final : public BlockScaledGemm {
         hw};
     a.epilogue.thread.alpha = 1.0f;
     a.epilogue.thread.beta = 0.0f;
-    if constexpr (K::kSwap) a.scheduler.dynamic = grid.dynamic;  // DynamicGroupScheduler
+    if constexpr (K::kDynamicTiles) a.scheduler.dynamic = grid.dynamic;
     if (gemm_.can_implement(a) != cutlass::Status::kSuccess)
       throw InvalidArgument("moelink: Experts: CUTLASS cannot run the block-scaled GEMM (" +
                             std::string(gemm_tiles_name(tiles)) + ") here");
@@ -302,7 +305,7 @@ class Sm90BlockScaledGemm final : public BlockScaledGemm {
                   static_cast<unsigned>(op.groups));
     }
     uint32_t* next_tile = nullptr;
-    if constexpr (K::kSwap) next_tile = gemm_.params().scheduler.next_tile;
+    if constexpr (K::kDynamicTiles) next_tile = gemm_.params().scheduler.next_tile;
     launch_expert_kernel(write_group_arguments<K>, grid, dim3(threads), 0, stream, programmatic,
                          args_, op, groups_, error, next_tile);
     cutlass::Status s = gemm_.run(stream, nullptr, programmatic);

@@ -1,4 +1,5 @@
-// A dynamic tile scheduler for the swapped-operand (decode) grouped GEMM.
+// A dynamic tile scheduler for the cooperative grouped GEMMs without
+// clusters: the swapped-operand (decode) tiles and the 128-row tiles.
 //
 // CUTLASS's group scheduler (PersistentTileSchedulerSm90Group) deals CTA b
 // the tiles b, b + grid, b + 2 grid, ... before the kernel starts. A decode
@@ -8,9 +9,10 @@
 // scheduler keeps each CTA's first tile (its CTA index) and hands out the
 // rest from a counter in global memory, one tile at a time: a CTA asks for
 // its next tile when it starts the previous one, so faster CTAs take more.
-// It pays where CTAs have many tiles (32 experts: 8 to 14 each, 2 % off a
-// decode forward); with 2 to 4 (8 experts) whole tiles are too coarse to
-// even the CTAs out.
+// It pays where CTAs have many tiles: 32 experts take 2 % off a decode
+// forward up to 32 rows (8 to 14 tiles a CTA) and 5 % at 128 rows (the
+// 128-row tiles, about 8 a CTA); with 2 to 4 a CTA (8 experts) whole tiles
+// are too coarse to even the CTAs out.
 //
 // CUTLASS's grouped kernels already route tiles through a scheduler warp
 // and a shared-memory pipeline to the other warps; this class replaces only
@@ -24,8 +26,8 @@
 //
 // Used for cooperative kernels with single-CTA clusters only (the tiles of
 // a cluster must stay together for multicast; ping-pong kernels consume the
-// pipeline differently): TileSchedulerSelector is specialized below for the
-// 128 x 32 x 128 swapped-operand tile, which only those kernels use.
+// pipeline differently): TileSchedulerSelector is specialized below for
+// tiles 128 rows tall, which only those kernels use (ping-pong tiles are 64).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -118,11 +120,11 @@ class DynamicGroupScheduler
 
 namespace cutlass::gemm::kernel::detail {
 
-// The swapped-operand tile (128 weight rows x 32 token rows x 128 of K) in a
-// single-CTA cluster: moelink's DynamicGroupScheduler instead of CUTLASS's
-// group scheduler.
-template <uint32_t Stages>
-struct TileSchedulerSelector<GroupScheduler, arch::Sm90, cute::Shape<cute::_128, cute::_32, cute::_128>,
+// The cooperative tiles of 128 x N x 128 (the swapped-operand tiles, 128
+// weight rows by 32 token rows; the 128-row tiles) in a single-CTA cluster:
+// moelink's DynamicGroupScheduler instead of CUTLASS's group scheduler.
+template <class TileN, uint32_t Stages>
+struct TileSchedulerSelector<GroupScheduler, arch::Sm90, cute::Shape<cute::_128, TileN, cute::_128>,
                              cute::Shape<cute::_1, cute::_1, cute::_1>, Stages,
                              cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>> {
   using Scheduler = moelink::detail::experts::DynamicGroupScheduler<
