@@ -161,9 +161,10 @@ TEST(GpuExpertsReuse, CallAfterCallMatchesReference) {
 }
 
 // The launch settings other than the defaults (PDL, balanced GEMM grids,
-// dynamic tile order; the cases above): kernels in plain stream order, one
-// GEMM block per SM and CUTLASS's static tile order; and the errors for
-// values they do not take.
+// dynamic tile order, tiles numbered along N for many row tiles; the cases
+// above): kernels in plain stream order, one GEMM block per SM, CUTLASS's
+// static tile order and its numbering down M; and the errors for values
+// they do not take.
 TEST(GpuExpertsLaunch, PlainOrderAndFullGridsMatchReference) {
   REQUIRE_HOPPER();
   GpuMemoryOps ops(0);
@@ -183,11 +184,17 @@ TEST(GpuExpertsLaunch, PlainOrderAndFullGridsMatchReference) {
     run_quantize_case(ExpertDevice::kCUDA, ops, 37, 7168, 20);
     run_out_of_range_case(ExpertDevice::kCUDA, ops);
   }
+  unsetenv("MOELINK_EXPERTS_PDL");
+  unsetenv("MOELINK_EXPERTS_GEMM_CTAS");
+  unsetenv("MOELINK_EXPERTS_DYNAMIC_TILES");
+  // CUTLASS's tile order (down M) where there are many row tiles.
+  setenv("MOELINK_EXPERTS_RASTER", "m", 1);
+  run_gemm_case(ExpertDevice::kCUDA, ops, 20000, 384, 256, 19950);
+  unsetenv("MOELINK_EXPERTS_RASTER");
   moelink::ExpertConfig c;
   c.num_experts = 1, c.max_rows = 1, c.hidden_dim = 128, c.intermediate_dim = 128;
-  unsetenv("MOELINK_EXPERTS_DYNAMIC_TILES");
   for (const auto& [var, bad] : {std::pair{"MOELINK_EXPERTS_PDL", "yes"}, {"MOELINK_EXPERTS_GEMM_CTAS", "7"},
-                                 {"MOELINK_EXPERTS_DYNAMIC_TILES", "on"}}) {
+                                 {"MOELINK_EXPERTS_DYNAMIC_TILES", "on"}, {"MOELINK_EXPERTS_RASTER", "n"}}) {
     setenv(var, bad, 1);
     try {
       moelink::Experts::create(c);
@@ -197,8 +204,6 @@ TEST(GpuExpertsLaunch, PlainOrderAndFullGridsMatchReference) {
     }
     unsetenv(var);
   }
-  unsetenv("MOELINK_EXPERTS_PDL");
-  unsetenv("MOELINK_EXPERTS_GEMM_CTAS");
 }
 
 TEST(GpuExpertsDense, QuantizeMatchesReference) {
@@ -221,6 +226,11 @@ TEST(GpuExpertsDense, GemmMatchesReference) {
   run_gemm_case(ExpertDevice::kCUDA, ops, 200, 512, 1024, 150);               // in clusters of 2
   run_gemm_case(ExpertDevice::kCUDA, ops, 600, 384, 512, -1);                 // 5 row tiles: a half cluster
   run_gemm_case(ExpertDevice::kCUDA, ops, 2, 2 * 2048, 7168, 1);  // DeepSeek-V3's shared expert, m = 1
+  // 157 row tiles, more than half an H200's 132 SMs: numbered along N in
+  // stripes of 8 row tiles (the last stripe partial), and a bound inside
+  // the last.
+  run_gemm_case(ExpertDevice::kCUDA, ops, 20000, 384, 256, -1);
+  run_gemm_case(ExpertDevice::kCUDA, ops, 20000, 384, 256, 19950);
 }
 
 TEST(GpuExpertsErrors, CountsOutOfRangeAreClampedAndReported) {

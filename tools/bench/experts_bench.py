@@ -14,7 +14,9 @@ EP8 rank; 8: EP32) and m rows per expert (uniform counts). For each (L, m):
   floor     the bytes a layer must move (both weights, x and its scales in,
             y out; intermediates left on chip) at the measured copy bandwidth
 and the FLOP rate against the measured dense peak. Also the quantization
-kernels' bandwidth. Every configuration's output is checked against a
+kernels' bandwidth, and with --dense the dense block-scaled GEMM
+(Experts.gemm: a shared expert's GEMM1 and GEMM2 on M tokens) beside
+torch._scaled_mm with row-wise scales on the same data. Every configuration's output is checked against a
 dequantized fp32 torch matmul before it is timed, so a fast wrong result
 cannot win. Timing: each call captured (10 times over) in a CUDA graph whose
 replays are timed with CUDA events, so host overhead is left out; rounds
@@ -198,10 +200,73 @@ class Case:
         return worst
 
 
+def apply_env(env):
+    """Sets (value) or unsets (None) the variables an Experts reads when it is created."""
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def dense_results(a, variants, env_vars, peak):
+    """Experts.gemm on [M, K] x [N, K]^T for a shared expert's two GEMMs
+    (gate/up: N = 2I, K = H; down: N = H, K = I), each variant beside
+    torch._scaled_mm (row-wise scales), interleaved rounds."""
+    H, I = a.hidden, a.intermediate
+    out = []
+    for M in [int(v) for v in a.dense.split(",") if v]:
+        for gemm, N, K in (("gemm1", 2 * I, H), ("gemm2", H, I)):
+            w, ws = block_weight(1, N, K)
+            x, xs = quant_rows(torch.randn(M, K, device="cuda"))
+            fns, ys = {}, {}
+            for name, env in variants:
+                apply_env(env)
+                ex = moelink.Experts(1, 128, H, I, expected_rows=16)
+                ys[name] = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
+                fns[name] = lambda ex=ex, y=ys[name]: ex.gemm(y, x, xs, w[0], ws[0])
+            for k in env_vars:
+                os.environ.pop(k, None)
+            sa = torch.ones(M, 1, device="cuda")
+            sb = torch.ones(1, N, device="cuda")
+            wt = w[0].t()
+            fns["torch"] = lambda: torch._scaled_mm(x, wt, sa, sb, out_dtype=torch.bfloat16)
+            rows = torch.cat([torch.arange(0, 64), torch.arange(M - 64, M)]).cuda()
+            ref = dequant(x[rows], xs[rows], 1) @ dequant(w[0], ws[0], 128).t()
+            errs = {}
+            for name in ys:
+                fns[name]()
+                torch.cuda.synchronize()
+                errs[name] = ((ys[name][rows].float() - ref).norm() / ref.norm()).item()
+            times = {k: [] for k in fns}
+            for _ in range(a.rounds):
+                for k, f in fns.items():
+                    times[k].append(graph_us(f, a.iters, reps=3))
+            flops = 2 * M * N * K
+            r = {"M": M, "gemm": gemm, "N": N, "K": K, "flops": flops,
+                 "torch_us": statistics.median(times["torch"]), "torch_us_rounds": times["torch"],
+                 "ours": {}}
+            for name in ys:
+                us = statistics.median(times[name])
+                r["ours"][name] = {"us": us, "us_rounds": times[name], "rel_l2_vs_fp32": errs[name],
+                                   "tflops": flops / (us * 1e-6) / 1e12,
+                                   "fraction_of_dense_peak": flops / (us * 1e-6) / 1e12 / peak,
+                                   "torch_over_ours": r["torch_us"] / us}
+                o = r["ours"][name]
+                print(f"dense M={M:6d} {gemm} {name:18s} ours {us:8.1f} us  torch {r['torch_us']:8.1f}  "
+                      f"torch/ours {o['torch_over_ours']:5.2f}  {o['tflops']:6.0f} TFLOP/s "
+                      f"({o['fraction_of_dense_peak']:.2f} of peak)  err {errs[name]:.1e}", file=sys.stderr)
+            out.append(r)
+            del fns, ys
+            torch.cuda.empty_cache()
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", default="32,8", help="local experts L (32: EP8, 8: EP32)")
-    p.add_argument("--rows", default="1,4,8,16,32,64,128,512,1024,2048", help="rows per expert m")
+    p.add_argument("--rows", default="1,4,8,16,32,64,128,512,1024,2048",
+                   help="rows per expert m (empty: no grouped cases)")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--iters", type=int, default=20, help="timed calls per round")
@@ -216,6 +281,8 @@ def main():
                    help="an environment variable an Experts reads (MOELINK_EXPERTS_PDL, "
                    "MOELINK_EXPERTS_GEMM_CTAS, ...) and the values to compare, each with every "
                    "other variant; repeatable")
+    p.add_argument("--dense", default="", help="token counts M for the dense GEMM (Experts.gemm "
+                   "on a shared expert's shapes beside torch._scaled_mm); empty: none")
     p.add_argument("--machine", default="nvidia-h200")
     p.add_argument("--json", default="-")
     a = p.parse_args()
@@ -252,16 +319,12 @@ def main():
     env_vars = sorted({k for _, env in variants for k in env})
     rec["tiles"] = [name for name, _ in variants]
     rows = []
-    for L in [int(v) for v in a.experts.split(",")]:
-        for m in [int(v) for v in a.rows.split(",")]:
+    for L in [int(v) for v in a.experts.split(",") if v]:
+        for m in [int(v) for v in a.rows.split(",") if v]:
             C = max(16, (m + 15) // 16 * 16)
             cases = {}
             for name, env in variants:
-                for k, v in env.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+                apply_env(env)
                 ex = moelink.Experts(L, C, H, I, expected_rows=m)
                 cases[name] = Case(L, m, H, I, ex, shared=next(iter(cases.values()), None))
             for k in env_vars:
@@ -306,6 +369,7 @@ def main():
             del cases, first
             torch.cuda.empty_cache()
     rec["results"] = rows
+    rec["dense"] = dense_results(a, variants, env_vars, rec["dense_fp8_tflops"])
 
     # The quantization kernels on large tensors: bytes read + written per second.
     q = []

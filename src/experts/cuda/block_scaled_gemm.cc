@@ -57,6 +57,11 @@ int64_t gemm_tile_count(GemmTiles tiles, int64_t groups, int64_t rows, int64_t n
   return groups * ((rows + e.rows - 1) / e.rows) * ((n + e.cols - 1) / e.cols);
 }
 
+bool raster_along_n_for(GemmTiles tiles, int64_t rows, int sm_count) {
+  const int64_t tile_rows = gemm_tile_extent(tiles).rows;
+  return 2 * ((rows + tile_rows - 1) / tile_rows) > sm_count;
+}
+
 int balanced_ctas(int64_t tile_count, int sm_count, int cluster) {
   const int64_t clusters = std::max(sm_count / cluster, 1);
   const int64_t units = (std::max<int64_t>(tile_count, 1) + cluster - 1) / cluster;

@@ -130,7 +130,20 @@ struct GemmGrid {
   // tiles after its first handed out while the kernel runs
   // (DynamicGroupScheduler), not b, b + ctas, ... fixed.
   bool dynamic = true;
+  // The order tiles are numbered in, within a group. false: CUTLASS's,
+  // down M first (the CTAs running at once cover one or two weight tiles
+  // and all of the group's rows, which are read again for every next
+  // weight tile). true: along N in stripes of 8 row tiles (a stripe's rows
+  // against all of the weights), for groups of so many row tiles that
+  // their rows do not stay in L2 between weight tiles (raster_along_n_for).
+  bool raster_along_n = false;
 };
+
+// Whether a group of `rows` rows on `tiles` should number its tiles along N
+// (GemmGrid::raster_along_n): more row tiles than half of `sm_count`, so
+// that down M the CTAs running at once would share less than two weight
+// tiles.
+bool raster_along_n_for(GemmTiles tiles, int64_t rows, int sm_count);
 
 // For the current CUDA device. Throws SystemError when CUDA fails and
 // InvalidArgument when the device is not a Hopper GPU (sm_90) or the tiles

@@ -282,6 +282,10 @@ class Sm90BlockScaledGemm final : public BlockScaledGemm {
     a.epilogue.thread.alpha = 1.0f;
     a.epilogue.thread.beta = 0.0f;
     if constexpr (K::kDynamicTiles) a.scheduler.dynamic = grid.dynamic;
+    if (grid.raster_along_n) {
+      a.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN;
+      a.scheduler.max_swizzle_size = 8;
+    }
     if (gemm_.can_implement(a) != cutlass::Status::kSuccess)
       throw InvalidArgument("moelink: Experts: CUTLASS cannot run the block-scaled GEMM (" +
                             std::string(gemm_tiles_name(tiles)) + ") here");

@@ -92,10 +92,13 @@ class CudaExperts final : public ExpertsImpl {
     // dependent launch (programmatic_launch.cuh). MOELINK_EXPERTS_GEMM_CTAS=all:
     // one GEMM CTA per SM instead of experts::balanced_ctas.
     // MOELINK_EXPERTS_DYNAMIC_TILES=0: CUTLASS's fixed tile order instead of
-    // DynamicGroupScheduler's (experts::GemmGrid). For A/B runs.
+    // DynamicGroupScheduler's (experts::GemmGrid). MOELINK_EXPERTS_RASTER=m:
+    // tiles numbered down M first for every GEMM, not along N for groups of
+    // many row tiles (experts::raster_along_n_for). For A/B runs.
     programmatic_ = env_switch("MOELINK_EXPERTS_PDL", "1", "0", true);
     balanced_ = env_switch("MOELINK_EXPERTS_GEMM_CTAS", "balanced", "all", true);
     dynamic_ = env_switch("MOELINK_EXPERTS_DYNAMIC_TILES", "1", "0", true);
+    raster_auto_ = env_switch("MOELINK_EXPERTS_RASTER", "auto", "m", true);
     const int64_t L = c.num_experts, C = c.max_rows, H = c.hidden_dim, I = c.intermediate_dim;
     const GemmTiles t = tiles(c.expected_rows);
     // forward()'s two GEMMs whole first (the first refuses a GPU other than
@@ -211,16 +214,19 @@ class CudaExperts final : public ExpertsImpl {
   // The GEMM object for `groups` groups of about `rows` rows and n columns
   // on `tiles`, split over K into `split` slices (the split-K kernel with
   // split x groups groups) or whole, created on first use. Its grid is
-  // balanced for the tiles those rows give (MOELINK_EXPERTS_GEMM_CTAS).
+  // balanced for the tiles those rows give (MOELINK_EXPERTS_GEMM_CTAS), its
+  // tile order along N for groups of many row tiles (MOELINK_EXPERTS_RASTER).
   BlockScaledGemm& gemm_for(GemmTiles tiles, int groups, int64_t rows, int64_t n, int split) {
     if (split > 1) tiles = GemmTiles::kSwap128N32, groups *= split;
     const int ctas = balanced_ ? experts::balanced_ctas(experts::gemm_tile_count(tiles, groups, rows, n),
                                                         sm_count_, experts::gemm_tile_extent(tiles).cluster)
                                : 0;
-    if (split <= 1) return gemm_object(tiles, groups, ctas);
+    const bool along_n = raster_auto_ && experts::raster_along_n_for(tiles, rows, sm_count_);
+    if (split <= 1) return gemm_object(tiles, groups, ctas, along_n);
     auto it = split_gemms_.find({groups, ctas});
     if (it == split_gemms_.end())
-      it = split_gemms_.emplace(std::make_pair(groups, ctas), experts::make_split_k_gemm(groups, {ctas, dynamic_}))
+      it = split_gemms_.emplace(std::make_pair(groups, ctas),
+                                experts::make_split_k_gemm(groups, {ctas, dynamic_, false}))
                .first;
     return *it->second;
   }
@@ -246,11 +252,11 @@ class CudaExperts final : public ExpertsImpl {
     experts::launch_split_reduce(o, stream, programmatic_);
   }
 
-  BlockScaledGemm& gemm_object(GemmTiles tiles, int groups, int ctas) {
-    const std::tuple<int, int, int> key{static_cast<int>(tiles), groups, ctas};
+  BlockScaledGemm& gemm_object(GemmTiles tiles, int groups, int ctas, bool along_n) {
+    const std::tuple<int, int, int, bool> key{static_cast<int>(tiles), groups, ctas, along_n};
     auto it = gemms_.find(key);
     if (it == gemms_.end())
-      it = gemms_.emplace(key, experts::make_block_scaled_gemm(tiles, groups, {ctas, dynamic_})).first;
+      it = gemms_.emplace(key, experts::make_block_scaled_gemm(tiles, groups, {ctas, dynamic_, along_n})).first;
     return *it->second;
   }
 
@@ -305,6 +311,7 @@ class CudaExperts final : public ExpertsImpl {
   bool programmatic_ = true;                  // MOELINK_EXPERTS_PDL
   bool balanced_ = true;                      // MOELINK_EXPERTS_GEMM_CTAS
   bool dynamic_ = true;                       // MOELINK_EXPERTS_DYNAMIC_TILES
+  bool raster_auto_ = true;                   // MOELINK_EXPERTS_RASTER
   int split_gate_up_ = 1, split_down_ = 1;    // forward()'s GEMMs
   struct SizedBuffer {
     experts::DeviceBuffer mem;
@@ -316,7 +323,8 @@ class CudaExperts final : public ExpertsImpl {
   size_t workspace_bytes_ = 0;
   ExpertWorkspace ws_;
   ExpertErrorRecord* error_ = nullptr;
-  std::map<std::tuple<int, int, int>, std::unique_ptr<BlockScaledGemm>> gemms_;  // by tiles, groups, CTAs
+  // by tiles, groups, CTAs, tile order
+  std::map<std::tuple<int, int, int, bool>, std::unique_ptr<BlockScaledGemm>> gemms_;
 };
 
 }  // namespace
