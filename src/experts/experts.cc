@@ -331,11 +331,8 @@ void Experts::forward(const Tensor& expert_y, const Tensor& expert_num_tokens,
              {"workspace", "expert_x", "expert_x_scale", "w13", "w13_scale"});
   check_gemm(call, expert_y, act_q, act_scale, w2, w2_scale, true, L,
              {"expert_y", "workspace", "workspace", "w2", "w2_scale"});
-  impl_->grouped_gemm(gate_up, expert_num_tokens, expert_x, expert_x_scale, w13, w13_scale,
-                      ExpertOp::kForward, stream);
-  impl_->silu_mul_quant(act_q, act_scale, gate_up, expert_num_tokens, ExpertOp::kForward, stream);
-  impl_->grouped_gemm(expert_y, expert_num_tokens, act_q, act_scale, w2, w2_scale,
-                      ExpertOp::kForward, stream);
+  impl_->forward(expert_y, expert_num_tokens, expert_x, expert_x_scale, w13, w13_scale, w2, w2_scale,
+                 gate_up, act_q, act_scale, stream);
   if (config_.debug) check(stream);
 }
 

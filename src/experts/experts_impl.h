@@ -41,6 +41,19 @@ class ExpertsImpl {
                             experts::ExpertOp op, cudaStream_t stream) = 0;
   virtual void silu_mul_quant(const Tensor& out_q, const Tensor& out_scale, const Tensor& gate_up,
                               const Tensor& count, experts::ExpertOp op, cudaStream_t stream) = 0;
+  // forward()'s steps, after its checks: GEMM1 of x into gate_up,
+  // SiLU-and-mul with the requantization into act_q / act_scale, GEMM2 into
+  // y (gate_up, act_q, act_scale: the workspace viewed with x's C rows).
+  // This runs the three calls above in turn; CUDA also writes both GEMMs'
+  // device-side arguments up front.
+  virtual void forward(const Tensor& y, const Tensor& count, const Tensor& x, const Tensor& x_scale,
+                       const Tensor& w13, const Tensor& w13_scale, const Tensor& w2,
+                       const Tensor& w2_scale, const Tensor& gate_up, const Tensor& act_q,
+                       const Tensor& act_scale, cudaStream_t stream) {
+    grouped_gemm(gate_up, count, x, x_scale, w13, w13_scale, experts::ExpertOp::kForward, stream);
+    silu_mul_quant(act_q, act_scale, gate_up, count, experts::ExpertOp::kForward, stream);
+    grouped_gemm(y, count, act_q, act_scale, w2, w2_scale, experts::ExpertOp::kForward, stream);
+  }
   // bound_m may be undefined (all rows).
   virtual void quantize(const Tensor& out_q, const Tensor& out_scale, const Tensor& x,
                         const Tensor& bound_m, cudaStream_t stream) = 0;

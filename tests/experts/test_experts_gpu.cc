@@ -161,21 +161,23 @@ TEST(GpuExpertsReuse, CallAfterCallMatchesReference) {
 }
 
 // The launch settings other than the defaults (PDL, balanced GEMM grids,
-// dynamic tile order, tiles numbered along N for many row tiles; the cases
-// above): kernels in plain stream order, one GEMM block per SM, CUTLASS's
-// static tile order and its numbering down M; and the errors for values
-// they do not take.
+// dynamic tile order, tiles numbered along N for many row tiles, forward()'s
+// GEMM arguments in one launch; the cases above): kernels in plain stream
+// order, one GEMM block per SM, CUTLASS's static tile order and its
+// numbering down M, an argument kernel before each GEMM; and the errors for
+// values they do not take.
 TEST(GpuExpertsLaunch, PlainOrderAndFullGridsMatchReference) {
   REQUIRE_HOPPER();
   GpuMemoryOps ops(0);
-  const char* settings[][3] = {{"0", "balanced", "1"}, {"1", "all", "1"}, {"0", "all", "1"},
-                                {"1", "balanced", "0"}};
+  const char* settings[][4] = {{"0", "balanced", "1", "1"}, {"1", "all", "1", "2"}, {"0", "all", "1", "2"},
+                                {"1", "balanced", "0", "1"}, {"1", "balanced", "1", "2"}};
   for (const auto& s : settings) {
     SCOPED_TRACE(std::string("MOELINK_EXPERTS_PDL=") + s[0] + " MOELINK_EXPERTS_GEMM_CTAS=" + s[1] +
-                 " MOELINK_EXPERTS_DYNAMIC_TILES=" + s[2]);
+                 " MOELINK_EXPERTS_DYNAMIC_TILES=" + s[2] + " MOELINK_EXPERTS_ARGUMENT_KERNELS=" + s[3]);
     setenv("MOELINK_EXPERTS_PDL", s[0], 1);
     setenv("MOELINK_EXPERTS_GEMM_CTAS", s[1], 1);
     setenv("MOELINK_EXPERTS_DYNAMIC_TILES", s[2], 1);
+    setenv("MOELINK_EXPERTS_ARGUMENT_KERNELS", s[3], 1);
     run_forward_case(ExpertDevice::kCUDA, ops, {deepseek_shape(), CountPattern::kTop8, 16});
     run_forward_case(ExpertDevice::kCUDA, ops, {{"Rows300", 2, 300, 512, 256}, CountPattern::kRandom, 300});
     run_grouped_gemm_case(ExpertDevice::kCUDA, ops, {small_shape(), CountPattern::kSkewed, 48});
@@ -187,6 +189,7 @@ TEST(GpuExpertsLaunch, PlainOrderAndFullGridsMatchReference) {
   unsetenv("MOELINK_EXPERTS_PDL");
   unsetenv("MOELINK_EXPERTS_GEMM_CTAS");
   unsetenv("MOELINK_EXPERTS_DYNAMIC_TILES");
+  unsetenv("MOELINK_EXPERTS_ARGUMENT_KERNELS");
   // CUTLASS's tile order (down M) where there are many row tiles.
   setenv("MOELINK_EXPERTS_RASTER", "m", 1);
   run_gemm_case(ExpertDevice::kCUDA, ops, 20000, 384, 256, 19950);
@@ -194,7 +197,8 @@ TEST(GpuExpertsLaunch, PlainOrderAndFullGridsMatchReference) {
   moelink::ExpertConfig c;
   c.num_experts = 1, c.max_rows = 1, c.hidden_dim = 128, c.intermediate_dim = 128;
   for (const auto& [var, bad] : {std::pair{"MOELINK_EXPERTS_PDL", "yes"}, {"MOELINK_EXPERTS_GEMM_CTAS", "7"},
-                                 {"MOELINK_EXPERTS_DYNAMIC_TILES", "on"}, {"MOELINK_EXPERTS_RASTER", "n"}}) {
+                                 {"MOELINK_EXPERTS_DYNAMIC_TILES", "on"}, {"MOELINK_EXPERTS_RASTER", "n"},
+                                 {"MOELINK_EXPERTS_ARGUMENT_KERNELS", "3"}}) {
     setenv(var, bad, 1);
     try {
       moelink::Experts::create(c);

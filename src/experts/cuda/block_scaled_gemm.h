@@ -116,8 +116,20 @@ class BlockScaledGemm {
   // both kernels launched with PDL when `programmatic`
   // (programmatic_launch.cuh). A count outside [0, C] is clamped and
   // recorded in *error.
-  virtual void run(const GemmOperands& op, ExpertErrorRecord* error, cudaStream_t stream,
-                   bool programmatic) = 0;
+  void run(const GemmOperands& op, ExpertErrorRecord* error, cudaStream_t stream, bool programmatic) {
+    write_arguments(op, error, stream, programmatic, nullptr, nullptr);
+    launch(stream, programmatic);
+  }
+  // run() in two steps. write_arguments() writes this object's argument
+  // arrays for `op` and, when `second` is given (an object of the same
+  // tiles; neither op split over K), `second`'s for `*second_op`, in one
+  // launch; launch() runs the GEMM on the arrays as last written.
+  // forward() writes both of its GEMMs' arguments before the first GEMM,
+  // so that no argument kernel sits between SiLU-mul and the second.
+  virtual void write_arguments(const GemmOperands& op, ExpertErrorRecord* error, cudaStream_t stream,
+                               bool programmatic, BlockScaledGemm* second,
+                               const GemmOperands* second_op) = 0;
+  virtual void launch(cudaStream_t stream, bool programmatic) = 0;
   virtual GemmTiles tiles() const = 0;
   // Device memory the object holds (argument arrays, CUTLASS workspace).
   virtual size_t device_bytes() const = 0;

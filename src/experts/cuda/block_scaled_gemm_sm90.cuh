@@ -153,15 +153,30 @@ __device__ inline void pack_split_scales(const GemmOperands& op, int g, int64_t 
   }
 }
 
+// The argument arrays of one GEMM object and what to write into them.
+template <class K>
+struct ArgumentsJob {
+  GroupArguments<K> args;
+  GemmOperands op;
+  int groups;
+  uint32_t* next_tile;  // DynamicGroupScheduler's counter, or null
+};
+
 // One thread per group: the group's rows from the device counts (clamped
 // and reported), its pointers and strides. Split over K (op.split_k > 1),
 // group gs is slice gs / op.groups of group gs % op.groups, writing fp32
 // partial sums (GemmOperands), and block (x, g) of the launch also packs
-// group g's scales (pack_split_scales).
+// group g's scales (pack_split_scales). Blocks with blockIdx.z == 1 write
+// `second`'s arrays (two GEMM objects in one launch, never split).
 template <class K>
-__global__ void write_group_arguments(GroupArguments<K> args, GemmOperands op, int groups,
-                                      ExpertErrorRecord* error, uint32_t* next_tile) {
+__global__ void write_group_arguments(ArgumentsJob<K> first, ArgumentsJob<K> second,
+                                      ExpertErrorRecord* error) {
   begin_programmatic_kernel();
+  const ArgumentsJob<K>& job = blockIdx.z == 0 ? first : second;
+  const GroupArguments<K>& args = job.args;
+  const GemmOperands& op = job.op;
+  const int groups = job.groups;
+  uint32_t* next_tile = job.next_tile;
   // The GEMM's DynamicGroupScheduler counts from 0 in every launch.
   if (next_tile != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *next_tile = 0;
   if (op.split_k > 1) {
@@ -298,8 +313,9 @@ class Sm90BlockScaledGemm final : public BlockScaledGemm {
     device_bytes_ = arrays_bytes + workspace_bytes;
   }
 
-  void run(const GemmOperands& op, ExpertErrorRecord* error, cudaStream_t stream,
-           bool programmatic) override {
+  void write_arguments(const GemmOperands& op, ExpertErrorRecord* error, cudaStream_t stream,
+                       bool programmatic, BlockScaledGemm* second,
+                       const GemmOperands* second_op) override {
     const int threads = 128;
     dim3 grid((groups_ + threads - 1) / threads);
     if (op.split_k > 1) {
@@ -308,10 +324,22 @@ class Sm90BlockScaledGemm final : public BlockScaledGemm {
       grid = dim3(static_cast<unsigned>(std::min<int64_t>((values + threads - 1) / threads, 64)),
                   static_cast<unsigned>(op.groups));
     }
-    uint32_t* next_tile = nullptr;
-    if constexpr (K::kDynamicTiles) next_tile = gemm_.params().scheduler.next_tile;
+    const ArgumentsJob<K> first{args_, op, groups_, next_tile()};
+    ArgumentsJob<K> other = first;
+    if (second != nullptr) {
+      auto* s = dynamic_cast<Sm90BlockScaledGemm*>(second);
+      if (s == nullptr || second_op == nullptr || op.split_k > 1 || second_op->split_k > 1)
+        throw InvalidArgument("moelink: Experts: two GEMMs' arguments are written together only "
+                              "for objects of the same tiles, neither split over K");
+      other = {s->args_, *second_op, s->groups_, s->next_tile()};
+      grid.x = std::max(grid.x, static_cast<unsigned>((s->groups_ + threads - 1) / threads));
+      grid.z = 2;
+    }
     launch_expert_kernel(write_group_arguments<K>, grid, dim3(threads), 0, stream, programmatic,
-                         args_, op, groups_, error, next_tile);
+                         first, other, error);
+  }
+
+  void launch(cudaStream_t stream, bool programmatic) override {
     cutlass::Status s = gemm_.run(stream, nullptr, programmatic);
     if (s != cutlass::Status::kSuccess)
       throw SystemError(std::string("moelink: Experts: CUTLASS GEMM launch failed: ") +
@@ -323,6 +351,11 @@ class Sm90BlockScaledGemm final : public BlockScaledGemm {
   size_t device_bytes() const override { return device_bytes_; }
 
  private:
+  uint32_t* next_tile() {
+    if constexpr (K::kDynamicTiles) return gemm_.params().scheduler.next_tile;
+    return nullptr;
+  }
+
   GemmTiles tiles_;
   int groups_;
   DeviceBuffer arrays_, workspace_;

@@ -99,14 +99,20 @@ class CudaExperts final : public ExpertsImpl {
     balanced_ = env_switch("MOELINK_EXPERTS_GEMM_CTAS", "balanced", "all", true);
     dynamic_ = env_switch("MOELINK_EXPERTS_DYNAMIC_TILES", "1", "0", true);
     raster_auto_ = env_switch("MOELINK_EXPERTS_RASTER", "auto", "m", true);
+    // MOELINK_EXPERTS_ARGUMENT_KERNELS=2: forward() writes each GEMM's
+    // arguments right before it (the second after SiLU-mul), not both in
+    // one launch before the first GEMM.
+    arguments_together_ = env_switch("MOELINK_EXPERTS_ARGUMENT_KERNELS", "1", "2", true);
     const int64_t L = c.num_experts, C = c.max_rows, H = c.hidden_dim, I = c.intermediate_dim;
     const GemmTiles t = tiles(c.expected_rows);
     // forward()'s two GEMMs whole first (the first refuses a GPU other than
-    // Hopper, before anything else is allocated), and below, where their
-    // tiles are few (a handful of experts with a handful of rows, e.g. a
-    // shared expert), split over K: the GEMM objects and buffers exist from
-    // here, so that a capture allocates nothing.
+    // Hopper, before anything else is allocated), GEMM2 also as forward()'s
+    // own object, and below, where their tiles are few (a handful of
+    // experts with a handful of rows, e.g. a shared expert), split over K:
+    // the GEMM objects and buffers exist from here, so that a capture
+    // allocates nothing.
     for (int64_t n : {2 * I, H}) gemm_for(t, L, c.expected_rows, n, 1);
+    if (arguments_together_) gemm_for(t, L, c.expected_rows, H, 1, kForwardGemm2);
     const size_t gate_up = static_cast<size_t>(L * C * 2 * I) * 2;
     const size_t act_q = static_cast<size_t>(L * C * I);
     const size_t act_scale = static_cast<size_t>(L * C * (I / kQuantGroup)) * 4;
@@ -136,6 +142,31 @@ class CudaExperts final : public ExpertsImpl {
                       : o.n == config_.hidden_dim && o.k == config_.intermediate_dim ? split_down_
                                                                                        : 1;
     run_gemm(o, tiles(config_.expected_rows), config_.num_experts, config_.expected_rows, split, stream);
+  }
+
+  void forward(const Tensor& y, const Tensor& count, const Tensor& x, const Tensor& x_scale,
+               const Tensor& w13, const Tensor& w13_scale, const Tensor& w2, const Tensor& w2_scale,
+               const Tensor& gate_up, const Tensor& act_q, const Tensor& act_scale,
+               cudaStream_t stream) override {
+    if (!arguments_together_ || split_gate_up_ > 1 || split_down_ > 1) {
+      ExpertsImpl::forward(y, count, x, x_scale, w13, w13_scale, w2, w2_scale, gate_up, act_q,
+                           act_scale, stream);
+      return;
+    }
+    // Both GEMMs' arguments in one launch before GEMM1 (they depend only on
+    // the counts), so that GEMM2 follows SiLU-mul directly. GEMM2 has an
+    // object of its own: GEMM1's may be the same (tiles, experts, grid).
+    GemmOperands o1 = operands(gate_up, x, x_scale, w13, w13_scale, ExpertOp::kForward);
+    GemmOperands o2 = operands(y, act_q, act_scale, w2, w2_scale, ExpertOp::kForward);
+    o1.counts = o2.counts = static_cast<const int32_t*>(count.data);
+    const GemmTiles t = tiles(config_.expected_rows);
+    const int L = static_cast<int>(config_.num_experts);
+    BlockScaledGemm& g1 = gemm_for(t, L, config_.expected_rows, o1.n, 1);
+    BlockScaledGemm& g2 = gemm_for(t, L, config_.expected_rows, o2.n, 1, kForwardGemm2);
+    g1.write_arguments(o1, error_, stream, programmatic_, &g2, &o2);
+    g1.launch(stream, programmatic_);
+    silu_mul_quant(act_q, act_scale, gate_up, count, ExpertOp::kForward, stream);
+    g2.launch(stream, programmatic_);
   }
 
   void gemm(const Tensor& y, const Tensor& x, const Tensor& x_scale, const Tensor& w,
@@ -211,18 +242,23 @@ class CudaExperts final : public ExpertsImpl {
     grow(w_scale_split_, w_scale_split_bytes(groups, n, k));
   }
 
+  // GEMM objects of the same key but different use: forward()'s GEMM2,
+  // whose arguments are written before GEMM1 runs, has its own.
+  static constexpr int kAnyGemm = 0, kForwardGemm2 = 1;
+
   // The GEMM object for `groups` groups of about `rows` rows and n columns
   // on `tiles`, split over K into `split` slices (the split-K kernel with
   // split x groups groups) or whole, created on first use. Its grid is
   // balanced for the tiles those rows give (MOELINK_EXPERTS_GEMM_CTAS), its
   // tile order along N for groups of many row tiles (MOELINK_EXPERTS_RASTER).
-  BlockScaledGemm& gemm_for(GemmTiles tiles, int groups, int64_t rows, int64_t n, int split) {
+  BlockScaledGemm& gemm_for(GemmTiles tiles, int groups, int64_t rows, int64_t n, int split,
+                            int use = kAnyGemm) {
     if (split > 1) tiles = GemmTiles::kSwap128N32, groups *= split;
     const int ctas = balanced_ ? experts::balanced_ctas(experts::gemm_tile_count(tiles, groups, rows, n),
                                                         sm_count_, experts::gemm_tile_extent(tiles).cluster)
                                : 0;
     const bool along_n = raster_auto_ && experts::raster_along_n_for(tiles, rows, sm_count_);
-    if (split <= 1) return gemm_object(tiles, groups, ctas, along_n);
+    if (split <= 1) return gemm_object(tiles, groups, ctas, along_n, use);
     auto it = split_gemms_.find({groups, ctas});
     if (it == split_gemms_.end())
       it = split_gemms_.emplace(std::make_pair(groups, ctas),
@@ -252,8 +288,8 @@ class CudaExperts final : public ExpertsImpl {
     experts::launch_split_reduce(o, stream, programmatic_);
   }
 
-  BlockScaledGemm& gemm_object(GemmTiles tiles, int groups, int ctas, bool along_n) {
-    const std::tuple<int, int, int, bool> key{static_cast<int>(tiles), groups, ctas, along_n};
+  BlockScaledGemm& gemm_object(GemmTiles tiles, int groups, int ctas, bool along_n, int use) {
+    const std::tuple<int, int, int, bool, int> key{static_cast<int>(tiles), groups, ctas, along_n, use};
     auto it = gemms_.find(key);
     if (it == gemms_.end())
       it = gemms_.emplace(key, experts::make_block_scaled_gemm(tiles, groups, {ctas, dynamic_, along_n})).first;
@@ -312,6 +348,7 @@ class CudaExperts final : public ExpertsImpl {
   bool balanced_ = true;                      // MOELINK_EXPERTS_GEMM_CTAS
   bool dynamic_ = true;                       // MOELINK_EXPERTS_DYNAMIC_TILES
   bool raster_auto_ = true;                   // MOELINK_EXPERTS_RASTER
+  bool arguments_together_ = true;            // MOELINK_EXPERTS_ARGUMENT_KERNELS
   int split_gate_up_ = 1, split_down_ = 1;    // forward()'s GEMMs
   struct SizedBuffer {
     experts::DeviceBuffer mem;
@@ -323,8 +360,8 @@ class CudaExperts final : public ExpertsImpl {
   size_t workspace_bytes_ = 0;
   ExpertWorkspace ws_;
   ExpertErrorRecord* error_ = nullptr;
-  // by tiles, groups, CTAs, tile order
-  std::map<std::tuple<int, int, int, bool>, std::unique_ptr<BlockScaledGemm>> gemms_;
+  // by tiles, groups, CTAs, tile order, use
+  std::map<std::tuple<int, int, int, bool, int>, std::unique_ptr<BlockScaledGemm>> gemms_;
 };
 
 }  // namespace
