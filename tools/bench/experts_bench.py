@@ -19,9 +19,9 @@ kernels' bandwidth, and with --dense the dense block-scaled GEMM
 torch._scaled_mm with row-wise scales on the same data. Every
 configuration's output is checked against a dequantized fp32 torch matmul
 before it is timed, and the run stops on one out of bounds, so a fast wrong
-result cannot win. Timing: each call captured (10 times over) in a CUDA graph whose
-replays are timed with CUDA events, so host overhead is left out; rounds
-interleaved (ours, torch, ours, torch, ...); medians.
+result cannot win. Timing: each call captured (10 times over) in a CUDA
+graph whose replays are timed with CUDA events, so host overhead is left
+out; rounds interleaved (ours, torch, ours, torch, ...); medians.
 
     PYTHONPATH=build/python python3 tools/bench/experts_bench.py --json out.json
 """
@@ -234,8 +234,7 @@ def dense_results(a, variants, env_vars, peak):
                 ex = moelink.Experts(1, 128, H, I, expected_rows=16)
                 ys[name] = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
                 fns[name] = lambda ex=ex, y=ys[name]: ex.gemm(y, x, xs, w[0], ws[0])
-            for k in env_vars:
-                os.environ.pop(k, None)
+            apply_env(dict.fromkeys(env_vars))  # every variable back to unset
             sa = torch.ones(M, 1, device="cuda")
             sb = torch.ones(1, N, device="cuda")
             wt = w[0].t()
@@ -337,8 +336,7 @@ def main():
                 apply_env(env)
                 ex = moelink.Experts(L, C, H, I, expected_rows=m)
                 cases[name] = Case(L, m, H, I, ex, shared=next(iter(cases.values()), None))
-            for k in env_vars:
-                os.environ.pop(k, None)
+            apply_env(dict.fromkeys(env_vars))  # every variable back to unset
             first = next(iter(cases.values()))
             errs = {t: c.check() for t, c in cases.items()}
             require_close(errs, 5e-2, f"L={L} m={m} forward")  # measured: 2e-3 to 7e-3
