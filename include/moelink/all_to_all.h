@@ -159,6 +159,11 @@ class AllToAll {
   // the value). Input errors are cleared once reported; a timeout is final.
   void check();
 
+  // Forgets the halves issued since the last complete dispatch + combine:
+  // the next call must be a dispatch send again. Only for halves that never
+  // ran, i.e. recorded into a CUDA-graph capture that failed and was thrown
+  // away; after halves that ran, the peers wait for the rest (and time out).
+  void reset_call_order();
   // The phases of the last dispatch and combine (waits for them). All zero
   // unless Options.profile is on and the backend has a proxy.
   CallTimes phase_times();

@@ -203,6 +203,12 @@ class AllToAll:
         moelink.TimeoutError for anything the backend flagged."""
         self._impl.check()
 
+    def reset_call_order(self) -> None:
+        """Forgets the halves issued since the last complete dispatch +
+        combine; only for halves that never ran (recorded into a CUDA-graph
+        capture that failed and was thrown away)."""
+        self._impl.reset_call_order()
+
     def close(self) -> None:
         """Frees the buffers now (otherwise done when garbage collected)."""
         self._impl.close()

@@ -515,6 +515,7 @@ void bind_all_to_all(nb::module_& m) {
            "expert_y"_a, "bound_m"_a, "do_send"_a = true, "do_recv"_a = true,
            "accumulate"_a = false, "stream"_a = 0)
       .def("check", &PyAllToAll::check)
+      .def("reset_call_order", [](PyAllToAll& a) { a.impl().reset_call_order(); })
       .def("phase_times",
            [](PyAllToAll& a) {
              CallTimes t;

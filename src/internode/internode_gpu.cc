@@ -38,6 +38,7 @@
 #include "internode/proxy.h"
 #include "moelink/errors.h"
 #include "nvlink/cuda_check.h"
+#include "nvlink/cuda_release.h"
 #include "nvlink/peer_memory.h"
 
 namespace moelink::detail::internode {
@@ -126,7 +127,7 @@ class FabricBuffer {
     MOELINK_CUDA_CHECK(cudaDeviceSynchronize());
   }
   ~FabricBuffer() {
-    if (memory_) cudaFree(memory_);
+    if (memory_) release_device_memory(memory_);
   }
   FabricBuffer(const FabricBuffer&) = delete;
   FabricBuffer& operator=(const FabricBuffer&) = delete;
@@ -198,13 +199,15 @@ class InternodeGpu final : public AllToAllImpl {
 
   ~InternodeGpu() override {
     // Work already queued may still wait for proxy steps: let it drain while
-    // the proxy runs. Errors here cannot be reported any more.
+    // the proxy runs. Errors here cannot be reported any more. Relaxed: the
+    // object may go while another stream of the process captures a graph.
+    RelaxedCaptureMode relaxed;
     cudaDeviceSynchronize();
     proxy_.reset();
     for (auto e : events_)
       if (e) cudaEventDestroy(e);
-    cudaFree(private_);
-    cudaFree(local_bases_);
+    release_device_memory(private_);
+    release_device_memory(local_bases_);
     if (proxy_stream_) cudaStreamDestroy(proxy_stream_);
   }
 

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/float_convert.h"
+#include "core/host_ops.h"
 #include "layer/layer_device.h"
 #include "moelink/errors.h"
 
@@ -19,11 +20,7 @@ int64_t bounded_rows(const int32_t* bound_m, int64_t rows) {
 class CpuLayerDevice final : public LayerDevice {
  public:
   bool host_memory() const override { return true; }
-  void* alloc(size_t bytes) override {
-    void* p = std::calloc(std::max<size_t>(bytes, 1), 1);
-    if (p == nullptr) throw std::bad_alloc();
-    return p;
-  }
+  void* alloc(size_t bytes) override { return zeroed_host_alloc(bytes); }
   void free(void* p) override { std::free(p); }
   void copy_in(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
   void copy_out(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
@@ -64,12 +61,19 @@ class CpuLayerDevice final : public LayerDevice {
 
   void copy_rows(void* dst, int64_t dst_stride_bytes, const void* src, int64_t src_stride_bytes,
                  int64_t row_bytes, const int32_t* bound_m, int64_t rows, int32_t* bound_m_dst,
-                 cudaStream_t) override {
+                 LayerErrorRecord* error, cudaStream_t) override {
     const int64_t m = bounded_rows(bound_m, rows);
     for (int64_t r = 0; r < m; ++r)
       std::memcpy(static_cast<char*>(dst) + r * dst_stride_bytes,
                   static_cast<const char*>(src) + r * src_stride_bytes, row_bytes);
-    if (bound_m_dst != nullptr) *bound_m_dst = *bound_m;
+    if (bound_m_dst == nullptr) return;
+    *bound_m_dst = static_cast<int32_t>(m);
+    if (m != *bound_m && error->code == 0) *error = {1, 0, *bound_m, rows};
+  }
+  LayerErrorRecord take_error(LayerErrorRecord* record, cudaStream_t) override {
+    const LayerErrorRecord e = *record;
+    *record = {};
+    return e;
   }
 
   std::shared_ptr<Graph> capture(const std::function<void(cudaStream_t)>&) override {

@@ -14,6 +14,17 @@
 
 namespace moelink::detail::layer {
 
+// What the layer's own kernels saw wrong in their input, in the layer's
+// memory (a `code` of 0 is none): so far only a bound_m outside [0, rows]
+// of the caller's x when forward() stages it for a CUDA graph (eager calls
+// have it reported by the Experts and the AllToAll that read it).
+struct LayerErrorRecord {
+  int32_t code;  // 1: bound_m out of range; the first writer wins
+  int32_t reserved;
+  int64_t value;  // bound_m
+  int64_t limit;  // the rows of x
+};
+
 class LayerDevice {
  public:
   virtual ~LayerDevice() = default;
@@ -38,11 +49,16 @@ class LayerDevice {
   // m = clamp(bound_m[0], 0, rows): m0 = min(m, half), m1 = m - m0.
   virtual void split_bound(const int32_t* bound_m, int64_t rows, int64_t half, int32_t* m0,
                            int32_t* m1, cudaStream_t stream) = 0;
-  // The first min(m, rows) rows of src into dst (and bound_m into
-  // bound_m_dst when non-null): the CUDA-graph staging copies.
+  // The first m = clamp(bound_m[0], 0, rows) rows of src into dst: the
+  // CUDA-graph staging copies. When bound_m_dst is non-null, m goes there
+  // too, and a bound_m outside [0, rows] is recorded in `error`.
   virtual void copy_rows(void* dst, int64_t dst_stride_bytes, const void* src,
                          int64_t src_stride_bytes, int64_t row_bytes, const int32_t* bound_m,
-                         int64_t rows, int32_t* bound_m_dst, cudaStream_t stream) = 0;
+                         int64_t rows, int32_t* bound_m_dst, LayerErrorRecord* error,
+                         cudaStream_t stream) = 0;
+  // Waits for the work on `stream`, returns the record and clears it (an
+  // empty record inside a CUDA-graph capture).
+  virtual LayerErrorRecord take_error(LayerErrorRecord* record, cudaStream_t stream) = 0;
 
   // CUDA graphs (GPU only; the host device throws InvalidArgument): what
   // `record` issues on the stream it is given becomes one executable graph.

@@ -14,7 +14,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <map>
+#include <string>
 #include <vector>
 
 #include "core/arg_checks.h"
@@ -195,6 +197,7 @@ class MoELayerImpl {
     ex_xs_ = Buffer(d, L_ * C_ * (H / 128) * 4);
     ex_y_ = Buffer(d, L_ * C_ * H * 2);
     bounds_ = Buffer(d, 4 * 4);  // m of the two micro-batches, the staged m
+    error_ = Buffer(d, sizeof(layer::LayerErrorRecord));
     // Weights (the gate as fp32 at most).
     gate_ = Buffer(d, E * H * 4);
     bias_ = Buffer(d, E * 4);
@@ -225,6 +228,10 @@ class MoELayerImpl {
     require_packed(call, "gate", w.gate);
     gate_dtype_ = w.gate.dtype;
     dev_->copy_in(gate_.get(), w.gate.data, E * H * dtype_size(w.gate.dtype));
+    // An fp32 gate multiplies an fp32 copy of x: its buffer exists from
+    // here, so that no forward() (a CUDA-graph capture above all) allocates.
+    if (gate_dtype_ == DType::kFloat32 && !x_f32_.get())
+      x_f32_ = Buffer(*dev_, options_.max_tokens * H * 4);
     if (model_.score_correction_bias) {
       check_tensor(call, "gate_bias", w.gate_bias, {DType::kFloat32}, {}, false);
       if (w.gate_bias.shape[0] != E) bad(call, "gate_bias", "has shape " + shape_str(w.gate_bias) + ", expected [" + std::to_string(E) + "] (e_score_correction_bias)");
@@ -287,16 +294,31 @@ class MoELayerImpl {
     const Tensor os = Tensor::contiguous(out_static_.get(), DType::kBFloat16, {bucket, H});
     int32_t* staged_m = bounds_.as<int32_t>() + 2;
     const Tensor sm = Tensor::contiguous(staged_m, DType::kInt32, {1});
+    // The graph runs on `bucket` rows, which may be more than x has: the
+    // staging copy checks bound_m against x's own rows (eager calls have
+    // the kernels that read it do so) and hands the graph m clamped.
     dev_->copy_rows(x_static_.get(), H * 2, x.data, x.stride[0] * 2, H * 2,
-                    static_cast<const int32_t*>(bound_m.data), std::min(rows, bucket), staged_m, stream);
+                    static_cast<const int32_t*>(bound_m.data), std::min(rows, bucket), staged_m,
+                    error_record(), stream);
     auto key = std::make_pair(bucket, static_cast<int>(mode));
     auto it = graphs_.find(key);
-    if (it == graphs_.end())
-      it = graphs_.emplace(key, dev_->capture([&](cudaStream_t s) { run(os, xs, sm, bucket, mode, s, false); }))
-               .first;
+    if (it == graphs_.end()) {
+      std::shared_ptr<LayerDevice::Graph> graph;
+      try {
+        graph = dev_->capture([&](cudaStream_t s) { run(os, xs, sm, bucket, mode, s, false); });
+      } catch (...) {
+        // Nothing captured ever ran: the AllToAlls go back to expecting a
+        // dispatch, so the next call starts fresh.
+        for (AllToAll* a : {a2a_.get(), mb_[0].get(), mb_[1].get()})
+          if (a != nullptr) a->reset_call_order();
+        throw;
+      }
+      it = graphs_.emplace(key, std::move(graph)).first;
+    }
     dev_->replay(*it->second, stream);
     dev_->copy_rows(out.data, out.stride[0] * 2, out_static_.get(), H * 2, H * 2,
-                    static_cast<const int32_t*>(bound_m.data), std::min(rows, bucket), nullptr, stream);
+                    static_cast<const int32_t*>(bound_m.data), std::min(rows, bucket), nullptr,
+                    nullptr, stream);
   }
 
   void route(const Tensor& indices, const Tensor& weights, const Tensor& x, const Tensor& bound_m,
@@ -318,13 +340,46 @@ class MoELayerImpl {
                stream);
   }
 
+  // Drains every part (each clears what it reports), so that no error
+  // outlives the check() after the call that caused it: the first is
+  // thrown as its own type, the others named in its message.
   void check(cudaStream_t stream) {
-    if (a2a_) a2a_->check();
+    std::vector<std::string> messages;
+    std::exception_ptr first;
+    auto take = [&](auto&& part_check) {
+      try {
+        part_check();
+      } catch (const Error& e) {
+        if (!first) first = std::current_exception();
+        messages.emplace_back(e.what());
+      }
+    };
+    take([&] { check_own(stream); });
+    if (a2a_) take([&] { a2a_->check(); });
     for (auto& m : mb_)
-      if (m) m->check();
-    experts_->check(stream);
-    if (shared_) shared_->check(stream);
-    if (shared_small_) shared_small_->check(stream);
+      if (m) take([&] { m->check(); });
+    take([&] { experts_->check(stream); });
+    if (shared_) take([&] { shared_->check(stream); });
+    if (shared_small_) take([&] { shared_small_->check(stream); });
+    if (!first) return;
+    if (messages.size() == 1) std::rethrow_exception(first);
+    std::string all = messages[0] + " [and " + std::to_string(messages.size() - 1) +
+                      " more reported since the last check(): ";
+    for (size_t i = 1; i < messages.size(); ++i) all += (i > 1 ? "; " : "") + messages[i];
+    all += "]";
+    try {
+      std::rethrow_exception(first);
+    } catch (const TimeoutError&) {
+      throw TimeoutError(all);
+    } catch (const InputError&) {
+      throw InputError(all);
+    } catch (const InvalidArgument&) {
+      throw InvalidArgument(all);
+    } catch (const SystemError&) {
+      throw SystemError(all);
+    } catch (const Error&) {
+      throw Error(all);
+    }
   }
 
   MoEStageTimes stage_times() {
@@ -365,6 +420,19 @@ class MoELayerImpl {
     kGemm2, kCombineSent, kDone
   };
 
+  layer::LayerErrorRecord* error_record() const {
+    return error_.as<layer::LayerErrorRecord>();
+  }
+  // What the layer's own kernels flagged (the CUDA-graph staging of bound_m).
+  void check_own(cudaStream_t stream) {
+    const layer::LayerErrorRecord e = dev_->take_error(error_record(), stream);
+    if (e.code == 0) return;
+    throw InputError("moelink: rank " + std::to_string(rank_) + ", MoELayer.forward: bound_m = " +
+                     std::to_string(e.value) + " is outside [0, " + std::to_string(e.limit) +
+                     "] (the rows x has); it was clamped, nothing was read or written out of "
+                     "bounds");
+  }
+
   bool profile() const {
     return options_.all_to_all.profile > 0 ||
            (options_.all_to_all.profile < 0 && env_flag("MOELINK_PROFILE"));
@@ -399,7 +467,13 @@ class MoELayerImpl {
       dev_->split_bound(m, rows, half_, m01, m01 + 1, stream);
       const int64_t h = std::min(half_, rows);
       const Batch a{mb_[0].get(), 0, h, Tensor::contiguous(m01, DType::kInt32, {1}), 0};
-      const Batch b{mb_[1].get(), h, rows - h, Tensor::contiguous(m01 + 1, DType::kInt32, {1}), 1};
+      // With rows <= half (one token, say) the second half is empty, but it
+      // still takes part in its AllToAll's collective calls (the peers may
+      // have tokens): m1 = 0 on a one-row view of row 0 that nothing reads
+      // or writes, since an AllToAll takes 1..T rows.
+      const Tensor m1 = Tensor::contiguous(m01 + 1, DType::kInt32, {1});
+      const Batch b = rows > h ? Batch{mb_[1].get(), h, rows - h, m1, 1}
+                               : Batch{mb_[1].get(), 0, 1, m1, 1};
       dispatch(a, xq, xs, true, false, stream);
       dispatch(b, xq, xs, true, false, stream);
       shared_expert();
@@ -516,14 +590,8 @@ class MoELayerImpl {
   void route_into(const Tensor& x, const Tensor& bound_m, int64_t rows, int32_t* indices,
                   float* weights, cudaStream_t stream) {
     const int32_t* m = static_cast<const int32_t*>(bound_m.data);
-    float* x_f32 = nullptr;
-    if (gate_dtype_ == DType::kFloat32) {
-      if (x_f32_.bytes() < static_cast<size_t>(options_.max_tokens * model_.hidden_size * 4))
-        x_f32_ = Buffer(*dev_, options_.max_tokens * model_.hidden_size * 4);
-      x_f32 = x_f32_.as<float>();
-    }
     dev_->gate_logits(logits_.as<float>(), x, gate_.get(), gate_dtype_, model_.n_routed_experts, m,
-                      x_f32, stream);
+                      x_f32_.as<float>(), stream);
     dev_->route(logits_.as<float>(), model_.score_correction_bias ? bias_.as<float>() : nullptr,
                 router_, m, rows, indices, weights, stream);
   }
@@ -672,7 +740,7 @@ class MoELayerImpl {
   // rows when max_tokens is larger (GPU backends).
   static constexpr int64_t kSmallSharedRows = 32;
   std::unique_ptr<Experts> experts_, shared_, shared_small_;
-  Buffer xq_, xs_, logits_, indices_, weights_, counts_, ex_x_, ex_xs_, ex_y_, bounds_, x_f32_;
+  Buffer xq_, xs_, logits_, indices_, weights_, counts_, ex_x_, ex_xs_, ex_y_, bounds_, x_f32_, error_;
   Buffer gate_, bias_, w13_, w13s_, w2_, w2s_, sw13_, sw13s_, sw2_, sw2s_, x_static_, out_static_;
   DType gate_dtype_ = DType::kBFloat16;
   Buffer profile_gu_, profile_act_, profile_acts_;  // experts' intermediates when timed

@@ -11,6 +11,7 @@
 #include "core/all_to_all_impl.h"
 #include "core/kernel_blocks.h"
 #include "nvlink/cuda_check.h"
+#include "nvlink/cuda_release.h"
 #include "nvlink/kernels.h"
 #include "nvlink/peer_memory.h"
 
@@ -42,7 +43,7 @@ class NvlinkAllToAll final : public AllToAllImpl {
     allocate_private_state();
   }
 
-  ~NvlinkAllToAll() override { cudaFree(private_); }
+  ~NvlinkAllToAll() override { release_device_memory(private_); }
 
   Backend backend() const override { return Backend::kNVLink; }
   size_t buffer_bytes() const override { return memory_->bytes(); }

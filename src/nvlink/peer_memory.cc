@@ -7,6 +7,7 @@
 #include <string>
 
 #include "nvlink/cuda_check.h"
+#include "nvlink/cuda_release.h"
 
 namespace moelink::detail {
 
@@ -48,11 +49,12 @@ PeerMemory::PeerMemory(size_t bytes, Bootstrap& bootstrap, int node_size)
 }
 
 PeerMemory::~PeerMemory() {
+  RelaxedCaptureMode relaxed;  // an AllToAll may go while someone else captures
   for (size_t r = 0; r < bases_.size(); ++r) {
     if (static_cast<int>(r) == rank_ || bases_[r] == nullptr) continue;
     cudaIpcCloseMemHandle(bases_[r]);
   }
-  cudaFree(bases_[rank_]);
+  release_device_memory(bases_[rank_]);
 }
 
 }  // namespace moelink::detail

@@ -11,6 +11,7 @@
 #include "core/all_to_all_impl.h"
 #include "core/kernel_blocks.h"
 #include "nvlink/cuda_check.h"
+#include "nvlink/cuda_release.h"
 #include "nvshmem/kernels.h"
 #include "nvshmem/runtime.h"
 
@@ -38,9 +39,11 @@ class NvshmemAllToAll final : public AllToAllImpl {
 
   ~NvshmemAllToAll() override {
     // The kernels that use the buffer must be done before another AllToAll
-    // of this process may take it from the pool.
+    // of this process may take it from the pool. Relaxed: the object may go
+    // while another stream of the process captures a graph.
+    RelaxedCaptureMode relaxed;
     cudaDeviceSynchronize();
-    cudaFree(private_);
+    release_device_memory(private_);
     if (sym_ != nullptr) shmem::symmetric_release(sym_);
   }
 

@@ -96,6 +96,22 @@ std::vector<LayerCase> layer_cases(Backend backend) {
     hot.one_hot_expert = true;
     cases.push_back(hot);
   }
+  // Batches of 0-3 tokens in every mode, each call after a refused one and
+  // a flagged one: the layer (and its AllToAlls) must stay usable and
+  // check() must report each call's errors once.
+  for (int world : {1, 2})
+    for (const auto& [mode, mode_name] : modes) {
+      LayerCase c;
+      c.name = "DeepSeekLike_W" + std::to_string(world) + "_" + mode_name + "_FewRowsAfterBadCalls";
+      c.model = deepseek_like_model();
+      c.backend = backend;
+      c.world = world;
+      c.overlap = mode;
+      c.max_tokens = 8;
+      c.ms = {1, 0, 2, 3, 1};
+      c.bad_calls = true;
+      cases.push_back(c);
+    }
   LayerCase dp;
   dp.name = "DeepSeekLike_W4_Dp2_MicroBatch";
   dp.model = deepseek_like_model();
@@ -144,27 +160,54 @@ void run_layer_case(const LayerCase& c) {
         auto layer = moelink::MoELayer::create(m, o, boot);
         LayerWeights w = random_layer_weights(m, seed);
         if (c.one_hot_expert) w.gate_bias.at(0) += 10.0f;
-        layer->set_weights(w.view(m, rank, layer->num_local_experts()));
+        moelink::MoEWeights view = w.view(m, rank, layer->num_local_experts());
+        std::vector<float> gate_f32(w.gate.size());
+        if (c.fp32_gate) {
+          for (size_t i = 0; i < w.gate.size(); ++i) gate_f32[i] = static_cast<float>(bf16_to_double(w.gate[i]));
+          view.gate = Tensor::contiguous(gate_f32.data(), DType::kFloat32, {m.n_routed_experts, m.hidden_size});
+        }
+        layer->set_weights(view);
         const int64_t T = c.max_tokens, H = m.hidden_size;
         void* dx = ops->alloc(T * H * 2);
         void* dout = ops->alloc(T * H * 2);
         void* dm = ops->alloc(4);
         RowStats st;
-        for (int round = 0; round < c.rounds; ++round) {
-          // The ranks of a DP group hold the same tokens.
-          std::mt19937_64 rng(seed ^ (0x9E3779B97F4A7C15ull * (rank / c.dp_size + 1)) ^ (round + 1));
+        const int group = rank / c.dp_size;  // the ranks of a DP group hold the same tokens
+        const int rounds = c.ms.empty() ? c.rounds : static_cast<int>(c.ms.size());
+        for (int round = 0; round < rounds; ++round) {
+          std::mt19937_64 rng(seed ^ (0x9E3779B97F4A7C15ull * (group + 1)) ^ (round + 1));
           std::normal_distribution<double> nd(0.0, 1.0);
-          const int32_t mm = round == 0 ? static_cast<int32_t>(T) - (rank / c.dp_size) % 3
-                                        : std::uniform_int_distribution<int32_t>(0, static_cast<int32_t>(T))(rng);
+          int32_t mm = round == 0 ? static_cast<int32_t>(T) - group % 3
+                                  : std::uniform_int_distribution<int32_t>(0, static_cast<int32_t>(T))(rng);
+          if (!c.ms.empty()) mm = c.ms[(round + group) % c.ms.size()];
+          const int64_t rows = c.ms.empty() ? T : std::max<int32_t>(mm, 1);
           std::vector<uint16_t> x(T * H);
           for (auto& v : x) v = bf16_bits_exact(round_to_bf16(nd(rng)));
           ops->h2d(dx, x.data(), x.size() * 2);
+          const Tensor tx = Tensor::contiguous(dx, DType::kBFloat16, {rows, H}),
+                       tout = Tensor::contiguous(dout, DType::kBFloat16, {rows, H}),
+                       tm = Tensor::contiguous(dm, DType::kInt32, {1});
+          const int64_t num_tokens = c.num_tokens_is_m ? mm : T;
+          if (c.bad_calls) {
+            const std::string when = "round " + std::to_string(round);
+            // Refused on the host before anything runs (on every rank alike).
+            expect_throw_naming<moelink::InvalidArgument>(
+                [&] {
+                  layer->forward(Tensor::contiguous(dout, DType::kFloat16, {rows, H}), tx, tm,
+                                 ops->stream(), num_tokens);
+                },
+                {"out"}, when + ", fp16 out");
+            // Runs clamped; its own check() reports it, and no later one does.
+            const int32_t past = static_cast<int32_t>(rows) + 3;
+            ops->h2d(dm, &past, 4);
+            layer->forward(tout, tx, tm, ops->stream(), num_tokens);
+            expect_throw_naming<moelink::InputError>([&] { layer->check(ops->stream()); },
+                                                     {"bound_m = " + std::to_string(past)},
+                                                     when + ", bound_m past x's rows");
+          }
           ops->h2d(dm, &mm, 4);
           ops->fill(dout, 0x7F, T * H * 2);
-          layer->forward(Tensor::contiguous(dout, DType::kBFloat16, {T, H}),
-                         Tensor::contiguous(dx, DType::kBFloat16, {T, H}),
-                         Tensor::contiguous(dm, DType::kInt32, {1}), ops->stream(),
-                         c.num_tokens_is_m ? mm : T);
+          layer->forward(tout, tx, tm, ops->stream(), num_tokens);
           layer->check(ops->stream());
           std::vector<uint16_t> out(T * H);
           ops->d2h(out.data(), dout, out.size() * 2);

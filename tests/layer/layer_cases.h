@@ -36,6 +36,16 @@ struct LayerCase {
   // Expert 0's e_score_correction_bias raised so that every token picks it:
   // more routes to one expert than a micro-batch has tokens.
   bool one_hot_expert = false;
+  // m of each round (replaces `rounds`; rank r of DP group g takes entry
+  // (round + g) mod size), with x and out holding max(m, 1) rows: tiny and
+  // empty batches, one-token micro-batches. Empty: T rows, random m.
+  std::vector<int32_t> ms;
+  // Before each round's call: one refused on the host (out of the wrong
+  // dtype) and one with bound_m past x's rows, whose check() must report
+  // it; the good call after them must run and check() clean.
+  bool bad_calls = false;
+  // The router weight given in fp32 (the same values as the bf16 one).
+  bool fp32_gate = false;
 };
 
 // Every overlap mode on worlds 1, 2 and 4 (and DP 2) for the three models.

@@ -20,6 +20,10 @@
 #include "moelink/errors.h"
 #include "rank_harness.h"
 #include "ref_dtype.h"
+#if defined(MOELINK_WITH_CUDA)
+#include "gpu_memory_ops.h"  // CUDA_OK
+#include "moelink/experts.h"
+#endif
 
 namespace moelink_test {
 namespace {
@@ -61,6 +65,39 @@ std::vector<LayerCase> gpu_layer_cases() {
       if (ch == '-') ch = '_';
     cases.push_back(c);
   }
+  // Graphs with 0-3 tokens after bad calls, in every mode, with the router
+  // weight in fp32 (its staging buffer once was allocated inside the
+  // capture) and in bf16; an eager fp32 router too.
+  for (int world : {1, 2})
+    for (MoEOverlap mode : {MoEOverlap::kNone, MoEOverlap::kDispatchOverlap, MoEOverlap::kMicroBatch})
+      for (bool fp32_gate : {false, true}) {
+        LayerCase c;
+        c.model = deepseek_like_model();
+        c.backend = Backend::kNVLink;
+        c.world = world;
+        c.overlap = mode;
+        c.cuda_graphs = true;
+        c.max_tokens = 8;
+        c.ms = {1, 0, 2, 3, 1, 8};
+        c.bad_calls = true;
+        c.fp32_gate = fp32_gate;
+        c.name = "DeepSeekLike_W" + std::to_string(world) + "_Graphs_" +
+                 moelink::moe_overlap_name(mode) + (fp32_gate ? "_Fp32Gate" : "_Bf16Gate") +
+                 "_FewRowsAfterBadCalls";
+        for (char& ch : c.name)
+          if (ch == '-') ch = '_';
+        cases.push_back(c);
+      }
+  {
+    LayerCase c;
+    c.model = deepseek_like_model();
+    c.backend = Backend::kNVLink;
+    c.world = 2;
+    c.overlap = MoEOverlap::kMicroBatch;
+    c.fp32_gate = true;
+    c.name = "DeepSeekLike_W2_MicroBatch_Fp32Gate";
+    cases.push_back(c);
+  }
   // T = 64 with num_tokens = m: calls of <= 32 rows take the decode-sized
   // shared expert (split over K), larger ones the T-row one.
   for (bool graphs : {false, true}) {
@@ -80,6 +117,91 @@ std::vector<LayerCase> gpu_layer_cases() {
 }
 INSTANTIATE_TEST_SUITE_P(Cases, GpuMoELayer, ::testing::ValuesIn(gpu_layer_cases()),
                          [](const auto& info) { return info.param.name; });
+
+// Engines capture graphs while other objects come and go: an Experts, a
+// MoELayer (with a captured graph of its own) and an AllToAll destroyed
+// while another stream of the process captures, in each capture mode that
+// forbids unsafe calls, must leave that capture valid and its graph right.
+TEST(GpuCaptureSafety, ObjectsDestroyedDuringAnotherStreamsCapture) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << kNoGpu;
+  run_ranks(1, [&](int, moelink::Bootstrap& boot) {
+    CUDA_OK(cudaSetDevice(0));
+    const MoEModelConfig m = deepseek_like_model();
+    LayerWeights w = random_layer_weights(m, fresh_seed());
+    constexpr size_t kBytes = 1 << 16;
+    void* buf = nullptr;
+    CUDA_OK(cudaMalloc(&buf, kBytes));
+    cudaStream_t s;
+    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    for (cudaStreamCaptureMode mode : {cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal}) {
+      const std::string when = mode == cudaStreamCaptureModeGlobal ? "global mode" : "thread-local mode";
+      moelink::ExpertConfig ec;
+      ec.num_experts = 4;
+      ec.max_rows = 32;
+      ec.hidden_dim = 256;
+      ec.intermediate_dim = 128;
+      auto experts = moelink::Experts::create(ec);
+      moelink::MoELayerOptions o;
+      o.max_tokens = 8;
+      o.cuda_graphs = true;
+      o.all_to_all.backend = Backend::kNVLink;
+      auto layer = moelink::MoELayer::create(m, o, boot);
+      layer->set_weights(w.view(m, 0, layer->num_local_experts()));
+      GpuMemoryOps ops(0);
+      void* dx = ops.alloc(8 * m.hidden_size * 2);
+      void* dout = ops.alloc(8 * m.hidden_size * 2);
+      void* dm = ops.alloc(4);
+      const int32_t mm = 5;
+      ops.fill(dx, 0x3C, 8 * m.hidden_size * 2);
+      ops.h2d(dm, &mm, 4);
+      layer->forward(Tensor::contiguous(dout, DType::kBFloat16, {8, m.hidden_size}),
+                     Tensor::contiguous(dx, DType::kBFloat16, {8, m.hidden_size}),
+                     Tensor::contiguous(dm, DType::kInt32, {1}), ops.stream());
+      layer->check(ops.stream());
+      moelink::Config ac;
+      ac.max_num_tokens = 8;
+      ac.num_experts = 8;
+      ac.experts_per_token = 2;
+      ac.hidden_dim = 256;
+      ac.in_dtype = DType::kBFloat16;
+      ac.out_dtype = DType::kBFloat16;
+      auto a2a = moelink::AllToAll::create(ac, boot);
+      CUDA_OK(cudaDeviceSynchronize());
+
+      CUDA_OK(cudaStreamBeginCapture(s, mode));
+      CUDA_OK(cudaMemsetAsync(buf, 0x11, kBytes / 2, s));
+      experts.reset();
+      layer.reset();
+      a2a.reset();
+      CUDA_OK(cudaMemsetAsync(static_cast<char*>(buf) + kBytes / 2, 0x22, kBytes / 2, s));
+      cudaGraph_t graph = nullptr;
+      const cudaError_t ended = cudaStreamEndCapture(s, &graph);
+      RANK_CHECK(ended == cudaSuccess) << when << ": the capture broke: " << cudaGetErrorString(ended);
+      if (ended != cudaSuccess) {
+        (void)cudaGetLastError();
+        continue;
+      }
+      cudaGraphExec_t exec = nullptr;
+      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      CUDA_OK(cudaMemset(buf, 0, kBytes));
+      CUDA_OK(cudaGraphLaunch(exec, s));
+      CUDA_OK(cudaStreamSynchronize(s));
+      std::vector<uint8_t> host(kBytes);
+      CUDA_OK(cudaMemcpy(host.data(), buf, kBytes, cudaMemcpyDeviceToHost));
+      RANK_CHECK(host[0] == 0x11 && host[kBytes / 2 - 1] == 0x11 && host[kBytes / 2] == 0x22 &&
+                 host[kBytes - 1] == 0x22)
+          << when << ": the graph did not do what was captured";
+      RANK_CHECK(cudaGetLastError() == cudaSuccess) << when << ": an error was left behind";
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      ops.free(dx);
+      ops.free(dout);
+      ops.free(dm);
+    }
+    cudaStreamDestroy(s);
+    cudaFree(buf);
+  }, 120);
+}
 #endif
 
 // ------------------------------------------------------------ router

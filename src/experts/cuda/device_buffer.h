@@ -1,5 +1,6 @@
 // Owned device memory (cudaMalloc / cudaFree), so that a constructor that
-// throws half-way frees what it had allocated.
+// throws half-way frees what it had allocated; freed in a way that is legal
+// during another stream's graph capture (nvlink/cuda_release.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -8,11 +9,12 @@
 #include <memory>
 
 #include "nvlink/cuda_check.h"
+#include "nvlink/cuda_release.h"
 
 namespace moelink::detail::experts {
 
 struct CudaFree {
-  void operator()(void* p) const { cudaFree(p); }
+  void operator()(void* p) const { release_device_memory(p); }
 };
 using DeviceBuffer = std::unique_ptr<void, CudaFree>;
 

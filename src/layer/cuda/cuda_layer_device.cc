@@ -11,6 +11,7 @@
 #include "layer/layer_device.h"
 #include "moelink/errors.h"
 #include "nvlink/cuda_check.h"
+#include "nvlink/cuda_release.h"
 
 namespace moelink::detail::layer {
 
@@ -18,6 +19,7 @@ struct LayerDevice::Graph {
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   ~Graph() {
+    RelaxedCaptureMode relaxed;  // a layer may go while someone else captures
     if (exec) cudaGraphExecDestroy(exec);
     if (graph) cudaGraphDestroy(graph);
   }
@@ -41,10 +43,11 @@ class CudaLayerDevice final : public LayerDevice {
     cublas_ok(cublasSetWorkspace(cublas_, cublas_workspace_, kCublasWorkspace), "cublasSetWorkspace");
   }
   ~CudaLayerDevice() override {
+    RelaxedCaptureMode relaxed;  // a layer may go while someone else captures
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
     if (capture_stream_) cudaStreamDestroy(capture_stream_);
     cublasDestroy(cublas_);
-    cudaFree(cublas_workspace_);
+    release_device_memory(cublas_workspace_);
   }
 
   bool host_memory() const override { return false; }
@@ -54,7 +57,7 @@ class CudaLayerDevice final : public LayerDevice {
     MOELINK_CUDA_CHECK(cudaMemset(p, 0, bytes > 0 ? bytes : 1));
     return p;
   }
-  void free(void* p) override { cudaFree(p); }
+  void free(void* p) override { release_device_memory(p); }
   void copy_in(void* dst, const void* src, size_t bytes) override {
     MOELINK_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
   }
@@ -99,9 +102,12 @@ class CudaLayerDevice final : public LayerDevice {
 
   void copy_rows(void* dst, int64_t dst_stride_bytes, const void* src, int64_t src_stride_bytes,
                  int64_t row_bytes, const int32_t* bound_m, int64_t rows, int32_t* bound_m_dst,
-                 cudaStream_t stream) override {
+                 LayerErrorRecord* error, cudaStream_t stream) override {
     launch_copy_rows(dst, dst_stride_bytes, src, src_stride_bytes, row_bytes, bound_m, rows,
-                     bound_m_dst, stream);
+                     bound_m_dst, error, stream);
+  }
+  LayerErrorRecord take_error(LayerErrorRecord* record, cudaStream_t stream) override {
+    return take_device_record(stream, record, [](const LayerErrorRecord&) { return true; });
   }
 
   std::shared_ptr<Graph> capture(const std::function<void(cudaStream_t)>& record) override {
@@ -109,17 +115,32 @@ class CudaLayerDevice final : public LayerDevice {
       MOELINK_CUDA_CHECK(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking));
     cudaStream_t stream = capture_stream_;
     MOELINK_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    try {
-      record(stream);
-    } catch (...) {
+    // A capture that fails (record throws, or CUDA invalidated it) is ended
+    // and its error taken off the runtime's last-error slot, so that the
+    // next call starts on a clean stream instead of inheriting it.
+    auto abandon = [stream] {
       cudaGraph_t broken = nullptr;
       cudaStreamEndCapture(stream, &broken);
       if (broken) cudaGraphDestroy(broken);
+      (void)cudaGetLastError();
+    };
+    try {
+      record(stream);
+    } catch (...) {
+      abandon();
       throw;
     }
     auto g = std::make_shared<Graph>();
-    MOELINK_CUDA_CHECK(cudaStreamEndCapture(stream, &g->graph));
-    MOELINK_CUDA_CHECK(cudaGraphInstantiate(&g->exec, g->graph, 0));
+    const cudaError_t ended = cudaStreamEndCapture(stream, &g->graph);
+    if (ended != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw_cuda_error(ended, "cudaStreamEndCapture (the MoE layer's graph)", __FILE__, __LINE__);
+    }
+    const cudaError_t made = cudaGraphInstantiate(&g->exec, g->graph, 0);
+    if (made != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw_cuda_error(made, "cudaGraphInstantiate (the MoE layer's graph)", __FILE__, __LINE__);
+    }
     return g;
   }
   void replay(Graph& g, cudaStream_t stream) override {

@@ -151,9 +151,16 @@ __global__ void split_bound_kernel(const int32_t* bound_m, int64_t rows, int64_t
 
 __global__ void copy_rows_kernel(char* dst, int64_t dst_stride, const char* src, int64_t src_stride,
                                  int64_t row_bytes, const int32_t* bound_m, int64_t rows,
-                                 int32_t* bound_m_dst) {
-  const int64_t m = min(static_cast<int64_t>(max(*bound_m, 0)), rows);
-  if (bound_m_dst != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *bound_m_dst = *bound_m;
+                                 int32_t* bound_m_dst, LayerErrorRecord* error) {
+  const int32_t asked = *bound_m;
+  const int64_t m = min(static_cast<int64_t>(max(asked, 0)), rows);
+  if (bound_m_dst != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    *bound_m_dst = static_cast<int32_t>(m);
+    if (m != asked && atomicCAS(&error->code, 0, 1) == 0) {
+      error->value = asked;
+      error->limit = rows;
+    }
+  }
   const int64_t vecs = row_bytes / 16;
   for (int64_t r = blockIdx.x; r < m; r += gridDim.x) {
     const uint4* s = reinterpret_cast<const uint4*>(src + r * src_stride);
@@ -208,11 +215,12 @@ void launch_split_bound(const int32_t* bound_m, int64_t rows, int64_t half, int3
 
 void launch_copy_rows(void* dst, int64_t dst_stride_bytes, const void* src,
                       int64_t src_stride_bytes, int64_t row_bytes, const int32_t* bound_m,
-                      int64_t rows, int32_t* bound_m_dst, cudaStream_t stream) {
+                      int64_t rows, int32_t* bound_m_dst, LayerErrorRecord* error,
+                      cudaStream_t stream) {
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, 1024)));
   copy_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<char*>(dst), dst_stride_bytes,
                                                static_cast<const char*>(src), src_stride_bytes,
-                                               row_bytes, bound_m, rows, bound_m_dst);
+                                               row_bytes, bound_m, rows, bound_m_dst, error);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "layer/layer_device.h"
 #include "layer/router.h"
 
 namespace moelink::detail::layer {
@@ -21,11 +22,13 @@ void launch_router(const float* logits, int64_t logits_stride, const float* bias
 void launch_split_bound(const int32_t* bound_m, int64_t rows, int64_t half, int32_t* m0,
                         int32_t* m1, cudaStream_t stream);
 
-// Rows r < min(bound_m[0], rows) of `src` to `dst` (row_bytes each, 16-byte
-// aligned rows), with bound_m also copied to bound_m_dst when non-null.
+// Rows r < m = clamp(bound_m[0], 0, rows) of `src` to `dst` (row_bytes
+// each, 16-byte aligned rows). When bound_m_dst is non-null, m goes there
+// too, and a bound_m outside [0, rows] is recorded in `error`.
 void launch_copy_rows(void* dst, int64_t dst_stride_bytes, const void* src,
                       int64_t src_stride_bytes, int64_t row_bytes, const int32_t* bound_m,
-                      int64_t rows, int32_t* bound_m_dst, cudaStream_t stream);
+                      int64_t rows, int32_t* bound_m_dst, LayerErrorRecord* error,
+                      cudaStream_t stream);
 
 // dst [rows, cols] fp32 (packed) = src [rows, cols] bf16 (row stride in elements).
 void launch_bf16_to_f32(float* dst, const uint16_t* src, int64_t src_stride, int64_t rows,
