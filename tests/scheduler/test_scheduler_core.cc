@@ -234,6 +234,37 @@ TEST_F(CoreTest, StoredEventsWithAnUnknownParentAreDroppedNotRefused) {
   EXPECT_TRUE(s->status().ok());
 }
 
+// The same rule for events without token ids (their hashes are moelink
+// block hashes): the parent must be a block the engine stored, still holds
+// and reported since it registered, or the event is dropped and counted. An
+// engine that sends a child before its parent loses the child.
+TEST_F(CoreTest, StoredEventsWithoutTokensNeedAKnownParentToo) {
+  TestEngine e = add("e");
+  const uint64_t never = 0xabcdef, gone = 3, one = 1, two = 2, ten = 10;
+  v1::KvEvent rm;
+  rm.mutable_removed()->add_block_hashes(gone);
+  const std::vector<v1::KvEvent> events = {
+      stored({one, two}),            // a root chain: placed
+      stored({4}, &never),           // parent never stored
+      stored({11}, &ten),            // the child before its parent
+      stored({ten}, &two),           // placed
+      stored({gone}, &one),          // placed, then removed
+      rm,
+      stored({5}, &gone),            // parent removed
+  };
+  ASSERT_TRUE(report(e, {}, events).ok());
+  EXPECT_EQ(stats().engines(0).dropped_kv_events(), 3u);
+  EXPECT_EQ(stats().engines(0).indexed_blocks(), 3u);  // 1, 2, 10
+  // What was dropped is not matched: a prompt of blocks 1, 2, 10, 11 finds
+  // three of them on e.
+  const auto prompt = random_tokens(16 * 4, rng);
+  std::vector<uint64_t> h = prompt_block_hashes(prompt, 16);
+  ASSERT_TRUE(report(e, {}, {stored({h[0], h[1]}), stored({h[3]}, &h[2])}).ok());
+  EXPECT_EQ(stats().engines(0).dropped_kv_events(), 4u);
+  auto s = submit(generate_request(prompt, 4));
+  EXPECT_EQ(s->messages()[0].accepted().expected_cached_tokens(), 32u);
+}
+
 TEST_F(CoreTest, RecentRoutingsCountUntilEventsArrive) {
   options.provisional_ttl_ms = 1000;
   make(options);
@@ -250,6 +281,55 @@ TEST_F(CoreTest, RecentRoutingsCountUntilEventsArrive) {
   advance(1500);
   auto third = submit(generate_request(with_suffix, 4));
   EXPECT_EQ(third->messages()[0].accepted().expected_cached_tokens(), 0u);
+}
+
+// An engine's part of the prefix index holds at most the kv_capacity_blocks
+// it declared: what a report stores beyond that is refused (newest first) and
+// counted, so an engine that never reports removals cannot grow the
+// scheduler's memory. Removals later in the same report make room first.
+TEST_F(CoreTest, AnEnginesIndexIsBoundedByItsDeclaredCapacity) {
+  TestEngine e = add("small", 8);
+  std::vector<uint64_t> chain;
+  for (uint64_t h = 1; h <= 20; ++h) chain.push_back(h);
+  ASSERT_TRUE(report(e, {}, {stored(chain)}).ok());
+  EXPECT_EQ(stats().engines(0).indexed_blocks(), 8u);
+  EXPECT_EQ(stats().engines(0).refused_kv_blocks(), 12u);
+  // Blocks 9..20 were refused: a child of 20 has an unknown parent.
+  const uint64_t twenty = 20, eight = 8;
+  ASSERT_TRUE(report(e, {}, {stored({21}, &twenty)}).ok());
+  EXPECT_EQ(stats().engines(0).dropped_kv_events(), 1u);
+  // Full: a child of 8 is refused too, and a second report cannot add more.
+  ASSERT_TRUE(report(e, {}, {stored({21}, &eight), stored({100, 101})}).ok());
+  EXPECT_EQ(stats().engines(0).indexed_blocks(), 8u);
+  EXPECT_EQ(stats().engines(0).refused_kv_blocks(), 15u);
+  // Stores before the removals that make room for them, in one report (as
+  // moelink-engine-sim sends them): all kept.
+  v1::KvEvent rm;
+  for (uint64_t h : {5, 6, 7, 8}) rm.mutable_removed()->add_block_hashes(h);
+  ASSERT_TRUE(report(e, {}, {stored({200, 201, 202, 203}), rm}).ok());
+  EXPECT_EQ(stats().engines(0).indexed_blocks(), 8u);
+  EXPECT_EQ(stats().engines(0).refused_kv_blocks(), 15u);
+  // With token ids the engine's hashes are mapped; refused blocks leave no
+  // mapping behind (a child of one is dropped), and the map is bounded too.
+  rm.mutable_removed()->Clear();
+  for (uint64_t h : {1, 2, 3, 4}) rm.mutable_removed()->add_block_hashes(h);
+  const auto tokens = random_tokens(16 * 6, rng);
+  const uint64_t last = 306;
+  ASSERT_TRUE(report(e, {}, {rm, stored({301, 302, 303, 304, 305, 306}, nullptr, tokens)}).ok());
+  EXPECT_EQ(stats().engines(0).indexed_blocks(), 8u);
+  EXPECT_EQ(stats().engines(0).refused_kv_blocks(), 17u);
+  ASSERT_TRUE(report(e, {}, {stored({307}, &last, random_tokens(16, rng))}).ok());
+  EXPECT_EQ(stats().engines(0).dropped_kv_events(), 2u);
+  // The first four token blocks were kept: the prompt's first 64 tokens match.
+  auto s = submit(generate_request(tokens, 4));
+  EXPECT_EQ(s->messages()[0].accepted().expected_cached_tokens(), 64u);
+  // 20,000 blocks in one report from an engine of 1,024: 1,024 indexed.
+  TestEngine big = add("big", 1024);
+  std::vector<uint64_t> many(20000);
+  for (size_t i = 0; i < many.size(); ++i) many[i] = 1000000 + i;
+  ASSERT_TRUE(report(big, {}, {stored(many)}).ok());
+  EXPECT_EQ(stats().engines(1).indexed_blocks(), 1024u);
+  EXPECT_EQ(stats().engines(1).refused_kv_blocks(), 20000u - 1024u);
 }
 
 TEST_F(CoreTest, SpreadsRequestsWhenNothingIsShared) {
@@ -336,6 +416,38 @@ TEST_F(CoreTest, StreamsTokensAndFinishes) {
   EXPECT_EQ(fin.finished().engine_id(), "e");
   EXPECT_EQ(stats().finished(), 1u);
   EXPECT_EQ(stats().engines(0).outstanding(), 0u);
+}
+
+// Resume of a finished request ends with the same Finished event as the
+// request's own stream did (the engine that ran it, the prompt tokens it found
+// cached), though the request no longer belongs to an engine.
+TEST_F(CoreTest, ResumeOfAFinishedRequestNamesItsEngineAndCachedTokens) {
+  TestEngine a = add("a"), b = add("b");
+  auto s = submit(generate_request(random_tokens(40, rng), 3, "done"));
+  TestEngine& ran = engine_of(*s) == "a" ? a : b;
+  ASSERT_TRUE(report(ran, {progress("done", P::STARTED, {}, 0, 32)}).ok());
+  ASSERT_TRUE(report(ran, {progress("done", P::FINISHED, {7, 8, 9}, 0)}).ok());
+  ASSERT_TRUE(s->status().ok());
+  const v1::Finished generated = s->messages().back().finished();
+  EXPECT_EQ(generated.engine_id(), ran.id);
+  EXPECT_EQ(generated.cached_tokens(), 32u);
+  for (uint32_t from : {0u, 3u}) {
+    v1::ResumeRequest rr;
+    rr.set_request_id("done");
+    rr.set_from_token(from);
+    auto resumed = std::make_shared<EventSink>();
+    ASSERT_TRUE(core->resume(rr, resumed).ok());
+    ASSERT_TRUE(resumed->status().ok());
+    const auto msgs = resumed->messages();
+    ASSERT_FALSE(msgs.empty());
+    ASSERT_TRUE(msgs.back().has_finished());
+    const v1::Finished& f = msgs.back().finished();
+    EXPECT_EQ(f.engine_id(), ran.id) << "from_token " << from;
+    EXPECT_EQ(f.cached_tokens(), 32u) << "from_token " << from;
+    EXPECT_EQ(f.output_tokens(), 3u);
+    EXPECT_EQ(f.finish_reason(), generated.finish_reason());
+    EXPECT_EQ(tokens_of(*resumed).size(), 3u - from);
+  }
 }
 
 TEST_F(CoreTest, ProgressOfARequestNoLongerTheEnginesIsRevoked) {

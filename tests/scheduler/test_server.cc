@@ -8,9 +8,14 @@
 #include <fstream>
 #include <thread>
 
+#include <grpcpp/create_channel.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/security/credentials.h>
+
 #include "moelink/scheduler/client.h"
 #include "moelink/scheduler/engine_client.h"
 #include "moelink/scheduler/server.h"
+#include "scheduler/server/parse_request.h"
 #include "scheduler_test_util.h"
 
 namespace moelink::scheduler {
@@ -135,6 +140,109 @@ TEST(Server, BadRequestsGetAStatusNotACrash) {
   expect_status(s, grpc::StatusCode::OUT_OF_RANGE, {"200000 tokens"});
   v1::Stats st;
   EXPECT_TRUE(client.stats(&st).ok());
+}
+
+// Sends `bytes` as the request of `method` through a generic call (one
+// message, then half-close: what a unary or a server-streaming stub sends)
+// and returns the call's status. A 10 s deadline: never a hang.
+grpc::Status raw_call(const std::string& target, const std::string& method, const std::string& bytes) {
+  grpc::GenericStub stub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  auto call = stub.PrepareCall(&ctx, method, &cq);
+  void* tag;
+  bool ok = false;
+  auto wait = [&] { EXPECT_TRUE(cq.Next(&tag, &ok)); };
+  call->StartCall(nullptr);
+  wait();
+  grpc::Slice slice(bytes);
+  call->WriteLast(grpc::ByteBuffer(&slice, 1), grpc::WriteOptions(), nullptr);
+  wait();
+  grpc::ByteBuffer response;
+  do {
+    call->Read(&response, nullptr);
+    wait();
+  } while (ok);
+  grpc::Status status;
+  call->Finish(&status, nullptr);
+  wait();
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return status;
+}
+
+// Bytes that are not the method's message get INVALID_ARGUMENT naming the
+// message and, where the bytes tell, the field; not gRPC's bare
+// UNIMPLEMENTED, which reads as a missing method. Every method, unary and
+// streaming.
+TEST(Server, UnparsableRequestsGetInvalidArgumentNamingTheMessageAndField) {
+  SchedulerServer server(loopback());
+  const std::string target = target_of(server);
+  const std::string gw = "/moelink.scheduler.v1.EngineGateway/", fe = "/moelink.scheduler.v1.Frontend/";
+  const std::string garbage(11, '\xff');  // a tag varint longer than 10 bytes
+  const std::pair<std::string, const char*> methods[] = {
+      {gw + "Register", "RegisterRequest"},
+      {gw + "ReceiveAssignments", "ReceiveAssignmentsRequest"},  // streaming
+      {gw + "Report", "EngineReport"},
+      {gw + "Leave", "LeaveRequest"},
+      {fe + "Generate", "GenerateRequest"},  // streaming
+      {fe + "Resume", "ResumeRequest"},      // streaming
+      {fe + "Cancel", "CancelRequest"},
+      {fe + "GetStats", "StatsRequest"},
+  };
+  for (const auto& [method, message] : methods) {
+    SCOPED_TRACE(method);
+    const std::string want = std::string("could not parse ") + message + " (11 bytes)";
+    expect_status(raw_call(target, method, garbage), grpc::StatusCode::INVALID_ARGUMENT,
+                  {want.c_str(), "byte 0", "field tag"});
+  }
+  // A field cut short: a prompt of 100 tokens (200 bytes), the last 50 bytes missing.
+  std::string bytes = generate_request(std::vector<uint32_t>(100, 300), 4, "cut").SerializeAsString();
+  bytes.resize(bytes.size() - 50);
+  expect_status(raw_call(target, fe + "Generate", bytes), grpc::StatusCode::INVALID_ARGUMENT,
+                {"could not parse GenerateRequest", "prompt_tokens (field 2)", "200 bytes",
+                 "runs past the end of the message"});
+  // In a nested message: EngineReport.load (4) holding running (1), a varint cut short.
+  expect_status(raw_call(target, gw + "Report", std::string("\x22\x02\x08\xff", 4)),
+                grpc::StatusCode::INVALID_ARGUMENT,
+                {"could not parse EngineReport", "load.running (field 1) at byte 2", "varint is cut short"});
+  // A string that is not UTF-8, and a wire type beyond 5.
+  expect_status(raw_call(target, fe + "Resume", std::string("\x0a\x02\xc3\x28", 4)),
+                grpc::StatusCode::INVALID_ARGUMENT,
+                {"could not parse ResumeRequest", "request_id (field 1)", "not valid UTF-8"});
+  expect_status(raw_call(target, fe + "Cancel", std::string("\x0f", 1)), grpc::StatusCode::INVALID_ARGUMENT,
+                {"could not parse CancelRequest", "request_id (field 1)", "wire type 7", "0-5"});
+  // Well-formed bytes still work, unknown fields included (field 100 = 1).
+  EXPECT_TRUE(raw_call(target, fe + "GetStats", std::string("\xa0\x06\x01", 3)).ok());
+  // An unknown method keeps gRPC's UNIMPLEMENTED.
+  EXPECT_EQ(raw_call(target, fe + "Nope", "").error_code(), grpc::StatusCode::UNIMPLEMENTED);
+}
+
+// The walk that names the field accepts what protobuf accepts.
+TEST(ParseRequest, WalkFindsNothingWrongInValidBytes) {
+  v1::EngineReport r;
+  r.set_engine_id("e");
+  r.mutable_load()->set_running(3);
+  auto* st = r.add_kv_events()->mutable_stored();
+  st->add_block_hashes(~0ull);
+  st->set_parent_block_hash(5);
+  std::string bytes = r.SerializeAsString();
+  // Unknown fields of every wire type, a group among them, and
+  // block_hashes unpacked (field 5 > stored 1 > block_hashes 1, varint).
+  static const char extra[] =
+      "\xa0\x06\x01"                                  // field 100, varint
+      "\xa9\x06\x01\x02\x03\x04\x05\x06\x07\x08"          // field 101, 8 bytes
+      "\xad\x06\x01\x02\x03\x04"                          // field 101, 4 bytes
+      "\xa3\x06\x08\x01\xa4\x06"                          // field 100, a group holding field 1
+      "\xa2\x06\x00"                                  // field 100, 0 bytes
+      "\x2a\x04\x0a\x02\x08\x07";                         // kv_events { stored { block_hashes: 7 } }
+  bytes.append(extra, sizeof(extra) - 1);
+  v1::EngineReport parsed;
+  ASSERT_TRUE(parsed.ParseFromString(bytes));
+  EXPECT_EQ(parsed.kv_events(1).stored().block_hashes(0), 7u);
+  EXPECT_EQ(where_parse_fails(*v1::EngineReport::descriptor(), bytes), "");
 }
 
 TEST(Server, EngineTokenIsRequiredWhenSet) {

@@ -4,12 +4,12 @@
 
 namespace moelink::scheduler {
 
-void PrefixIndex::store(int slot, uint64_t hash) {
+bool PrefixIndex::store(int slot, uint64_t hash) {
   Entry& e = map_[hash];
-  if (!e.confirmed.test(slot)) {
-    e.confirmed.set(slot);
-    ++confirmed_count_[slot];
-  }
+  if (e.confirmed.test(slot)) return false;
+  e.confirmed.set(slot);
+  ++confirmed_count_[slot];
+  return true;
 }
 
 void PrefixIndex::remove(int slot, uint64_t hash) {

@@ -58,9 +58,15 @@ class EngineSet {
 
 class PrefixIndex {
  public:
-  // The engine reported storing / evicting a block.
-  void store(int slot, uint64_t hash);
+  // The engine reported storing / evicting a block. store() says whether the
+  // block is new to the engine's confirmed set (so a caller can take it back).
+  bool store(int slot, uint64_t hash);
   void remove(int slot, uint64_t hash);
+  // Whether the engine reported storing the block (provisional marks do not count).
+  bool holds(int slot, uint64_t hash) const {
+    auto it = map_.find(hash);
+    return it != map_.end() && it->second.confirmed.test(slot);
+  }
   // Forgets every block of one engine (it left, was fenced or cleared its cache).
   void clear(int slot);
   // The scheduler routed a prompt with these blocks to `slot`: count them as

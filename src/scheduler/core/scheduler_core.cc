@@ -255,12 +255,23 @@ Status SchedulerCore::validate_report(const v1::EngineReport& r) const {
 }
 
 void SchedulerCore::apply_events(Engine& e, const v1::EngineReport& r) {
+  // Not a member reused across reports: one huge report would keep its size.
+  std::vector<Added> added;
   for (const v1::KvEvent& ev : r.kv_events()) {
     switch (ev.kind_case()) {
       case v1::KvEvent::kStored: {
         const v1::BlocksStored& st = ev.stored();
         if (st.token_ids_size() == 0) {
-          for (uint64_t h : st.block_hashes()) index_.store(e.slot, h);
+          // The hashes are moelink block hashes, so the parent is too: it must
+          // be a block of this engine's in the index (the same rule as below;
+          // indexing a child whose parent is unknown would credit the engine
+          // with a prefix it may not hold).
+          if (st.has_parent_block_hash() && !index_.holds(e.slot, st.parent_block_hash())) {
+            ++e.dropped_kv_events;
+            break;
+          }
+          for (uint64_t h : st.block_hashes())
+            if (index_.store(e.slot, h)) added.push_back({h, 0, true, false});
           break;
         }
         // The engine's hashes are its own: compute ours from the tokens.
@@ -278,8 +289,9 @@ void SchedulerCore::apply_events(Engine& e, const v1::EngineReport& r) {
         const uint32_t bs = options_.block_size;
         for (int b = 0; b < st.block_hashes_size(); ++b) {
           parent = block_hash(parent, std::span<const uint32_t>(st.token_ids().data() + b * bs, bs));
-          e.hash_map[st.block_hashes(b)] = parent;
-          index_.store(e.slot, parent);
+          const bool mapped = e.hash_map.insert_or_assign(st.block_hashes(b), parent).second;
+          const bool indexed = index_.store(e.slot, parent);
+          if (mapped || indexed) added.push_back({parent, st.block_hashes(b), indexed, mapped});
         }
         break;
       }
@@ -301,6 +313,36 @@ void SchedulerCore::apply_events(Engine& e, const v1::EngineReport& r) {
       default:
         break;
     }
+  }
+  bound_to_capacity(e, added);
+}
+
+void SchedulerCore::bound_to_capacity(Engine& e, std::vector<Added>& added) {
+  // Refusing the newest rather than evicting the oldest needs no per-block
+  // order (the index keeps none); checking after the whole report rather
+  // than at each store lets an engine list its stores before the removals
+  // that made room for them (moelink-engine-sim does). Both the index and
+  // the hash map are bounded: the map grows with distinct engine hashes even
+  // when they name blocks already indexed.
+  const uint64_t cap = e.info.kv_capacity_blocks();
+  while (!added.empty() && (index_.confirmed_blocks(e.slot) > cap || e.hash_map.size() > cap)) {
+    const Added a = added.back();
+    added.pop_back();
+    bool undone = false;
+    if (a.mapped) {
+      auto it = e.hash_map.find(a.engine_hash);
+      if (it != e.hash_map.end() && it->second == a.hash) {
+        e.hash_map.erase(it);
+        undone = true;
+      }
+    }
+    // Removed again later in the report: nothing to take back (and remove()
+    // would also clear a provisional mark the engine still has).
+    if (a.indexed && index_.holds(e.slot, a.hash)) {
+      index_.remove(e.slot, a.hash);
+      undone = true;
+    }
+    if (undone) ++e.refused_kv_blocks;
   }
 }
 
@@ -655,9 +697,19 @@ void SchedulerCore::forward(Request& r, bool flush) {
   r.client->send(std::move(ev));
 }
 
+v1::GenerateEvent SchedulerCore::finished_event(const Request& r) {
+  v1::GenerateEvent ev;
+  v1::Finished* f = ev.mutable_finished();
+  f->set_finish_reason(r.finish_reason);
+  f->set_output_tokens(static_cast<uint32_t>(r.output.size()));
+  f->set_cached_tokens(r.cached);
+  f->set_engine_id(r.finished_on);
+  return ev;
+}
+
 void SchedulerCore::finish(Request& r, const Status& status, const std::string& reason,
                            Clock::time_point now) {
-  std::string engine_id = r.slot >= 0 ? engines_[r.slot]->id : "";
+  r.finished_on = r.slot >= 0 ? engines_[r.slot]->id : "";
   detach(r);
   // Kept for Resume until retention_ms passes: the output, not the prompt.
   r.req.clear_prompt_tokens();
@@ -675,13 +727,7 @@ void SchedulerCore::finish(Request& r, const Status& status, const std::string& 
   if (r.client) {
     if (status.ok()) {
       forward(r, true);
-      v1::GenerateEvent ev;
-      v1::Finished* f = ev.mutable_finished();
-      f->set_finish_reason(reason);
-      f->set_output_tokens(static_cast<uint32_t>(r.output.size()));
-      f->set_cached_tokens(r.cached);
-      f->set_engine_id(engine_id);
-      r.client->send(std::move(ev));
+      r.client->send(finished_event(r));
     }
     r.client->close(status);
     r.client.reset();
@@ -762,12 +808,7 @@ Status SchedulerCore::resume(const v1::ResumeRequest& req, std::shared_ptr<Clien
   }
   if (r.state == RequestState::kDone) {
     forward(r, true);
-    v1::GenerateEvent ev;
-    v1::Finished* f = ev.mutable_finished();
-    f->set_finish_reason(r.finish_reason);
-    f->set_output_tokens(static_cast<uint32_t>(r.output.size()));
-    f->set_cached_tokens(r.cached);
-    r.client->send(std::move(ev));
+    r.client->send(finished_event(r));
     r.client->close(Status::OK);
     r.client.reset();
     return Status::OK;
@@ -903,6 +944,7 @@ void SchedulerCore::stats(v1::Stats* out) const {
     *s->mutable_load() = e->reported;
     s->set_indexed_blocks(index_.confirmed_blocks(e->slot));
     s->set_dropped_kv_events(e->dropped_kv_events);
+    s->set_refused_kv_blocks(e->refused_kv_blocks);
     s->set_assigned(e->assigned_total);
     s->set_outstanding(e->requests.size());
   }

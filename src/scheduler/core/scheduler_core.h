@@ -88,6 +88,7 @@ class SchedulerCore {
     // Engine block hash -> moelink block hash, for events that carried tokens.
     absl::flat_hash_map<uint64_t, uint64_t> hash_map;
     uint64_t dropped_kv_events = 0;  // stored events with an unknown parent
+    uint64_t refused_kv_blocks = 0;  // stored blocks beyond kv_capacity_blocks
     // The scheduler's own accounting of the requests it routed here.
     absl::flat_hash_set<Request*> requests;
     uint64_t load_tokens = 0, queued_prefill_tokens = 0, remaining_output_tokens = 0;
@@ -116,6 +117,9 @@ class SchedulerCore {
     Clock::time_point pending_since{}, done_at{};
     std::string finish_reason;
     grpc::Status final_status;
+    // The engine that ran it, kept past finish() (which detaches it from the
+    // engine) so that a Resume's Finished names it as the Generate stream's did.
+    std::string finished_on;
   };
   struct Session {
     int slot = -1;
@@ -126,7 +130,17 @@ class SchedulerCore {
   Engine* find_engine(const std::string& id);
   grpc::Status check_current(const std::string& engine_id, uint64_t incarnation, Engine** out);
   grpc::Status validate_report(const v1::EngineReport& r) const;  // its shape only
+  // What a report added, in order: a block newly in the engine's confirmed
+  // set and/or a new engine-hash mapping to it.
+  struct Added {
+    uint64_t hash;         // moelink block hash
+    uint64_t engine_hash;  // with `mapped`
+    bool indexed, mapped;
+  };
   void apply_events(Engine& e, const v1::EngineReport& r);
+  // Takes back the newest of `added` while the engine's index or hash map
+  // holds more than its kv_capacity_blocks.
+  void bound_to_capacity(Engine& e, std::vector<Added>& added);
   // False when the request is no longer this engine's.
   bool apply_progress(Engine& e, const v1::RequestProgress& p, Clock::time_point now);
   int free_slot();
@@ -143,6 +157,9 @@ class SchedulerCore {
   void detach(Request& r);
   void add_output(Request& r, const v1::RequestProgress& p);
   void forward(Request& r, bool flush);
+  // The Finished event of a request that finished OK; one builder for the
+  // Generate stream and every later Resume, so that they say the same.
+  static v1::GenerateEvent finished_event(const Request& r);
   void finish(Request& r, const grpc::Status& status, const std::string& reason,
               Clock::time_point now);
   void reroute(Request& r, Clock::time_point now);
