@@ -7,7 +7,8 @@
 namespace moelink {
 
 // A libfabric call failed: a provider error, a completion with an error (the
-// peer closed its endpoint or vanished), a failed memory registration.
+// peer closed its endpoint or vanished), a failed memory registration; or an
+// operation to a peer known unreachable since an earlier failure.
 class FabricError : public SystemError {
  public:
   using SystemError::SystemError;

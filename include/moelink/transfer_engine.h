@@ -182,7 +182,12 @@ class TransferEngine {
 
   // ---- peers
   // Idempotent: the same address gives the same id. Descriptors add their
-  // owner implicitly.
+  // owner implicitly. A peer becomes known unreachable when an operation to
+  // it fails with a broken connection or is not complete within the
+  // timeout; later operations to it then fail at once with a FabricError
+  // naming it and that failure. add_peer of its address clears that: the
+  // next operation goes to the provider again (descriptors and
+  // add_peer_group do not). A restarted peer has a new address: a new peer.
   virtual PeerId add_peer(const EngineAddress& address) = 0;
   // Members' buffers; the work requests for each member are built once.
   // Members are sharded across domains (member i uses domain i % domains).

@@ -360,6 +360,30 @@ PostStatus Domain::post(const Wr& wr, WrContext* ctx, bool, PostError* error) {
   return PostStatus::kFailed;
 }
 
+// Completion errors that say the peer cannot be reached (rather than that
+// one request was wrong, as a bad key or length): tcp;ofi_rxm fails what
+// was in flight with FI_ECANCELED (provider text "Transport endpoint is not
+// connected") and the next post with FI_ENOTCONN once the connection broke,
+// then refuses posts for now while it reconnects to a process that is gone.
+static bool peer_unreachable(int err) {
+  switch (err) {
+    case FI_ECANCELED:
+    case FI_ENOTCONN:
+    case FI_ECONNRESET:
+    case FI_ECONNREFUSED:
+    case FI_ECONNABORTED:
+    case FI_ESHUTDOWN:
+    case FI_ETIMEDOUT:
+    case FI_EHOSTDOWN:
+    case FI_EHOSTUNREACH:
+    case FI_ENETUNREACH:
+    case EPIPE:  // fi_errno.h leaves FI_EPIPE out
+      return true;
+    default:
+      return false;
+  }
+}
+
 void Domain::handle_error(CompletionSink& sink) {
   fi_cq_err_entry err{};
   if (fi_cq_readerr(cq_, &err, 0) <= 0) return;
@@ -376,7 +400,8 @@ void Domain::handle_error(CompletionSink& sink) {
   char buf[256] = {0};
   const char* detail = fi_cq_strerror(cq_, err.prov_errno, err.err_data, buf, sizeof(buf));
   sink.wr_failed(reinterpret_cast<WrContext*>(err.op_context),
-                 std::string(fi_strerror(err.err)) + " (" + (detail ? detail : "") + ")");
+                 std::string(fi_strerror(err.err)) + " (" + (detail ? detail : "") + ")",
+                 peer_unreachable(err.err));
 }
 
 int Domain::poll(CompletionSink& sink) {

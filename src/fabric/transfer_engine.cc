@@ -40,6 +40,9 @@ struct Peer {
   std::vector<uint64_t> dest;  // per local domain: Nic::insert_peer's handle
   // The operations' names in error messages, built once.
   Text write_what, paged_what, send_what;
+  // Known unreachable? Every work request to the peer points to it, so it
+  // is held apart: it stays put while the Peer is moved into the deque.
+  std::unique_ptr<PeerHealth> health;
 };
 
 // Peers are looked up by address on every write: hash the address in place
@@ -157,15 +160,27 @@ class FabricEngine final : public TransferEngine {
     return d;
   }
 
+  // Added again on purpose, a peer known unreachable is tried again: its
+  // next operation goes to the provider, which may have reconnected.
   PeerId add_peer(const EngineAddress& address) override {
+    return find_or_add_peer(address, /*revive=*/true);
+  }
+
+  // revive: clear the peer's unreachable mark (PeerHealth). Descriptors and
+  // peer groups add their peers without: only add_peer says one may be back.
+  PeerId find_or_add_peer(const EngineAddress& address, bool revive) {
     if (address.endpoints.empty())
       throw InvalidArgument("TransferEngine add_peer: address of '" + address.name +
                             "' has no endpoints");
     std::lock_guard<std::mutex> lock(peers_mu_);
+    auto known = [&](PeerId id) {
+      if (revive) peers_[id].health->clear();
+      return last_peer_ = id;
+    };
     // Writes usually go to the peer of the last one: compare before hashing.
-    if (last_peer_ >= 0 && peers_[last_peer_].address == address) return last_peer_;
+    if (last_peer_ >= 0 && peers_[last_peer_].address == address) return known(last_peer_);
     auto it = peer_ids_.find(address);
-    if (it != peer_ids_.end()) return last_peer_ = it->second;
+    if (it != peer_ids_.end()) return known(it->second);
     Peer p;
     p.address = address;
     for (auto& d : domains_) {
@@ -180,6 +195,7 @@ class FabricEngine final : public TransferEngine {
     p.write_what = progress_->name("write to " + who);
     p.paged_what = progress_->name("paged_write to " + who);
     p.send_what = progress_->name("send to " + who);
+    p.health = std::make_unique<PeerHealth>(who);
     peers_.push_back(std::move(p));
     peer_ids_.emplace(address, id);
     return last_peer_ = id;
@@ -189,7 +205,7 @@ class FabricEngine final : public TransferEngine {
     if (members.empty()) throw InvalidArgument("TransferEngine add_peer_group: no members");
     Group group;
     for (size_t i = 0; i < members.size(); ++i) {
-      const PeerId peer = add_peer(members[i].owner);
+      const PeerId peer = find_or_add_peer(members[i].owner, /*revive=*/false);
       Nic* d = domains_[i % domains_.size()].get();
       group.members.push_back(Member{peer, make_template(peer, d, members[i], "add_peer_group"),
                                      members[i].size});
@@ -339,10 +355,12 @@ class FabricEngine final : public TransferEngine {
                             " bytes exceed max_message_bytes " +
                             std::to_string(options_.max_message_bytes));
     Nic* d = domains_[static_cast<size_t>(peer) % domains_.size()].get();
+    const Peer& p = peer_at(peer);
     WorkRequest wr;
     wr.kind = Wr::Kind::kSend;
     wr.nic = d;
-    wr.dest = peer_dest(peer, d);
+    wr.dest = p.dest[d->index()];
+    wr.peer = p.health.get();
     wr.buf = static_cast<char*>(reg.ptr) + offset;
     wr.len = len;
     wr.desc = reg.mrs[d->index()].desc;
@@ -393,7 +411,7 @@ class FabricEngine final : public TransferEngine {
         }
         if (p) break;
         if (attempt > 0) throw FabricError("TransferEngine: peer '" + address.name + "' vanished");
-        add_peer(address);  // a new peer: the slow path, then look again
+        find_or_add_peer(address, /*revive=*/false);  // a new peer: the slow path, then look again
       }
       last = {serial_, p, id};
     }
@@ -409,6 +427,7 @@ class FabricEngine final : public TransferEngine {
     wr.kind = Wr::Kind::kWrite;
     wr.nic = r.nic;
     wr.dest = r.dest;
+    wr.peer = r.p->health.get();
     wr.remote_addr = dst.remote_base[rd];
     wr.remote_key = dst.keys[rd];
     return wr;
@@ -427,9 +446,10 @@ class FabricEngine final : public TransferEngine {
     return "peer '" + peers_[peer].address.name + "' (peer " + std::to_string(peer) + ")";
   }
 
-  uint64_t peer_dest(PeerId peer, const Nic* d) {
+  // A known peer's entry: it never moves nor goes away (a deque).
+  const Peer& peer_at(PeerId peer) {
     std::lock_guard<std::mutex> lock(peers_mu_);
-    return peers_[peer].dest[d->index()];
+    return peers_[peer];
   }
 
   const Group& group_at(GroupId g, const char* op) {
@@ -453,7 +473,8 @@ class FabricEngine final : public TransferEngine {
   // The write template for (peer, local domain d, destination descriptor).
   WorkRequest make_template(PeerId peer, Nic* d, const MemoryDescriptor& dst,
                             const std::string& what) {
-    return write_template(Route{peer, nullptr, nullptr, d, peer_dest(peer, d)}, dst, what);
+    const Peer& p = peer_at(peer);
+    return write_template(Route{peer, &p, nullptr, d, p.dest[d->index()]}, dst, what);
   }
 
   // i % n without a division in the common one-domain case (a division

@@ -65,7 +65,10 @@ struct PostError {
 class CompletionSink {
  public:
   virtual void wr_done(WrContext* ctx) = 0;
-  virtual void wr_failed(WrContext* ctx, const std::string& why) = 0;
+  // peer_unreachable: the error says the peer cannot be reached any more
+  // (its connection refused, reset or gone), not that this request was
+  // wrong; the engine then fails later work to the peer at once.
+  virtual void wr_failed(WrContext* ctx, const std::string& why, bool peer_unreachable) = 0;
   virtual void imm_arrived(uint32_t imm) = 0;
   virtual void message_arrived(const char* data, size_t len) = 0;
 

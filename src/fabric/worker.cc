@@ -45,6 +45,10 @@ inline void raise_flag(std::atomic<bool>& flag) {
 struct Worker::Ctx : WrContext {
   Ctx* prev = nullptr;
   Ctx* next = nullptr;
+  // Seen past its deadline (check_deadlines): its peer was marked
+  // unreachable once, not on every check while it stays in the list.
+  bool expired = false;
+  uint64_t peer_state = 0;  // wr.peer->state() when posted
   WorkRequest wr;
 };
 
@@ -67,14 +71,14 @@ class Worker::Sink final : public CompletionSink {
     c->wr.op->complete_one();
     w_.put_ctx(c);
   }
-  void wr_failed(WrContext* ctx, const std::string& why) override {
+  void wr_failed(WrContext* ctx, const std::string& why, bool peer_unreachable) override {
     Ctx* c = static_cast<Ctx*>(ctx);
     if (!on_worker_ && c->wr.op->has_callback()) {
-      w_.deferred_failed_.emplace_back(c, why);
+      w_.deferred_failed_.push_back({c, why, peer_unreachable});
       wake = true;
       return;
     }
-    w_.finish_failed(c, why);
+    w_.finish_failed(c, why, peer_unreachable);
   }
   // Counted here and added in one step per poll (flush): one lock and one
   // wake-up for a batch of completions instead of one per write.
@@ -173,6 +177,7 @@ void Worker::put_ctx(Ctx* c) {
 // Appended: the list runs from the oldest post to the newest, so deadlines
 // (creation + the engine's one timeout) grow along it (check_deadlines).
 void Worker::link(Ctx* c) {
+  c->expired = false;
   c->next = nullptr;
   c->prev = inflight_last_;
   if (inflight_last_)
@@ -194,12 +199,27 @@ void Worker::unlink(Ctx* c) {
   c->prev = c->next = nullptr;
 }
 
-void Worker::finish_failed(Ctx* c, const std::string& why) {
+void Worker::finish_failed(Ctx* c, const std::string& why, bool peer_unreachable) {
   unlink(c);
-  c->wr.op->fail(std::make_exception_ptr(
-      FabricError("TransferEngine " + c->wr.op->what() + ": completion error on domain " +
-                  std::to_string(c->wr.nic->index()) + ": " + why)));
+  const std::string failure = c->wr.op->what() + ": completion error on domain " +
+                              std::to_string(c->wr.nic->index()) + ": " + why;
+  // Marked before the operation fails: a caller that saw the failure and
+  // tries the peer again is refused at once (PeerHealth).
+  if (peer_unreachable && c->wr.peer) c->wr.peer->mark_unreachable(failure, c->peer_state);
+  c->wr.op->fail(std::make_exception_ptr(FabricError("TransferEngine " + failure)));
   put_ctx(c);
+}
+
+std::exception_ptr Worker::post_failure(const WorkRequest& wr) const {
+  // Refused by try_post, nothing reached the NIC: the error says why (the
+  // peer and its first failure) rather than "posting failed".
+  if (wr.peer && wr.peer->unreachable())
+    return std::make_exception_ptr(
+        FabricError("TransferEngine " + wr.op->what() + ": not posted: " + last_post_error_.text));
+  const std::string why = "TransferEngine " + wr.op->what() + ": posting failed on domain " +
+                          std::to_string(wr.nic->index()) + ": " + last_post_error_.text;
+  return last_post_error_.timeout ? std::make_exception_ptr(TimeoutError(why))
+                                  : std::make_exception_ptr(FabricError(why));
 }
 
 void Worker::flush_all() {
@@ -457,8 +477,17 @@ void Worker::run_tasks() {
 // The request moves into the context and, when the transport does not take
 // it, back: no reference count changes hands on the hot path.
 inline PostStatus Worker::try_post(WorkRequest& wr, bool more) {
+  // Its peer is known unreachable: a hard posting error, reported at once,
+  // instead of a post the provider refuses for now until the deadline.
+  const uint64_t peer_state = wr.peer ? wr.peer->state() : 0;
+  if (PeerHealth::unreachable(peer_state)) [[unlikely]] {
+    last_post_error_.timeout = false;
+    last_post_error_.text = wr.peer->describe();
+    return PostStatus::kFailed;
+  }
   Ctx* c = get_ctx();
   c->wr = std::move(wr);
+  c->peer_state = peer_state;
   const PostStatus r = c->wr.nic->post(c->wr, c, more, &last_post_error_);
   if (r == PostStatus::kPosted) {
     link(c);
@@ -502,10 +531,7 @@ int Worker::post_pending(bool on_worker) {
         q.pop_front();
         ++posted;
       } else if (r == PostStatus::kFailed && on_worker) {
-        const std::string why = "TransferEngine " + wr.op->what() + ": posting failed on domain " +
-                                std::to_string(wr.nic->index()) + ": " + last_post_error_.text;
-        wr.op->fail(last_post_error_.timeout ? std::make_exception_ptr(TimeoutError(why))
-                                             : std::make_exception_ptr(FabricError(why)));
+        wr.op->fail(post_failure(wr));
         q.pop_front();
       } else {
         if (r == PostStatus::kFailed) post_failed_ = true;  // the worker's to report
@@ -533,20 +559,33 @@ void Worker::check_deadlines() {
   for (Ctx* c = inflight_; c; c = c->next) {
     const auto& op = c->wr.op;
     if (now <= op->deadline()) break;
-    if (!op->done())
-      op->fail(std::make_exception_ptr(TimeoutError(
-          "TransferEngine " + op->what() +
-          ": not complete within the engine timeout (the peer is unreachable or gone)")));
+    // Looked at once: a request stays listed until its completion, which
+    // may never come.
+    if (std::exchange(c->expired, true)) continue;
+    const std::string failure =
+        op->what() + ": not complete within the engine timeout (the peer is unreachable or gone)";
+    // The peer did not answer for a whole timeout: later work to it fails
+    // at once (marked first, as in finish_failed).
+    if (c->wr.peer) c->wr.peer->mark_unreachable(failure, c->peer_state);
+    if (!op->done()) op->fail(std::make_exception_ptr(TimeoutError("TransferEngine " + failure)));
   }
   // Queued work of failed or expired operations is dropped.
   auto& runs = pending_.runs();
   for (auto run = runs.begin(); run != runs.end();) {
     std::deque<WorkRequest>& q = run->wrs;
-    for (auto& wr : q)
-      if (!wr.op->done() && now > wr.op->deadline())
-        wr.op->fail(std::make_exception_ptr(TimeoutError(
-            "TransferEngine " + wr.op->what() +
-            ": could not be posted within the engine timeout (the provider stayed busy)")));
+    for (auto& wr : q) {
+      if (now <= wr.op->deadline()) continue;
+      // Refused "for now" for a whole timeout, as tcp;ofi_rxm does while it
+      // reconnects to a process that is gone: the peer is marked (each
+      // request once: it leaves the queue below), then the op fails.
+      const std::string failure =
+          wr.op->what() +
+          ": could not be posted within the engine timeout (the provider refused it until then: "
+          "the peer is unreachable, or the provider's queue stayed full)";
+      if (wr.peer) wr.peer->mark_unreachable(failure, wr.peer->state());
+      if (!wr.op->done())
+        wr.op->fail(std::make_exception_ptr(TimeoutError("TransferEngine " + failure)));
+    }
     q.erase(std::remove_if(q.begin(), q.end(), [](const WorkRequest& wr) { return wr.op->done(); }),
             q.end());
     run = q.empty() ? pending_.erase(run) : std::next(run);
@@ -616,8 +655,8 @@ void Worker::loop() {
       ++work;
     }
     deferred_.clear();
-    for (auto& [c, why] : deferred_failed_) {  // failed while a user thread polled
-      finish_failed(c, why);
+    for (auto& f : deferred_failed_) {  // failed while a user thread polled
+      finish_failed(f.c, f.why, f.peer_unreachable);
       ++work;
     }
     deferred_failed_.clear();

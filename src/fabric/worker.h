@@ -15,11 +15,13 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <iterator>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -70,11 +72,58 @@ class OpMaker {
   std::shared_ptr<OpState> (*call_)(void*);
 };
 
+// Whether a peer is known to be unreachable, and since which failure. The
+// worker marks it when a work request to the peer fails with an error that
+// says so (a broken connection, CompletionSink::wr_failed) or is not
+// complete, or not even posted, by its deadline; from then on work requests
+// to the peer fail at once, without going to the NIC: tcp;ofi_rxm refuses
+// posts to a process that is gone "for now" without end, so each would
+// otherwise wait out the engine timeout and blame a busy provider.
+// TransferEngine::add_peer of the peer's address clears it. Written and
+// read by the workers of every NIC group the peer is reached through.
+class PeerHealth {
+ public:
+  explicit PeerHealth(std::string who) : who_(std::move(who)) {}
+  // Bit 0: unreachable; the rest counts clear()s. One load on every post.
+  uint64_t state() const { return state_.load(std::memory_order_acquire); }
+  static bool unreachable(uint64_t state) { return (state & 1) != 0; }
+  bool unreachable() const { return unreachable(state()); }
+  // Marks it as of `seen`, the state when the failed work request was
+  // posted: not when it was cleared since (the failure is about the
+  // connection before add_peer) or is marked already (the first failure is
+  // kept: later ones are its consequences).
+  void mark_unreachable(const std::string& failure, uint64_t seen) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (unreachable(seen) || state_.load(std::memory_order_relaxed) != seen) return;
+    failure_ = failure;
+    state_.store(seen | 1, std::memory_order_release);
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    state_.store((state_.load(std::memory_order_relaxed) | 1) + 1, std::memory_order_release);
+    failure_.clear();
+  }
+  // Why work to the peer is not posted: the peer and its first failure.
+  std::string describe() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return who_ + " is unreachable since an earlier operation to it failed (" + failure_ +
+           "); add_peer with its address again to retry it";
+  }
+
+ private:
+  const std::string who_;  // "peer 'rank1' (peer 0)"
+  std::atomic<uint64_t> state_{0};
+  mutable std::mutex mu_;
+  std::string failure_;  // under mu_
+};
+
 // One RDMA write (with optional immediate) or one send: the transport's
-// work request plus the NIC it goes out on and the operation it belongs to.
+// work request plus the NIC it goes out on, the operation it belongs to and
+// its peer's health (null: not tracked).
 struct WorkRequest : Wr {
   Nic* nic = nullptr;
   std::shared_ptr<OpState> op;
+  PeerHealth* peer = nullptr;
 };
 
 // Work requests the provider refused for now, in posting order, kept as
@@ -197,7 +246,9 @@ class Worker {
   void link(Ctx* c);
   void unlink(Ctx* c);
   bool on_worker_thread() const;
-  void finish_failed(Ctx* c, const std::string& why);
+  void finish_failed(Ctx* c, const std::string& why, bool peer_unreachable);
+  // The error of a work request whose post failed (last_post_error_).
+  std::exception_ptr post_failure(const WorkRequest& wr) const;
   void check_deadlines();
 
   std::vector<Nic*> nics_;
@@ -237,7 +288,12 @@ class Worker {
   Ctx* inflight_last_ = nullptr;
   std::vector<Ctx*> free_ctxs_;    // pool of contexts
   std::vector<Ctx*> deferred_;     // completed on a user thread, callback pending
-  std::vector<std::pair<Ctx*, std::string>> deferred_failed_;  // failed there, likewise
+  struct DeferredFailure {
+    Ctx* c;
+    std::string why;
+    bool peer_unreachable;
+  };
+  std::vector<DeferredFailure> deferred_failed_;  // failed there, likewise
   // Worker-thread only.
   Clock::time_point next_deadline_check_{};
   std::thread thread_;

@@ -541,6 +541,98 @@ TEST_P(FabricTest, PeerDisappearsMidTransfer) {
   }, kTimeout);
 }
 
+// Rank 1 hangs with rank 0's writes to it in flight (its worker stuck in a
+// callback: nothing sent to it completes), then exits. tcp fails those
+// writes with a broken connection; shm only by the engine timeout (2 s
+// here: it never learns of the exit). Rank 1 is then known to be
+// unreachable: rank 0's next write to it fails at once, naming the peer and
+// the first failure, where tcp, reconnecting to a process that is gone,
+// refused it "for now" until the timeout (10 s) and blamed a busy provider.
+// Writes to rank 2 still go through.
+TEST_P(FabricTest, ADeadPeerFailsAtOnceOthersKeepWorking) {
+  const std::string prov = provider();
+  run_ranks(3, [&](int rank, moelink::Bootstrap& b) {
+    const double timeout_s = prov == "shm" ? 2.0 : 10.0;
+    auto e = make_engine(prov, rank, 1, timeout_s);
+    std::vector<char> buf(1 << 20);
+    auto r = e->register_memory(buf.data(), buf.size());
+    auto d = exchange_descriptors(b, *e, r);
+    warm_up(*e, b, d);
+    const int32_t my_pid = getpid();
+    std::vector<int32_t> pids(3);
+    b.all_gather(&my_pid, pids.data(), sizeof(my_pid));
+    if (rank == 1) {
+      std::atomic<bool> hung{false};
+      (void)e->write(r, 0, d[1], 0, 8, 99u, [&](std::exception_ptr) {
+        hung = true;
+        for (;;) pause();
+      });
+      while (!hung) usleep(100);
+      b.barrier();  // hung
+      b.barrier();  // rank 0's writes are in flight
+      _exit(0);
+    }
+    b.barrier();
+    if (rank == 2) {  // the live peer: answers rank 0's write, then leaves
+      b.barrier();
+      e->wait_imm(21, 1, 30);
+      e->write(r, 0, d[0], 0, 8, 22u)->wait();
+      return;
+    }
+    std::vector<TransferPtr> in_flight;
+    for (int i = 0; i < 32; ++i) in_flight.push_back(e->write(r, 0, d[1], 0, buf.size(), 1u));
+    b.barrier();
+    // Every failure so far; one of them is the one rank 1 is known dead by.
+    std::vector<std::string> failures;
+    const auto failed = [&](const TransferPtr& t) {
+      try {
+        t->wait();
+        return false;
+      } catch (const moelink::Error& err) {
+        failures.push_back(err.what());
+        return true;
+      }
+    };
+    for (const auto& t : in_flight) (void)failed(t);
+    // Should tcp have buffered all of them: the next write fails (at the
+    // timeout at worst).
+    for (int i = 0; i < 3 && failures.empty(); ++i)
+      (void)failed(e->write(r, 0, d[1], 0, buf.size(), 1u));
+    RANK_CHECK(!failures.empty()) << "no write to the dead peer failed";
+    for (const auto& f : failures)
+      RANK_CHECK(f.find("peer 'rank1'") != std::string::npos)
+          << "the error does not name the peer: " << f;
+    if (!failures.empty()) {
+      usleep(300 * 1000);  // tcp;ofi_rxm is reconnecting by now
+      const size_t before = failures.size();
+      const auto start = std::chrono::steady_clock::now();
+      const bool refused = failed(e->write(r, 0, d[1], 0, 4096, 2u));
+      const double s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      RANK_CHECK(refused) << "a write to the dead peer succeeded";
+      const std::string next = refused ? failures.back() : "";
+      RANK_CHECK(s < 1.0) << "the write to a peer known dead took " << s << " s (engine timeout "
+                          << timeout_s << " s): " << next;
+      RANK_CHECK(next.find("peer 'rank1'") != std::string::npos &&
+                 next.find("unreachable") != std::string::npos)
+          << "the error does not say the peer is unreachable: " << next;
+      RANK_CHECK(next.find("busy") == std::string::npos)
+          << "the error blames the provider: " << next;
+      // It carries the first failure's cause (what follows the operation's name).
+      bool carries = false;
+      for (size_t i = 0; i < before; ++i) {
+        const std::string& f = failures[i];
+        carries = carries || next.find(f.substr(f.find("): ") + 3)) != std::string::npos;
+      }
+      RANK_CHECK(carries) << "the error does not carry the first failure's cause: " << next;
+    }
+    e->write(r, 0, d[2], 0, 4096, 21u)->wait();
+    e->wait_imm(22, 1, 30);
+    e.reset();
+    if (prov == "shm") remove_shm_files_of(pids[1]);
+  }, kTimeout);
+}
+
 // count_completions: fire-and-forget writes (the Transfers dropped at
 // once) are counted as they complete, by whichever thread reads them.
 TEST_P(FabricTest, CompletionCountersCountWrites) {

@@ -403,4 +403,203 @@ TEST(FabricWorker, DestroyingTheEngineEndsAWaitOnItsOperation) {
   }
 }
 
+// The message of an operation's error ("" when it succeeded).
+std::string error_of(const TransferPtr& t) {
+  try {
+    t->wait(5.0);
+    return "";
+  } catch (const moelink::Error& err) {
+    return err.what();
+  }
+}
+
+// Destinations by endpoint: "gone" fails what it was sent with a broken
+// connection (peer_unreachable), "bad" with an error of the request alone
+// (a wrong key: the peer is fine), any other completes. poll() hands out at
+// most `budget` completions, so a test can hold them back.
+class BrokenPeerNic final : public FakeNic {
+ public:
+  static constexpr uint64_t kFine = 0, kGone = 1, kBad = 2;
+  using FakeNic::FakeNic;
+  std::atomic<int> posts_to_gone{0};
+  std::atomic<int> budget{1 << 30};
+  uint64_t insert_peer(const std::string& endpoint, const std::string&) override {
+    return endpoint == "gone" ? kGone : endpoint == "bad" ? kBad : kFine;
+  }
+  PostStatus post(const Wr& wr, WrContext* ctx, bool, PostError*) override {
+    if (wr.dest == kGone) ++posts_to_gone;
+    accepted_.emplace_back(ctx, wr.dest);
+    return PostStatus::kPosted;
+  }
+  int poll(CompletionSink& sink) override {
+    int n = 0;
+    for (; !accepted_.empty() && budget.load() > 0; ++n, --budget) {
+      const auto [c, dest] = accepted_.front();
+      accepted_.pop_front();
+      if (dest == kGone)
+        sink.wr_failed(c, "Connection reset by peer", /*peer_unreachable=*/true);
+      else if (dest == kBad)
+        sink.wr_failed(c, "Invalid key", /*peer_unreachable=*/false);
+      else
+        sink.wr_done(c);
+    }
+    return n;
+  }
+
+ private:
+  std::deque<std::pair<WrContext*, uint64_t>> accepted_;
+};
+
+// The real engine (one domain) over a BrokenPeerNic, which it keeps.
+struct BrokenPeerEngine {
+  std::vector<char> buf = std::vector<char>(4096);  // outlives the engine
+  BrokenPeerNic* nic = nullptr;
+  std::unique_ptr<TransferEngine> engine;
+  MemoryRegion region;
+  explicit BrokenPeerEngine(double timeout_s) {
+    EngineOptions o;
+    o.name = "self";
+    o.timeout_s = timeout_s;
+    engine = create_engine_on(o, [&](int i) {
+      auto n = std::make_unique<BrokenPeerNic>(i);
+      nic = n.get();
+      return n;
+    });
+    region = engine->register_memory(buf.data(), buf.size());
+  }
+};
+
+// Once a write to a peer failed with a broken connection, every operation
+// to it (write, paged write, send, a barrier of a group made afterwards)
+// fails at once, well within the engine's 10 s, without reaching the NIC,
+// naming the peer and that first failure; a counted write is counted
+// failed. Other peers are unaffected, and an error of one request ("bad":
+// a wrong key) does not make its peer unreachable.
+TEST(FabricWorker, APeerKnownUnreachableFailsAtOnce) {
+  BrokenPeerEngine f(10.0);
+  TransferEngine* e = f.engine.get();
+  const MemoryRegion& r = f.region;
+  const MemoryDescriptor gone = fake_peer("gone"), bad = fake_peer("bad"), fine = fake_peer("fine");
+  const PeerId gone_id = e->add_peer(gone.owner);
+  const std::string first = error_of(e->write(r, 0, gone, 0, 64, 1u));
+  EXPECT_NE(first.find("write to peer 'gone'"), std::string::npos) << first;
+  EXPECT_NE(first.find("Connection reset by peer"), std::string::npos) << first;
+  ASSERT_EQ(f.nic->posts_to_gone.load(), 1);
+
+  PagedWrite p;
+  p.page_bytes = 64;
+  p.src_stride = p.dst_stride = 64;
+  p.src_pages = p.dst_pages = {0, 1, 2};
+  const GroupId group = e->add_peer_group({fine, gone});
+  std::atomic<uint64_t> done{0}, failed{0};
+  const auto t0 = Clock::now();
+  const std::vector<std::pair<const char*, TransferPtr>> ops = {
+      {"write to peer 'gone'", e->write(r, 0, gone, 0, 64, 1u)},
+      {"paged_write to peer 'gone'", e->paged_write(r, gone, p, 1u)},
+      {"send to peer 'gone'", e->send(gone_id, r, 0, 64)},
+      {"barrier (group 0)", e->barrier(group, 2u)},
+      {"write to peer 'gone'", e->write(r, 0, gone, 0, 64, 1u, count_completions(done, failed))}};
+  for (const auto& [what, op] : ops) {
+    const std::string m = error_of(op);
+    EXPECT_NE(m.find(what), std::string::npos) << m;
+    EXPECT_NE(m.find("peer 'gone' (peer " + std::to_string(gone_id) + ") is unreachable"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("(write to peer 'gone' (peer " + std::to_string(gone_id) +
+                     "): completion error on domain 0: Connection reset by peer)"),
+              std::string::npos)
+        << "the first failure is not named: " << m;
+  }
+  EXPECT_EQ(counted_done(done, failed, 1), 0u);
+  EXPECT_EQ(failed.load(), 1u);
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 1.0);
+  EXPECT_EQ(f.nic->posts_to_gone.load(), 1) << "work to a peer known unreachable reached the NIC";
+
+  EXPECT_EQ(error_of(e->write(r, 0, fine, 0, 64, 3u)), "");
+  for (int i = 0; i < 2; ++i) {
+    const std::string m = error_of(e->write(r, 0, bad, 0, 64, 4u));
+    EXPECT_NE(m.find("completion error on domain 0: Invalid key"), std::string::npos) << m;
+  }
+}
+
+// add_peer of a peer known unreachable clears that: its next operation goes
+// to the NIC again. A work request posted before, failing afterwards, is
+// about the connection add_peer gave up on and does not mark it again.
+TEST(FabricWorker, AddingAPeerAgainRetriesIt) {
+  BrokenPeerEngine f(10.0);
+  TransferEngine* e = f.engine.get();
+  const MemoryRegion& r = f.region;
+  const MemoryDescriptor gone = fake_peer("gone");
+  f.nic->budget = 0;  // both in flight, their failures held back
+  const TransferPtr a = e->write(r, 0, gone, 0, 64, 1u), b = e->write(r, 0, gone, 0, 64, 1u);
+  f.nic->budget = 1;
+  EXPECT_NE(error_of(a).find("Connection reset by peer"), std::string::npos);
+  EXPECT_NE(error_of(e->write(r, 0, gone, 0, 64, 1u)).find("is unreachable"), std::string::npos);
+  EXPECT_EQ(f.nic->posts_to_gone.load(), 2);
+  e->add_peer(gone.owner);
+  f.nic->budget = 1;
+  EXPECT_NE(error_of(b).find("Connection reset by peer"), std::string::npos);
+  f.nic->budget = 1 << 30;
+  const std::string m = error_of(e->write(r, 0, gone, 0, 64, 1u));
+  EXPECT_EQ(f.nic->posts_to_gone.load(), 3) << "the write after add_peer did not reach the NIC";
+  EXPECT_NE(m.find("completion error on domain 0: Connection reset by peer"), std::string::npos)
+      << m;
+  EXPECT_EQ(m.find("is unreachable"), std::string::npos) << m;
+}
+
+// Destinations by endpoint: "silent" accepts and never completes (a hung
+// peer, shm to a process that is gone), "refusing" refuses every post for
+// now (tcp;ofi_rxm reconnecting to a process that is gone), any other
+// completes. Counts what reaches it for "silent".
+class SilentPeerNic final : public CompletingNic {
+ public:
+  using CompletingNic::CompletingNic;
+  std::atomic<int> posts_to_silent{0};
+  uint64_t insert_peer(const std::string& endpoint, const std::string&) override {
+    return endpoint == "silent" ? 1 : endpoint == "refusing" ? 2 : 0;
+  }
+  PostStatus post(const Wr& wr, WrContext* ctx, bool more, PostError* error) override {
+    if (wr.dest != 1) return CompletingNic::post(wr, ctx, more, error);
+    ++posts_to_silent;
+    return PostStatus::kPosted;
+  }
+
+ private:
+  bool refuse(const Wr& wr) override { return wr.dest == 2; }
+};
+
+// A write not complete, or not even posted, within the engine timeout makes
+// its peer unreachable: the next write to it fails at once (not after
+// another timeout, blaming a busy provider), naming the peer and the
+// timeout; other peers are unaffected.
+TEST(FabricWorker, APeerThatTimedOutFailsAtOnce) {
+  std::vector<char> buf(4096);
+  SilentPeerNic* nic = nullptr;
+  EngineOptions o;
+  o.name = "self";
+  o.timeout_s = 0.5;
+  auto e = create_engine_on(o, [&](int i) {
+    auto n = std::make_unique<SilentPeerNic>(i);
+    nic = n.get();
+    return n;
+  });
+  const MemoryRegion r = e->register_memory(buf.data(), buf.size());
+  for (const char* name : {"silent", "refusing"}) {
+    SCOPED_TRACE(name);
+    const MemoryDescriptor peer = fake_peer(name);
+    const std::string first = error_of(e->write(r, 0, peer, 0, 64, 1u));
+    EXPECT_NE(first.find("within the engine timeout"), std::string::npos) << first;
+    const auto t0 = Clock::now();
+    const std::string next = error_of(e->write(r, 0, peer, 0, 64, 1u));
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 0.25) << next;
+    EXPECT_NE(next.find("peer '" + std::string(name) + "'"), std::string::npos) << next;
+    EXPECT_NE(next.find("is unreachable"), std::string::npos) << next;
+    EXPECT_NE(next.find(first.substr(first.find("): ") + 3)), std::string::npos)
+        << "the timeout is not named: " << next;
+    EXPECT_EQ(next.find("busy"), std::string::npos) << next;
+  }
+  EXPECT_EQ(nic->posts_to_silent.load(), 1);
+  EXPECT_EQ(error_of(e->write(r, 0, fake_peer("fine"), 0, 64, 2u)), "");
+}
+
 }  // namespace

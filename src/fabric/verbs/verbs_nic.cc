@@ -394,7 +394,9 @@ int VerbsNic::poll(CompletionSink& sink) {
   if (!failed_.empty()) {
     auto failed = std::move(failed_);
     failed_.clear();
-    for (auto& [ctx, why] : failed) sink.wr_failed(ctx, why);
+    // Not marked unreachable for the engine: a broken peer fails later
+    // posts here at once with its first error (break_peer).
+    for (auto& [ctx, why] : failed) sink.wr_failed(ctx, why, /*peer_unreachable=*/false);
     work += static_cast<int>(failed.size());
   }
   const auto now = Clock::now();
@@ -450,7 +452,7 @@ void VerbsNic::handle(const ibv_wc& wc, CompletionSink& sink) {
                                                                     : "work request");
   (void)ring.retire_through(id.low, [&](WrContext* c, bool failed) {
     if (failed)
-      sink.wr_failed(c, why);
+      sink.wr_failed(c, why, /*peer_unreachable=*/false);  // break_peer below fails later posts
     else
       sink.wr_done(c);
   });

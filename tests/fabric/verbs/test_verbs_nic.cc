@@ -29,7 +29,9 @@ struct RecordingSink final : CompletionSink {
   std::vector<uint32_t> imms;
   std::vector<std::string> messages;
   void wr_done(WrContext* c) override { done.push_back(c); }
-  void wr_failed(WrContext* c, const std::string& why) override { failed.emplace_back(c, why); }
+  void wr_failed(WrContext* c, const std::string& why, bool) override {
+    failed.emplace_back(c, why);
+  }
   void imm_arrived(uint32_t imm) override { imms.push_back(imm); }
   void message_arrived(const char* d, size_t n) override { messages.emplace_back(d, n); }
 };
