@@ -20,6 +20,8 @@ from ._C import (
     Error,
     InputError,
     InvalidArgument,
+    MLAConfig,
+    RopeScaling,
     SystemError,
     TcpBootstrap,
     TimeoutError,
@@ -27,6 +29,7 @@ from ._C import (
     with_cuda,
 )
 from ._all_to_all import AllToAll, stream_handle
+from ._attention import MLAAttention, mla_config
 from ._experts import Experts
 from ._moe_layer import MoELayer, model_config
 from ._torch import TorchGroupBootstrap
@@ -52,6 +55,9 @@ __all__ = [
     "EnvBootstrap",
     "Error",
     "Experts",
+    "MLAAttention",
+    "MLAConfig",
+    "mla_config",
     "MoELayer",
     "model_config",
     "InputError",

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from . import _C
 from ._all_to_all import _resolve_bootstrap, stream_handle
+from ._config import resolve_config
 
 _OVERLAPS = ("auto", "none", "dispatch-overlap", "micro-batch")
 _HOST_BACKENDS = ("cpu", "internode-cpu")
@@ -18,23 +19,7 @@ def model_config(model: Any = "deepseek-v3", **overrides) -> "_C.MoEModelConfig"
     "deepseek-r1", "kimi-k2", "qwen3-235b-a22b", "mixtral-8x7b"), a Hugging
     Face config (a dict, a transformers PretrainedConfig, or a config.json
     path), or a MoEModelConfig; keyword arguments override its fields."""
-    import json
-    if isinstance(model, _C.MoEModelConfig):
-        cfg = model
-    elif isinstance(model, str) and model.endswith(".json"):
-        with open(model) as f:
-            cfg = _C.MoEModelConfig.from_hf_config_json(f.read())
-    elif isinstance(model, str):
-        cfg = _C.MoEModelConfig.preset(model)
-    else:
-        d = model if isinstance(model, dict) else model.to_dict()
-        cfg = _C.MoEModelConfig.from_hf_config_json(json.dumps(d, default=str))
-    for k, v in overrides.items():
-        if not hasattr(cfg, k):
-            raise TypeError(f"moelink: MoELayer: unknown model field {k!r}")
-        setattr(cfg, k, v)
-    cfg.validate()
-    return cfg
+    return resolve_config(_C.MoEModelConfig, model, overrides, "MoELayer: unknown model field")
 
 
 class MoELayer:

@@ -10,10 +10,6 @@
 #include "moelink/experts.h"
 #include "tensor_convert.h"
 
-#if defined(MOELINK_WITH_CUDA)
-#include <cuda_runtime_api.h>
-#endif
-
 namespace nb = nanobind;
 using namespace nb::literals;
 
@@ -39,13 +35,7 @@ class PyExperts {
     c.expected_rows = expected_rows;
     c.debug = debug;
     nb::gil_scoped_release release;
-#if defined(MOELINK_WITH_CUDA)
-    if (c.device == ExpertDevice::kCUDA) {
-      cudaError_t e = cudaGetDevice(&device_);
-      if (e != cudaSuccess)
-        throw SystemError(std::string("moelink: cudaGetDevice failed: ") + cudaGetErrorString(e));
-    }
-#endif
+    if (c.device == ExpertDevice::kCUDA) device_ = current_cuda_device();
     impl_ = Experts::create(c);
   }
 

@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 
+#include "attention_binding.h"
 #include "experts_binding.h"
 #include "fabric_binding.h"
 #include "layer_binding.h"
@@ -237,16 +238,6 @@ Backend parse_backend(const std::string& s) {
   throw InvalidArgument("moelink: AllToAll: backend = '" + s +
                         "' must be 'nvlink', 'cpu', 'nvshmem', 'internode' or 'internode-cpu'");
 }
-
-#if defined(MOELINK_WITH_CUDA)
-int current_cuda_device() {
-  int d = -1;
-  cudaError_t e = cudaGetDevice(&d);
-  if (e != cudaSuccess)
-    throw SystemError(std::string("moelink: cudaGetDevice failed: ") + cudaGetErrorString(e));
-  return d;
-}
-#endif
 
 class PyAllToAll {
  public:
@@ -563,6 +554,7 @@ NB_MODULE(_C, m) {
   bind_bootstrap(m);
   bind_all_to_all(m);
   bind_experts(m);
+  bind_attention(m);
   bind_moe_layer(m);
   bind_fabric(m);
 

@@ -6,6 +6,10 @@
 
 #include "moelink/errors.h"
 
+#if defined(MOELINK_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
 namespace moelink::python {
 
 namespace {
@@ -224,6 +228,18 @@ Tensor to_tensor(ConvertContext& ctx, nb::handle obj, const char* name, bool wri
   }
   if (writable) return convert(ctx, obj, name, ctx.holder.rw);
   return convert(ctx, obj, name, ctx.holder.ro);
+}
+
+int current_cuda_device() {
+#if defined(MOELINK_WITH_CUDA)
+  int d = -1;
+  cudaError_t e = cudaGetDevice(&d);
+  if (e != cudaSuccess)
+    throw SystemError(std::string("moelink: cudaGetDevice failed: ") + cudaGetErrorString(e));
+  return d;
+#else
+  return -1;
+#endif
 }
 
 }  // namespace moelink::python

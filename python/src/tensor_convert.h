@@ -44,6 +44,10 @@ struct ConvertContext {
 Tensor to_tensor(ConvertContext& ctx, nb::handle obj, const char* name, bool writable,
                  bool optional = false);
 
+// The calling thread's CUDA device (SystemError when CUDA cannot say); -1 in
+// a build without CUDA.
+int current_cuda_device();
+
 // DType from a DLPack dtype; false when moelink has no such type.
 bool dtype_from_dlpack(const nb::dlpack::dtype& dt, DType* out);
 

@@ -1,5 +1,5 @@
 // MoEModelConfig::from_hf_config_json (needs nlohmann/json; a build without
-// it has json_unavailable.cc instead).
+// it has core/json_unavailable.cc instead).
 #include <nlohmann/json.hpp>
 
 #include "moelink/errors.h"

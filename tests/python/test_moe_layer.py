@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import moelink
+from fp8_testlib import block_quant as _block_quant, dequant as _dequant
 
 try:
     import ml_dtypes
@@ -110,19 +111,6 @@ def _hf_config(Config):
                   num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128,
                   kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
                   vocab_size=512)
-
-
-def _block_quant(torch, w):
-    """[..., n, k] fp32 -> fp8 [..., n, k] and [..., n/128, k/128] scales (amax / 448)."""
-    n, k = w.shape[-2:]
-    b = w.unflatten(-2, (n // 128, 128)).unflatten(-1, (k // 128, 128))
-    s = b.abs().amax(dim=(-3, -1)) / 448.0
-    q = (w / s.repeat_interleave(128, -2).repeat_interleave(128, -1)).to(torch.float8_e4m3fn)
-    return q, s.float().contiguous()
-
-
-def _dequant(torch, q, s):
-    return q.float() * s.repeat_interleave(128, -2).repeat_interleave(128, -1)
 
 
 def _hf_moe_with_fp8_weights(torch, Config, MoE, seed):

@@ -1,5 +1,7 @@
 // A build without nlohmann/json (CMake did not find nlohmann/json.hpp):
-// reading config.json and safetensors checkpoints says why it cannot.
+// reading config.json and safetensors checkpoints (the MoE layer's and the
+// attention's) says why it cannot.
+#include "attention/mla_checkpoint.h"
 #include "layer/safetensors.h"
 #include "moelink/errors.h"
 #include "moelink/moe_layer.h"
@@ -17,6 +19,12 @@ namespace {
 MoEModelConfig MoEModelConfig::from_hf_config_json(const std::string&) {
   no_json("MoEModelConfig::from_hf_config_json");
 }
+
+MLAConfig MLAConfig::from_hf_config_json(const std::string&) { no_json("MLAConfig::from_hf_config_json"); }
+
+namespace detail::attention {
+HostCheckpointTensors read_mla_tensors(const std::string&, int) { no_json("MLAAttention.load_checkpoint"); }
+}  // namespace detail::attention
 
 namespace detail::layer {
 SafetensorsDir::SafetensorsDir(const std::string&) { no_json("MoELayer.load_checkpoint"); }
