@@ -21,6 +21,7 @@ from ._C import (
     InputError,
     InvalidArgument,
     MLAConfig,
+    ModelConfig,
     RopeScaling,
     SystemError,
     TcpBootstrap,
@@ -31,6 +32,7 @@ from ._C import (
 from ._all_to_all import AllToAll, stream_handle
 from ._attention import MLAAttention, mla_config
 from ._experts import Experts
+from ._model import Model, model_full_config
 from ._moe_layer import MoELayer, model_config
 from ._torch import TorchGroupBootstrap
 
@@ -59,6 +61,9 @@ __all__ = [
     "MLAConfig",
     "mla_config",
     "MoELayer",
+    "Model",
+    "ModelConfig",
+    "model_full_config",
     "model_config",
     "InputError",
     "InvalidArgument",

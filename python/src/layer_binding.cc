@@ -10,10 +10,6 @@
 #include "moelink/moe_layer.h"
 #include "tensor_convert.h"
 
-#if defined(MOELINK_WITH_CUDA)
-#include <cuda_runtime_api.h>
-#endif
-
 namespace nb = nanobind;
 using namespace nb::literals;
 
@@ -38,26 +34,37 @@ MoEOverlap overlap_from(const std::string& s) {
                         "' must be 'auto', 'none', 'dispatch-overlap' or 'micro-batch'");
 }
 
+}  // namespace
+
+MoELayerOptions moe_layer_options(int64_t max_tokens, const std::string& backend,
+                                  const std::string& overlap, int64_t micro_batch_min_tokens,
+                                  bool cuda_graphs, int dp_size, double timeout_s, int debug,
+                                  int profile) {
+  MoELayerOptions o;
+  o.max_tokens = max_tokens;
+  o.overlap = overlap_from(overlap);
+  o.micro_batch_min_tokens = micro_batch_min_tokens;
+  o.cuda_graphs = cuda_graphs;
+  o.dp_size = dp_size;
+  o.all_to_all.backend = backend_from(backend);
+  o.all_to_all.timeout_s = timeout_s;
+  o.all_to_all.debug = debug;
+  o.all_to_all.profile = profile;
+  return o;
+}
+
+namespace {
+
 class PyMoELayer {
  public:
   PyMoELayer(const MoEModelConfig& model, Bootstrap& boot, int64_t max_tokens,
              const std::string& backend, const std::string& overlap, int64_t micro_batch_min_tokens,
              bool cuda_graphs, int dp_size, double timeout_s, int debug, int profile) {
-    MoELayerOptions o;
-    o.max_tokens = max_tokens;
-    o.overlap = overlap_from(overlap);
-    o.micro_batch_min_tokens = micro_batch_min_tokens;
-    o.cuda_graphs = cuda_graphs;
-    o.dp_size = dp_size;
-    o.all_to_all.backend = backend_from(backend);
-    o.all_to_all.timeout_s = timeout_s;
-    o.all_to_all.debug = debug;
-    o.all_to_all.profile = profile;
+    const MoELayerOptions o = moe_layer_options(max_tokens, backend, overlap, micro_batch_min_tokens,
+                                                cuda_graphs, dp_size, timeout_s, debug, profile);
     host_ = backend_uses_host_memory(o.all_to_all.backend);
     nb::gil_scoped_release release;
-#if defined(MOELINK_WITH_CUDA)
-    if (!host_) cudaGetDevice(&device_);
-#endif
+    if (!host_) device_ = current_cuda_device();
     impl_ = MoELayer::create(model, o, boot);
   }
 

@@ -17,6 +17,7 @@
 #include "experts_binding.h"
 #include "fabric_binding.h"
 #include "layer_binding.h"
+#include "model_binding.h"
 #include "moelink/moelink.h"
 #include "tensor_convert.h"
 
@@ -556,6 +557,7 @@ NB_MODULE(_C, m) {
   bind_experts(m);
   bind_attention(m);
   bind_moe_layer(m);
+  bind_model(m);
   bind_fabric(m);
 
 #if defined(MOELINK_WITH_CUDA)

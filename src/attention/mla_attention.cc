@@ -415,7 +415,7 @@ class MLAAttentionImpl {
     if (!bt.defined()) bad(call, "batch.block_table", "is missing (null data pointer)");
     if (bt.ndim != 2 || bt.shape[0] != B || bt.dtype != DType::kInt32 || bt.shape[1] < 1 ||
         bt.shape[1] > o_.max_pages_per_request || (bt.shape[1] > 1 && bt.stride[1] != 1) ||
-        bt.stride[0] < bt.shape[1])
+        (bt.shape[0] > 1 && bt.stride[0] < bt.shape[1]))
       bad(call, "batch.block_table",
           "must be an int32 tensor [" + std::to_string(B) + ", 1.." +
               std::to_string(o_.max_pages_per_request) +

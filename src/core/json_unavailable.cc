@@ -3,6 +3,7 @@
 // attention's) says why it cannot.
 #include "attention/mla_checkpoint.h"
 #include "layer/safetensors.h"
+#include "moelink/model.h"
 #include "moelink/errors.h"
 #include "moelink/moe_layer.h"
 
@@ -21,6 +22,7 @@ MoEModelConfig MoEModelConfig::from_hf_config_json(const std::string&) {
 }
 
 MLAConfig MLAConfig::from_hf_config_json(const std::string&) { no_json("MLAConfig::from_hf_config_json"); }
+ModelConfig ModelConfig::from_hf_config_json(const std::string&) { no_json("ModelConfig::from_hf_config_json"); }
 
 namespace detail::attention {
 HostCheckpointTensors read_mla_tensors(const std::string&, int) { no_json("MLAAttention.load_checkpoint"); }

@@ -18,15 +18,15 @@ std::string shape_text(const std::vector<int64_t>& s) {
   return os.str();
 }
 
-[[noreturn]] void fail(const std::string& what) {
-  throw InvalidArgument("moelink: MoELayer.load_checkpoint: " + what);
-}
-
-// Tensor lookups with the messages a user needs: which tensor, which file,
-// what was expected.
+// Tensor lookups with the messages a user needs: which call, which tensor,
+// which file, what was expected.
 class Reader {
  public:
-  explicit Reader(const SafetensorsDir& dir) : dir_(dir) {}
+  Reader(const SafetensorsDir& dir, std::string caller) : dir_(dir), caller_(std::move(caller)) {}
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw InvalidArgument("moelink: " + caller_ + ": " + what);
+  }
 
   const SafetensorEntry& entry(const std::string& name, const std::vector<int64_t>& shape) const {
     const SafetensorEntry* e = dir_.find(name);
@@ -84,6 +84,7 @@ class Reader {
 
  private:
   const SafetensorsDir& dir_;
+  const std::string caller_;
 };
 
 // One projection [n, k] of the checkpoint into q (fp8, n * k bytes) and
@@ -95,13 +96,27 @@ void read_projection(const Reader& r, const std::string& name, int64_t n, int64_
     r.read(e, q);
     const SafetensorEntry& s = r.entry(name + ".weight_scale_inv", {n / 128, k / 128});
     if (s.dtype != "F32")
-      fail("tensor " + name + ".weight_scale_inv in " + s.file + " has dtype " + s.dtype +
-           ", expected F32");
+      r.fail("tensor " + name + ".weight_scale_inv in " + s.file + " has dtype " + s.dtype +
+             ", expected F32");
     r.read(s, scale);
   } else {
     const std::vector<float> w = r.floats(e);
     quantize_weight_blocks(w.data(), n, k, q, scale);
   }
+}
+
+// gate_proj, up_proj and down_proj under `prefix` as fp8 blocks.
+HostMlpWeights read_mlp(const Reader& r, const std::string& prefix, int64_t I, int64_t H) {
+  const int64_t proj = I * H, scales = (I / 128) * (H / 128);
+  HostMlpWeights m;
+  m.w13.resize(static_cast<size_t>(2 * proj));
+  m.w13_scale.resize(static_cast<size_t>(2 * scales));
+  m.w2.resize(static_cast<size_t>(proj));
+  m.w2_scale.resize(static_cast<size_t>(scales));
+  read_projection(r, prefix + "gate_proj", I, H, m.w13.data(), m.w13_scale.data());
+  read_projection(r, prefix + "up_proj", I, H, m.w13.data() + proj, m.w13_scale.data() + scales);
+  read_projection(r, prefix + "down_proj", H, I, m.w2.data(), m.w2_scale.data());
+  return m;
 }
 
 }  // namespace
@@ -127,7 +142,7 @@ MoEWeights HostLayerWeights::view(const MoEModelConfig& m, int L) {
 
 HostLayerWeights read_layer_weights(const SafetensorsDir& dir, const MoEModelConfig& m, int layer,
                                     int rank, int L) {
-  const Reader r(dir);
+  const Reader r(dir, "MoELayer.load_checkpoint");
   const bool mixtral = m.checkpoint_naming == "mixtral";
   const std::string prefix =
       "model.layers." + std::to_string(layer) + (mixtral ? ".block_sparse_moe." : ".mlp.");
@@ -150,8 +165,8 @@ HostLayerWeights read_layer_weights(const SafetensorsDir& dir, const MoEModelCon
     std::memcpy(w.gate.data(), f.data(), w.gate.size());
     w.gate_dtype = DType::kFloat32;
   } else {
-    fail("tensor " + prefix + "gate.weight in " + g.file + " has dtype " + g.dtype +
-         ", expected BF16, F16 or F32");
+    r.fail("tensor " + prefix + "gate.weight in " + g.file + " has dtype " + g.dtype +
+           ", expected BF16, F16 or F32");
   }
   if (m.score_correction_bias) {
     const SafetensorEntry& b = r.entry(prefix + "gate.e_score_correction_bias", {E});
@@ -172,8 +187,8 @@ HostLayerWeights read_layer_weights(const SafetensorsDir& dir, const MoEModelCon
     const SafetensorEntry& dn = r.entry(prefix + "experts.down_proj", {E, H, I});
     for (const SafetensorEntry* e : {&gu, &dn})
       if (r.is_fp8(*e, prefix + "experts (stacked)"))
-        fail("tensor " + prefix + "experts.gate_up_proj / down_proj in " + e->file +
-             " is fp8 without per-expert scales; stacked experts are read as BF16, F16 or F32");
+        r.fail("tensor " + prefix + "experts.gate_up_proj / down_proj in " + e->file +
+               " is fp8 without per-expert scales; stacked experts are read as BF16, F16 or F32");
     for (int j = 0; j < L; ++j) {
       const int64_t e = static_cast<int64_t>(rank) * L + j;
       const std::vector<float> a = r.floats(gu, e * 2 * proj, 2 * proj);
@@ -194,18 +209,27 @@ HostLayerWeights read_layer_weights(const SafetensorsDir& dir, const MoEModelCon
   }
 
   if (Is > 0) {
-    const std::string s = prefix + "shared_experts.";
-    const int64_t sproj = Is * H, sscales = (Is / 128) * (H / 128);
-    w.shared_w13.resize(static_cast<size_t>(2 * sproj));
-    w.shared_w13_scale.resize(static_cast<size_t>(2 * sscales));
-    w.shared_w2.resize(static_cast<size_t>(sproj));
-    w.shared_w2_scale.resize(static_cast<size_t>(sscales));
-    read_projection(r, s + "gate_proj", Is, H, w.shared_w13.data(), w.shared_w13_scale.data());
-    read_projection(r, s + "up_proj", Is, H, w.shared_w13.data() + sproj,
-                    w.shared_w13_scale.data() + sscales);
-    read_projection(r, s + "down_proj", H, Is, w.shared_w2.data(), w.shared_w2_scale.data());
+    HostMlpWeights s = read_mlp(r, prefix + "shared_experts.", Is, H);
+    w.shared_w13 = std::move(s.w13);
+    w.shared_w13_scale = std::move(s.w13_scale);
+    w.shared_w2 = std::move(s.w2);
+    w.shared_w2_scale = std::move(s.w2_scale);
   }
   return w;
+}
+
+HostMlpWeights read_mlp_weights(const SafetensorsDir& dir, const std::string& prefix, int64_t I,
+                                int64_t H, const std::string& caller) {
+  return read_mlp(Reader(dir, caller), prefix, I, H);
+}
+
+std::vector<float> read_float_tensor(const SafetensorsDir& dir, const std::string& name,
+                                     const std::vector<int64_t>& shape, const std::string& caller) {
+  const Reader r(dir, caller);
+  const SafetensorEntry& e = r.entry(name, shape);
+  if (e.dtype != "BF16" && e.dtype != "F16" && e.dtype != "F32")
+    r.fail("tensor " + name + " in " + e.file + " has dtype " + e.dtype + ", expected BF16, F16 or F32");
+  return r.floats(e);
 }
 
 }  // namespace moelink::detail::layer

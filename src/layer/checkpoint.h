@@ -24,6 +24,21 @@ struct HostLayerWeights {
   MoEWeights view(const MoEModelConfig& m, int num_local_experts);
 };
 
+// One MLP's gate_proj, up_proj and down_proj (under `prefix`, e.g.
+// "model.layers.0.mlp.") as fp8 blocks: w13 [2I, H] (gate rows, then up),
+// w2 [H, I], with their [*/128, */128] scales. `caller` names the public
+// call in messages.
+struct HostMlpWeights {
+  std::vector<uint8_t> w13, w2;
+  std::vector<float> w13_scale, w2_scale;
+};
+HostMlpWeights read_mlp_weights(const SafetensorsDir& dir, const std::string& prefix, int64_t I,
+                                int64_t H, const std::string& caller);
+
+// A BF16, F16 or F32 tensor of exactly `shape`, as floats.
+std::vector<float> read_float_tensor(const SafetensorsDir& dir, const std::string& name,
+                                     const std::vector<int64_t>& shape, const std::string& caller);
+
 // Layer `layer`'s router, experts rank * L .. rank * L + L - 1 and shared
 // experts. Throws InvalidArgument naming the tensor and the file (or the
 // files searched) for a missing tensor, a wrong shape or dtype.

@@ -14,12 +14,12 @@
 
 #include <algorithm>
 #include <cstring>
-#include <exception>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "core/arg_checks.h"
+#include "core/error_collector.h"
 #include "core/float_convert.h"
 #include "layer/block_quant.h"
 #include "layer/checkpoint.h"
@@ -344,42 +344,15 @@ class MoELayerImpl {
   // outlives the check() after the call that caused it: the first is
   // thrown as its own type, the others named in its message.
   void check(cudaStream_t stream) {
-    std::vector<std::string> messages;
-    std::exception_ptr first;
-    auto take = [&](auto&& part_check) {
-      try {
-        part_check();
-      } catch (const Error& e) {
-        if (!first) first = std::current_exception();
-        messages.emplace_back(e.what());
-      }
-    };
-    take([&] { check_own(stream); });
-    if (a2a_) take([&] { a2a_->check(); });
+    ErrorCollector errors;
+    errors.take([&] { check_own(stream); });
+    if (a2a_) errors.take([&] { a2a_->check(); });
     for (auto& m : mb_)
-      if (m) take([&] { m->check(); });
-    take([&] { experts_->check(stream); });
-    if (shared_) take([&] { shared_->check(stream); });
-    if (shared_small_) take([&] { shared_small_->check(stream); });
-    if (!first) return;
-    if (messages.size() == 1) std::rethrow_exception(first);
-    std::string all = messages[0] + " [and " + std::to_string(messages.size() - 1) +
-                      " more reported since the last check(): ";
-    for (size_t i = 1; i < messages.size(); ++i) all += (i > 1 ? "; " : "") + messages[i];
-    all += "]";
-    try {
-      std::rethrow_exception(first);
-    } catch (const TimeoutError&) {
-      throw TimeoutError(all);
-    } catch (const InputError&) {
-      throw InputError(all);
-    } catch (const InvalidArgument&) {
-      throw InvalidArgument(all);
-    } catch (const SystemError&) {
-      throw SystemError(all);
-    } catch (const Error&) {
-      throw Error(all);
-    }
+      if (m) errors.take([&] { m->check(); });
+    errors.take([&] { experts_->check(stream); });
+    if (shared_) errors.take([&] { shared_->check(stream); });
+    if (shared_small_) errors.take([&] { shared_small_->check(stream); });
+    errors.raise();
   }
 
   MoEStageTimes stage_times() {

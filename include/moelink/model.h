@@ -1,0 +1,127 @@
+// Model: a DeepSeek-V3-family model (DeepSeek-V3/R1, Kimi-K2) from token ids
+// to next-token choices, on moelink's parts: embedding, decoder layers (MLA
+// attention, then a dense MLP for the first first_k_dense_replace layers and
+// a MoELayer for the others, each behind an RMSNorm with a residual), the
+// final norm and lm_head, then sampling.
+//
+// One step() runs a mixed batch (MLABatch's rules: decode requests first,
+// then prefill chunks) through every layer on its rank's tokens; the MoE
+// layers exchange tokens with the other ranks (expert parallelism over any
+// AllToAll backend), so every rank calls step() for every step, with its own
+// batch (DP attention: batch sizes may differ, a rank may have none).
+//
+// Notation: D hidden_size, V vocab_size, n the step's rows, B its requests.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "moelink/attention.h"
+#include "moelink/bootstrap.h"
+#include "moelink/moe_layer.h"
+#include "moelink/types.h"
+
+namespace moelink {
+
+struct ModelConfig {
+  MLAConfig attention;
+  MoEModelConfig moe;
+  int vocab_size = 0;
+  int num_hidden_layers = 0;
+  int first_k_dense_replace = 0;  // the first layers' MLP is dense
+  int intermediate_size = 0;      // the dense MLP's width, a multiple of 128
+  double rms_norm_eps = 1e-6;
+  int num_nextn_predict_layers = 0;  // MTP modules in the checkpoint (not run yet)
+  bool tie_word_embeddings = false;
+
+  static ModelConfig deepseek_v3();  // also DeepSeek-R1
+  static ModelConfig kimi_k2();
+  // "deepseek-v3", "deepseek-r1", "kimi-k2".
+  static ModelConfig preset(const std::string& name);
+  // From a Hugging Face config.json (text): DeepseekV3Config's fields.
+  static ModelConfig from_hf_config_json(const std::string& json_text);
+  // Throws InvalidArgument naming the field, its value and the rule.
+  void validate() const;
+};
+
+struct ModelOptions {
+  // Load and run only the first num_layers decoder layers (benchmarks on one
+  // GPU); 0: all of them.
+  int num_layers = 0;
+  // The MoE layers' options: max_tokens is the step's rows (n <= it), backend
+  // and overlap mode, dp_size. Its device decides the model's: a host backend
+  // (cpu, internode-cpu) runs the CPU path.
+  MoELayerOptions moe;
+  // The attention's: page_size, max_requests, max_pages_per_request, TP
+  // (device and max_tokens are the model's).
+  MLAOptions attention;
+  // Pages of the KV cache the model allocates for each layer
+  // ([num_pages, page_size, kv_lora_rank + qk_rope_head_dim] bf16).
+  int64_t num_pages = 0;
+};
+
+// Per-request sampling, read where the step runs: greedy where temperature
+// is 0, else softmax(logits / temperature) restricted to the top_k largest
+// (0: all) and to the smallest set whose mass reaches top_p, drawn with a
+// counter-based generator keyed by (seed, position): the same request,
+// position and seed give the same token on any rank, batch and device.
+struct SamplingParams {
+  Tensor temperature;  // [B] fp32, >= 0
+  Tensor top_k;        // [B] int32, >= 0
+  Tensor top_p;        // [B] fp32, in (0, 1]
+  Tensor seed;         // [B] int64
+};
+
+struct StepInput {
+  Tensor token_ids;  // [n] int32: the query tokens (rows of the batch)
+  MLABatch batch;    // request i's rows, lengths and pages (shared by every layer)
+  SamplingParams sampling;  // undefined tensors: greedy for every request
+};
+
+struct StepOutput {
+  Tensor next_tokens;  // [B] int32: sampled from each request's last row; -1 for none (required)
+  // Optional fp32 logits: [B, V] of each request's last row, or with
+  // logits_every_row [n, V] of every row (teacher forcing, scoring).
+  Tensor logits;
+  bool logits_every_row = false;
+};
+
+namespace detail {
+class ModelImpl;
+}
+
+class Model {
+ public:
+  // Collective over the ranks of `bootstrap` (the MoE layers' AllToAlls).
+  static std::unique_ptr<Model> create(const ModelConfig& config, const ModelOptions& options,
+                                       Bootstrap& bootstrap);
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelConfig& config() const;
+  int num_layers() const;  // the layers run (options.num_layers or all)
+
+  // A Hugging Face checkpoint directory (config.json's model): embedding,
+  // every layer's norms, attention, dense MLP or MoE layer (this rank's
+  // experts only), the final norm and lm_head. fp8 with weight_scale_inv or
+  // bf16; a missing tensor or a wrong shape throws InvalidArgument naming
+  // the tensor and the file.
+  void load_checkpoint(const std::string& directory);
+
+  // The KV cache of layer `layer` ([num_pages, page_size, Dc] bf16).
+  Tensor kv_cache(int layer) const;
+
+  // One step. Host tensors for the CPU path, device tensors otherwise.
+  void step(const StepInput& in, const StepOutput& out, cudaStream_t stream = nullptr);
+
+  // Waits and throws what any part flagged since the last check().
+  void check(cudaStream_t stream = nullptr);
+
+ private:
+  explicit Model(std::unique_ptr<detail::ModelImpl> impl);
+  std::unique_ptr<detail::ModelImpl> impl_;
+};
+
+}  // namespace moelink

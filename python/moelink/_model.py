@@ -1,0 +1,85 @@
+"""The Python-facing Model: resolves the config, the bootstrap and the CUDA
+stream, then calls the C++ binding (which releases the GIL while it runs)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+from . import _C
+from ._all_to_all import _resolve_bootstrap, stream_handle
+from ._config import resolve_config
+
+_HOST_BACKENDS = ("cpu", "internode-cpu")
+
+
+def model_full_config(model: Any = "deepseek-v3", **overrides) -> "_C.ModelConfig":
+    """A moelink.ModelConfig from a preset ("deepseek-v3", "deepseek-r1",
+    "kimi-k2"), a Hugging Face config (dict, PretrainedConfig or config.json
+    path) or a ModelConfig; keyword arguments override its top-level fields."""
+    return resolve_config(_C.ModelConfig, model, overrides, "Model: unknown config field")
+
+
+class Model:
+    """A DeepSeek-V3-family model from token ids to next tokens
+    (docs/model.md): embedding, MLA attention and MoE (or dense) layers,
+    lm_head, sampling.
+
+    Model(config, *, max_tokens, num_pages, backend="nvlink", page_size=64,
+          max_requests=64, max_pages_per_request=64, num_layers=0, overlap="auto",
+          dp_size=1, tp_size=1, tp_rank=0, group=None, bootstrap=None,
+          timeout_s=None, debug=None)
+
+    Collective over the ranks (expert parallelism; the same bootstrap rules
+    as AllToAll). Load weights with load_checkpoint(), then call step()."""
+
+    def __init__(self, config: Any = "deepseek-v3", *, max_tokens: int, num_pages: int,
+                 backend: str = "nvlink", page_size: int = 64, max_requests: int = 64,
+                 max_pages_per_request: int = 64, num_layers: int = 0, overlap: str = "auto",
+                 dp_size: int = 1, tp_size: int = 1, tp_rank: int = 0, group=None, bootstrap=None,
+                 timeout_s: Optional[float] = None, debug: Optional[bool] = None):
+        cfg = model_full_config(config)
+        self._host = backend in _HOST_BACKENDS
+        if not self._host:
+            torch = sys.modules.get("torch")
+            if _C.with_cuda and torch is not None and torch.cuda.is_available():
+                _C.cuda_set_device(torch.cuda.current_device())
+        self._bootstrap = _resolve_bootstrap(group, bootstrap, timeout_s)
+        self._impl = _C.Model(cfg, self._bootstrap, int(max_tokens), backend, overlap, int(dp_size),
+                              -1.0 if timeout_s is None else float(timeout_s),
+                              -1 if debug is None else int(bool(debug)), int(num_layers),
+                              int(num_pages), int(page_size), int(max_requests),
+                              int(max_pages_per_request), int(tp_size), int(tp_rank))
+
+    @property
+    def config(self):
+        return self._impl.config
+
+    @property
+    def num_layers(self) -> int:
+        return self._impl.num_layers
+
+    def load_checkpoint(self, directory: str) -> None:
+        """A Hugging Face checkpoint directory (safetensors; fp8 with
+        weight_scale_inv, or bf16/fp32): this rank's share of every layer run."""
+        self._impl.load_checkpoint(str(directory))
+
+    def step(self, token_ids, q_start, kv_len, block_table, next_tokens, *, num_decode: int = 0,
+             logits=None, logits_every_row: bool = False, temperature=None, top_k=None,
+             top_p=None, seed=None, stream=None) -> None:
+        """One step over this rank's requests. token_ids [n] int32 are the
+        query tokens; q_start [B + 1], kv_len [B], block_table [B, pages] int32
+        as MLAAttention takes them (decode requests first, num_decode of
+        them). Writes next_tokens [B] int32 (greedy unless temperature [B] > 0,
+        with top_k [B] int32, top_p [B] and seed [B] int64) and, when given,
+        logits: [B, V] fp32 of each request's last row, or [n, V] with
+        logits_every_row."""
+        num_requests = int(q_start.shape[0]) - 1
+        self._impl.step(token_ids, q_start, kv_len, block_table, num_requests, int(num_decode),
+                        next_tokens, logits, bool(logits_every_row), temperature, top_k, top_p,
+                        seed, 0 if self._host else stream_handle(stream, token_ids))
+
+    def check(self, stream=None) -> None:
+        """Raises moelink.InputError for what any layer flagged since the last
+        check() (a bad page id or length, a token id outside the vocabulary)."""
+        self._impl.check(0 if self._host else stream_handle(stream, None))

@@ -1,0 +1,414 @@
+// Model: the step over every layer, composed from MLAAttention, MoELayer or
+// the dense MLP (an Experts of one expert) and ModelOps:
+//
+//   h = embed(token_ids)
+//   per layer:  a = attention(h)                 (its input_layernorm inside)
+//               h += a; hn = post_attention_layernorm(h)
+//               m = dense_mlp(hn) | moe(hn);  h += m (in the next layer's
+//               add_rms_norm, or the final norm's)
+//   logits = lm_head(norm(h)) of the rows asked for; next tokens sampled
+//
+// Every rank runs every MoE layer's collective calls, also with no tokens
+// (a one-row view with m = 0).
+#include "moelink/model.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "core/arg_checks.h"
+#include "core/error_collector.h"
+#include "core/float_convert.h"
+#include "layer/checkpoint.h"
+#include "layer/safetensors.h"
+#include "model/model_ops.h"
+#include "moelink/errors.h"
+#include "moelink/experts.h"
+
+namespace moelink {
+
+namespace {
+
+[[noreturn]] void bad_field(const char* field, int64_t value, const std::string& rule) {
+  throw InvalidArgument(std::string("moelink: ModelConfig.") + field + " = " + std::to_string(value) +
+                        " " + rule);
+}
+
+}  // namespace
+
+ModelConfig ModelConfig::deepseek_v3() {
+  ModelConfig c;
+  c.attention = MLAConfig::deepseek_v3();
+  c.moe = MoEModelConfig::deepseek_v3();
+  c.vocab_size = 129280;
+  c.num_hidden_layers = 61;
+  c.first_k_dense_replace = 3;
+  c.intermediate_size = 18432;
+  c.num_nextn_predict_layers = 1;
+  return c;
+}
+
+ModelConfig ModelConfig::kimi_k2() {
+  ModelConfig c;
+  c.attention = MLAConfig::kimi_k2();
+  c.moe = MoEModelConfig::kimi_k2();
+  c.vocab_size = 163840;
+  c.num_hidden_layers = 61;
+  c.first_k_dense_replace = 1;
+  c.intermediate_size = 18432;
+  return c;
+}
+
+ModelConfig ModelConfig::preset(const std::string& name) {
+  if (name == "deepseek-v3" || name == "deepseek-r1") return deepseek_v3();
+  if (name == "kimi-k2") return kimi_k2();
+  throw InvalidArgument("moelink: ModelConfig.preset: '" + name +
+                        "' is not a preset (deepseek-v3, deepseek-r1, kimi-k2)");
+}
+
+void ModelConfig::validate() const {
+  attention.validate();
+  moe.validate();
+  if (moe.hidden_size != attention.hidden_size)
+    bad_field("moe.hidden_size", moe.hidden_size,
+              "must equal attention.hidden_size = " + std::to_string(attention.hidden_size));
+  if (vocab_size < 1 || vocab_size > (1 << 24)) bad_field("vocab_size", vocab_size, "must be in [1, 2^24]");
+  if (num_hidden_layers < 1 || num_hidden_layers > 4096)
+    bad_field("num_hidden_layers", num_hidden_layers, "must be in [1, 4096]");
+  if (first_k_dense_replace < 0 || first_k_dense_replace > num_hidden_layers)
+    bad_field("first_k_dense_replace", first_k_dense_replace,
+              "must be in [0, num_hidden_layers = " + std::to_string(num_hidden_layers) + "]");
+  if (first_k_dense_replace > 0 && (intermediate_size < 128 || intermediate_size % 128 != 0))
+    bad_field("intermediate_size", intermediate_size, "must be a positive multiple of 128 (the dense MLP)");
+  if (!(rms_norm_eps > 0.0)) bad_field("rms_norm_eps", static_cast<int64_t>(rms_norm_eps), "must be > 0");
+}
+
+namespace detail {
+
+using model::ModelErrorRecord;
+using model::ModelOps;
+
+namespace {
+
+// Memory of the ops' kind that frees itself.
+class ModelBuffer {
+ public:
+  ModelBuffer() = default;
+  ModelBuffer(ModelOps& ops, size_t bytes) : ops_(&ops), p_(ops.alloc(bytes)) {}
+  ModelBuffer(ModelBuffer&& o) noexcept : ops_(o.ops_), p_(o.p_) { o.p_ = nullptr; }
+  ModelBuffer& operator=(ModelBuffer&& o) noexcept {
+    std::swap(ops_, o.ops_);
+    std::swap(p_, o.p_);
+    return *this;
+  }
+  ~ModelBuffer() {
+    if (p_ != nullptr) ops_->free(p_);
+  }
+  template <class T = void>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+
+ private:
+  ModelOps* ops_ = nullptr;
+  void* p_ = nullptr;
+};
+
+std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
+  std::vector<uint16_t> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = f32_to_bf16(v[i]);
+  return b;
+}
+
+// The dense MLP of the first layers: an Experts of one expert whose row
+// count is the step's rows (as the MoE layer's shared expert).
+struct DenseMlp {
+  std::unique_ptr<Experts> experts;
+  ModelBuffer w13, w13_scale, w2, w2_scale;
+};
+
+}  // namespace
+
+class ModelImpl {
+ public:
+  ModelImpl(const ModelConfig& config, const ModelOptions& options, Bootstrap& boot)
+      : c_(config), o_(options) {
+    c_.validate();
+    if (o_.num_layers < 0 || o_.num_layers > c_.num_hidden_layers)
+      throw InvalidArgument("moelink: ModelOptions.num_layers = " + std::to_string(o_.num_layers) +
+                            " must be in [0, num_hidden_layers = " +
+                            std::to_string(c_.num_hidden_layers) + "] (0: all)");
+    layers_ = o_.num_layers > 0 ? o_.num_layers : c_.num_hidden_layers;
+    if (o_.num_pages < 1)
+      throw InvalidArgument("moelink: ModelOptions.num_pages = " + std::to_string(o_.num_pages) +
+                            " must be >= 1 (the KV cache's pages per layer)");
+    host_ = backend_uses_host_memory(o_.moe.all_to_all.backend);
+    ops_ = host_ ? model::make_cpu_model_ops() : model::make_cuda_model_ops();
+    const int64_t T = o_.moe.max_tokens, D = c_.attention.hidden_size, V = c_.vocab_size;
+    MLAOptions ao = o_.attention;
+    ao.device = host_ ? AttentionDevice::kCPU : AttentionDevice::kCUDA;
+    ao.max_tokens = T;
+    for (int l = 0; l < layers_; ++l) {
+      Layer layer;
+      layer.attention = MLAAttention::create(c_.attention, ao);
+      const int64_t cache_bytes = o_.num_pages * ao.page_size * c_.attention.cache_row() * 2;
+      layer.cache = ModelBuffer(*ops_, static_cast<size_t>(cache_bytes));
+      layer.post_norm = ModelBuffer(*ops_, D * 4);
+      if (l < c_.first_k_dense_replace) {
+        ExpertConfig ec;
+        ec.num_experts = 1;
+        ec.max_rows = T;
+        ec.hidden_dim = static_cast<int>(D);
+        ec.intermediate_dim = c_.intermediate_size;
+        ec.expected_rows = T;
+        ec.device = host_ ? ExpertDevice::kCPU : ExpertDevice::kCUDA;
+        layer.dense = std::make_unique<DenseMlp>();
+        layer.dense->experts = Experts::create(ec);
+      } else {
+        layer.moe = MoELayer::create(c_.moe, o_.moe, boot);
+      }
+      layers_v_.push_back(std::move(layer));
+    }
+    // The residual stream, the normed input of each MLP, each part's
+    // output, quantized activations of the dense MLP, logits.
+    const int64_t rows = std::max<int64_t>(T, 1);
+    h_ = ModelBuffer(*ops_, rows * D * 2);
+    normed_ = ModelBuffer(*ops_, rows * D * 2);
+    part_ = ModelBuffer(*ops_, rows * D * 2);
+    xq_ = ModelBuffer(*ops_, rows * D);
+    xs_ = ModelBuffer(*ops_, rows * (D / 128) * 4);
+    last_logits_ = ModelBuffer(*ops_, static_cast<size_t>(ao.max_requests) * V * 4);
+    error_ = ModelBuffer(*ops_, sizeof(ModelErrorRecord));
+    zero_ = ModelBuffer(*ops_, 4);
+    final_norm_ = ModelBuffer(*ops_, D * 4);
+    ExpertConfig qc;  // quantize() takes any shapes
+    qc.num_experts = 1;
+    qc.max_rows = rows;
+    qc.hidden_dim = 128;
+    qc.intermediate_dim = 128;
+    qc.device = host_ ? ExpertDevice::kCPU : ExpertDevice::kCUDA;
+    quant_ = Experts::create(qc);
+  }
+
+  const ModelConfig& config() const { return c_; }
+  int num_layers() const { return layers_; }
+
+  void load_checkpoint(const std::string& directory) {
+    const char* call = "Model.load_checkpoint";
+    const layer::SafetensorsDir dir(directory);
+    const int64_t D = c_.attention.hidden_size, V = c_.vocab_size;
+    auto bf16_matrix = [&](const std::string& name) {
+      const std::vector<uint16_t> b = to_bf16(layer::read_float_tensor(dir, name, {V, D}, call));
+      ModelBuffer m(*ops_, b.size() * 2);
+      ops_->copy_in(m.as(), b.data(), b.size() * 2);
+      return m;
+    };
+    auto vector = [&](const std::string& name, ModelBuffer& dst) {
+      const std::vector<float> v = layer::read_float_tensor(dir, name, {D}, call);
+      ops_->copy_in(dst.as(), v.data(), v.size() * 4);
+    };
+    embed_ = bf16_matrix("model.embed_tokens.weight");
+    lm_head_ = c_.tie_word_embeddings ? bf16_matrix("model.embed_tokens.weight") : bf16_matrix("lm_head.weight");
+    vector("model.norm.weight", final_norm_);
+    for (int l = 0; l < layers_; ++l) {
+      Layer& layer = layers_v_[l];
+      const std::string prefix = "model.layers." + std::to_string(l) + ".";
+      layer.attention->load_checkpoint(directory, l);
+      vector(prefix + "post_attention_layernorm.weight", layer.post_norm);
+      if (layer.moe) {
+        layer.moe->load_checkpoint(directory, l);
+        continue;
+      }
+      const layer::HostMlpWeights w =
+          layer::read_mlp_weights(dir, prefix + "mlp.", c_.intermediate_size, D, call);
+      DenseMlp& m = *layer.dense;
+      auto copy = [&](ModelBuffer& dst, const void* src, size_t bytes) {
+        dst = ModelBuffer(*ops_, bytes);
+        ops_->copy_in(dst.as(), src, bytes);
+      };
+      copy(m.w13, w.w13.data(), w.w13.size());
+      copy(m.w13_scale, w.w13_scale.data(), w.w13_scale.size() * 4);
+      copy(m.w2, w.w2.data(), w.w2.size());
+      copy(m.w2_scale, w.w2_scale.data(), w.w2_scale.size() * 4);
+    }
+    has_weights_ = true;
+  }
+
+  Tensor kv_cache(int l) const {
+    if (l < 0 || l >= layers_)
+      throw InvalidArgument("moelink: Model.kv_cache: layer = " + std::to_string(l) + " must be in [0, " +
+                            std::to_string(layers_) + ")");
+    return Tensor::contiguous(layers_v_[l].cache.as(), DType::kBFloat16,
+                              {o_.num_pages, o_.attention.page_size, c_.attention.cache_row()});
+  }
+
+  void step(const StepInput& in, const StepOutput& out, cudaStream_t stream) {
+    const char* call = "Model.step";
+    if (!has_weights_)
+      throw InvalidArgument("moelink: Model.step: no weights yet (call load_checkpoint first)");
+    const int64_t D = c_.attention.hidden_size, V = c_.vocab_size, T = o_.moe.max_tokens;
+    const int B = in.batch.num_requests;
+    const int64_t n = check_tensor(call, "token_ids", in.token_ids, {DType::kInt32}, {}, false);
+    if (n > T) bad(call, "token_ids", "has " + std::to_string(n) + " rows, more than max_tokens = " + std::to_string(T));
+    if (B < 0 || B > o_.attention.max_requests)
+      bad(call, "batch.num_requests", "= " + std::to_string(B) + " must be in [0, " +
+                                          std::to_string(o_.attention.max_requests) + "] (max_requests)");
+    check_outputs(call, out, n, B, V);
+    check_sampling(call, in.sampling, B);
+    // Rows of this rank's step: q_start[B] (0 without requests: the MoE
+    // layers still take part in their collectives).
+    const int32_t* rows = B > 0 ? static_cast<const int32_t*>(in.batch.q_start.data) + B : zero_.as<int32_t>();
+    const Tensor bound = Tensor::contiguous(const_cast<int32_t*>(rows), DType::kInt32, {1});
+    const int64_t nr = std::max<int64_t>(n, 1);  // the MoE layers take at least one row
+    const Tensor h = Tensor::contiguous(h_.as(), DType::kBFloat16, {nr, D});
+    const Tensor normed = Tensor::contiguous(normed_.as(), DType::kBFloat16, {nr, D});
+    const Tensor part = Tensor::contiguous(part_.as(), DType::kBFloat16, {nr, D});
+    ModelOps& ops = *ops_;
+    auto* error = error_.as<ModelErrorRecord>();
+    if (n > 0) ops.embed(h, in.token_ids, embed_.as<uint16_t>(), V, rows, error, stream);
+    for (int l = 0; l < layers_; ++l) {
+      Layer& layer = layers_v_[l];
+      if (n > 0 && B > 0) {
+        const Tensor hv = Tensor::contiguous(h.data, DType::kBFloat16, {n, D}),
+                     pv = Tensor::contiguous(part.data, DType::kBFloat16, {n, D});
+        layer.attention->forward(pv, hv, in.batch, kv_cache(l), stream);
+      }
+      // h += attention; hn = post_attention_layernorm(h).
+      ops.add_rms_norm(h, part, normed, layer.post_norm.as<float>(), eps(), rows, stream);
+      if (layer.moe) {
+        layer.moe->forward(part, normed, bound, stream);
+      } else {
+        dense_mlp(*layer.dense, part, normed, bound, stream);
+      }
+      // h += mlp, alone: the next layer's attention norms its own input.
+      ops.add_rms_norm(h, part, Tensor{}, nullptr, eps(), rows, stream);
+    }
+    ops.add_rms_norm(h, Tensor{}, normed, final_norm_.as<float>(), eps(), rows, stream);
+    if (B == 0) return;
+    const auto* q_start = static_cast<const int32_t*>(in.batch.q_start.data);
+    const Tensor last = Tensor::contiguous(last_logits_.as(), DType::kFloat32, {B, V});
+    ops.lm_head(last, normed, lm_head_.as<uint16_t>(), V, rows, q_start, B, stream);
+    if (out.logits.defined()) {
+      if (out.logits_every_row)
+        ops.lm_head(out.logits, normed, lm_head_.as<uint16_t>(), V, rows, nullptr, 0, stream);
+      else
+        ops.copy_in(out.logits.data, last.data, static_cast<size_t>(B) * V * 4);
+    }
+    const SamplingParams& sp = in.sampling;
+    ops.sample(out.next_tokens, last, sp.temperature, sp.top_k, sp.top_p, sp.seed, q_start,
+               static_cast<const int32_t*>(in.batch.kv_len.data), B, error, stream);
+  }
+
+  void check(cudaStream_t stream) {
+    ErrorCollector errors;
+    errors.take([&] { check_own(stream); });
+    for (Layer& layer : layers_v_) {
+      errors.take([&] { layer.attention->check(stream); });
+      if (layer.moe) errors.take([&] { layer.moe->check(stream); });
+      if (layer.dense) errors.take([&] { layer.dense->experts->check(stream); });
+    }
+    errors.take([&] { quant_->check(stream); });
+    errors.raise();
+  }
+
+ private:
+  struct Layer {
+    std::unique_ptr<MLAAttention> attention;
+    std::unique_ptr<MoELayer> moe;
+    std::unique_ptr<DenseMlp> dense;
+    ModelBuffer cache, post_norm;
+  };
+
+  float eps() const { return static_cast<float>(c_.rms_norm_eps); }
+
+  void dense_mlp(DenseMlp& m, const Tensor& out, const Tensor& x, const Tensor& bound, cudaStream_t stream) {
+    const int64_t rows = x.shape[0], D = x.shape[1], I = c_.intermediate_size;
+    const Tensor xq = Tensor::contiguous(xq_.as(), DType::kFloat8E4M3, {rows, D});
+    const Tensor xs = Tensor::contiguous(xs_.as(), DType::kFloat32, {rows, D / 128});
+    quant_->quantize(xq, xs, x, bound, stream);
+    auto one = [](const Tensor& t) {  // [r, c] as [1, r, c]
+      Tensor v = t;
+      v.ndim = 3;
+      v.shape[2] = t.shape[1];
+      v.shape[1] = t.shape[0];
+      v.shape[0] = 1;
+      v.stride[2] = t.stride[1];
+      v.stride[1] = t.stride[0];
+      v.stride[0] = t.shape[0] * t.stride[0];
+      return v;
+    };
+    m.experts->forward(one(out), bound, one(xq), one(xs),
+                       Tensor::contiguous(m.w13.as(), DType::kFloat8E4M3, {1, 2 * I, D}),
+                       Tensor::contiguous(m.w13_scale.as(), DType::kFloat32, {1, 2 * I / 128, D / 128}),
+                       Tensor::contiguous(m.w2.as(), DType::kFloat8E4M3, {1, D, I}),
+                       Tensor::contiguous(m.w2_scale.as(), DType::kFloat32, {1, D / 128, I / 128}), stream);
+  }
+
+  void check_own(cudaStream_t stream) {
+    const ModelErrorRecord e = ops_->take_error(error_.as<ModelErrorRecord>(), stream);
+    if (e.code == 1)
+      throw InputError("moelink: Model.step: token_ids[" + std::to_string(e.row) + "] = " +
+                       std::to_string(static_cast<int64_t>(e.value)) + " is outside [0, " +
+                       std::to_string(e.limit) + ") (vocab_size); its row was zeroed");
+    if (e.code == 2) {
+      static const char* fields[] = {"temperature", "top_k", "top_p"};
+      static const char* rules[] = {">= 0", ">= 0", "in (0, 1]"};
+      throw InputError("moelink: Model.step: sampling." + std::string(fields[e.field]) + "[" +
+                       std::to_string(e.row) + "] = " + std::to_string(e.value) + " must be " +
+                       rules[e.field] + "; request " + std::to_string(e.row) + " got next token -1");
+    }
+  }
+
+  void check_outputs(const char* call, const StepOutput& out, int64_t n, int B, int64_t V) const {
+    if (check_tensor(call, "next_tokens", out.next_tokens, {DType::kInt32}, {}, false) != B)
+      bad(call, "next_tokens", "has shape " + shape_str(out.next_tokens) + ", expected [" +
+                                   std::to_string(B) + "] (num_requests)");
+    if (!out.logits.defined()) return;
+    const int64_t want = out.logits_every_row ? n : B;
+    if (want == 0 && out.logits.ndim == 2 && out.logits.shape[0] == 0) return;  // nothing to write
+    if (check_tensor(call, "logits", out.logits, {DType::kFloat32}, {V}, true) != want ||
+        out.logits.stride[0] != V)
+      bad(call, "logits", "has shape " + shape_str(out.logits) + ", expected a contiguous [" +
+                              std::to_string(want) + ", " + std::to_string(V) + "] (" +
+                              (out.logits_every_row ? "every row" : "each request's last row") + ")");
+  }
+
+  static void check_sampling(const char* call, const SamplingParams& s, int B) {
+    auto vec = [&](const char* field, const Tensor& t, DType dt) {
+      if (!t.defined()) return;
+      if (t.ndim != 1 || t.shape[0] != B || t.dtype != dt || (B > 1 && t.stride[0] != 1))
+        bad(call, field, "must be a contiguous " + std::string(dtype_name(dt)) + " tensor of shape [" +
+                             std::to_string(B) + "], got dtype " + std::string(dtype_name(t.dtype)) +
+                             " shape " + shape_str(t));
+    };
+    vec("sampling.temperature", s.temperature, DType::kFloat32);
+    vec("sampling.top_k", s.top_k, DType::kInt32);
+    vec("sampling.top_p", s.top_p, DType::kFloat32);
+    vec("sampling.seed", s.seed, DType::kInt64);
+  }
+
+  ModelConfig c_;
+  ModelOptions o_;
+  int layers_ = 0;
+  bool host_ = true, has_weights_ = false;
+  std::unique_ptr<ModelOps> ops_;
+  std::vector<Layer> layers_v_;
+  std::unique_ptr<Experts> quant_;
+  ModelBuffer h_, normed_, part_, xq_, xs_, last_logits_, error_, zero_, final_norm_, embed_, lm_head_;
+};
+
+}  // namespace detail
+
+std::unique_ptr<Model> Model::create(const ModelConfig& config, const ModelOptions& options,
+                                     Bootstrap& bootstrap) {
+  return std::unique_ptr<Model>(new Model(std::make_unique<detail::ModelImpl>(config, options, bootstrap)));
+}
+Model::Model(std::unique_ptr<detail::ModelImpl> impl) : impl_(std::move(impl)) {}
+Model::~Model() = default;
+const ModelConfig& Model::config() const { return impl_->config(); }
+int Model::num_layers() const { return impl_->num_layers(); }
+void Model::load_checkpoint(const std::string& directory) { impl_->load_checkpoint(directory); }
+Tensor Model::kv_cache(int layer) const { return impl_->kv_cache(layer); }
+void Model::step(const StepInput& in, const StepOutput& out, cudaStream_t stream) { impl_->step(in, out, stream); }
+void Model::check(cudaStream_t stream) { impl_->check(stream); }
+
+}  // namespace moelink
