@@ -32,6 +32,7 @@ from ._C import (
 from ._all_to_all import AllToAll, stream_handle
 from ._attention import MLAAttention, mla_config
 from ._experts import Experts
+from ._engine import Engine
 from ._model import Model, model_full_config
 from ._moe_layer import MoELayer, model_config
 from ._torch import TorchGroupBootstrap
@@ -62,6 +63,7 @@ __all__ = [
     "mla_config",
     "MoELayer",
     "Model",
+    "Engine",
     "ModelConfig",
     "model_full_config",
     "model_config",

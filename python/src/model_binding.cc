@@ -86,6 +86,8 @@ class PyModel {
 
 }  // namespace
 
+Model& unwrap_model(nb::handle model) { return nb::cast<PyModel&>(model).impl(); }
+
 void bind_model(nb::module_& m) {
   nb::class_<ModelConfig>(m, "ModelConfig", "A DeepSeek-V3-family model's architecture.")
       .def(nb::init<>())

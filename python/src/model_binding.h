@@ -4,8 +4,13 @@
 
 #include <nanobind/nanobind.h>
 
+#include "moelink/model.h"
+
 namespace moelink::python {
 
 void bind_model(nanobind::module_& m);
+
+// The moelink::Model inside a moelink._C.Model (TypeError for anything else).
+Model& unwrap_model(nanobind::handle model);
 
 }  // namespace moelink::python

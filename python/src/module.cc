@@ -18,6 +18,9 @@
 #include "fabric_binding.h"
 #include "layer_binding.h"
 #include "model_binding.h"
+#if defined(MOELINK_WITH_ENGINE)
+#include "engine_binding.h"
+#endif
 #include "moelink/moelink.h"
 #include "tensor_convert.h"
 
@@ -558,6 +561,16 @@ NB_MODULE(_C, m) {
   bind_attention(m);
   bind_moe_layer(m);
   bind_model(m);
+#if defined(MOELINK_WITH_ENGINE)
+  bind_engine(m);
+#endif
+  m.attr("with_engine") = nb::bool_(
+#if defined(MOELINK_WITH_ENGINE)
+      true
+#else
+      false
+#endif
+  );
   bind_fabric(m);
 
 #if defined(MOELINK_WITH_CUDA)

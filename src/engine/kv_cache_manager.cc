@@ -72,6 +72,11 @@ void KvCacheManager::commit(RequestId id, std::span<const uint32_t> tokens, int6
     r.committed_pages = b + 1;
     Page& page = pages_[r.pages[b]];
     if (page.cached || by_hash_.count(h) != 0) continue;  // another request's copy is the cached one
+    // Under a parent no longer cached (another request's copy of it was
+    // evicted), the page could never be matched from a prompt's start, and
+    // the scheduler drops a stored event with an unknown parent: it stays
+    // this request's own.
+    if (b > 0 && by_hash_.count(parent) == 0) continue;
     page.cached = true;
     page.hash = h;
     by_hash_[h] = r.pages[b];

@@ -57,7 +57,8 @@ class KvCacheManager {
   // Tokens [0, computed) of request `id` (`tokens` holds at least that many)
   // are in its pages: the full pages among them become cached (their hashes
   // chained from the prompt's first page) and stored events are queued. A
-  // page whose hash another request cached first stays this request's own.
+  // page whose hash another request cached first, or whose parent page is
+  // no longer cached, stays this request's own.
   void commit(RequestId id, std::span<const uint32_t> tokens, int64_t computed);
 
   // Ends request `id`: its pages are released (cached ones stay, evictable,

@@ -162,10 +162,12 @@ TEST(KvCacheManager, RandomSoakKeepsTheInvariants) {
     for (const KvEvent& e : m.take_events()) {
       if (e.kind == KvEvent::kRemoved) {
         for (uint64_t h : e.hashes) ASSERT_EQ(indexed.erase(h), 1u) << "removed a hash never stored";
-      } else {
-        if (e.parent) ASSERT_TRUE(indexed.count(*e.parent)) << "stored after an unknown parent";
-        for (uint64_t h : e.hashes) ASSERT_TRUE(indexed.insert(h).second) << "stored twice";
+        continue;
       }
+      if (e.parent) {
+        ASSERT_TRUE(indexed.count(*e.parent)) << "stored after an unknown parent";
+      }
+      for (uint64_t h : e.hashes) ASSERT_TRUE(indexed.insert(h).second) << "stored twice";
     }
     ASSERT_NO_THROW(m.check_invariants()) << "after operation " << op;
     ASSERT_EQ(static_cast<int64_t>(indexed.size()), m.cached_pages());

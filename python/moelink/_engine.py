@@ -1,0 +1,87 @@
+"""moelink.Engine: the serving engine's step loop (continuous batching,
+chunked prefill mixed with decode, prefix caching, preemption by recompute)
+over a moelink.Model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Sequence
+
+from . import _C
+
+
+@dataclass
+class StepResult:
+    id: int
+    tokens: List[int]     # new output tokens this step (0 or 1)
+    finished: str         # "", "stop", "length", "cancelled" or "error"
+    cached_tokens: int    # prompt tokens found in the prefix cache (first step)
+    error: str = ""
+
+
+@dataclass
+class Generation:
+    id: int
+    tokens: List[int] = field(default_factory=list)
+    finished: str = ""
+    cached_tokens: int = 0
+    error: str = ""
+
+
+class Engine:
+    """Engine(model, *, num_pages, page_size, token_budget, max_running,
+    max_pages_per_request) over a moelink.Model (the page size and
+    capacities its attention was created with). add() queues a request,
+    step() runs one round; run() steps until every request finished."""
+
+    def __init__(self, model, *, num_pages: int, page_size: int, token_budget: int,
+                 max_running: int, max_pages_per_request: int):
+        if not _C.with_engine:
+            raise RuntimeError("moelink: this build has no serving engine (it needs xxHash: "
+                               "apt-get install libxxhash-dev, and rebuild)")
+        self._model = model  # the engine runs it: kept alive as long as the engine
+        self._impl = _C.Engine(model._impl, int(num_pages), int(page_size), int(token_budget),
+                               int(max_running), int(max_pages_per_request))
+
+    def add(self, prompt: Sequence[int], *, max_tokens: int = 16, temperature: float = 0.0,
+            top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+            stop_tokens: Sequence[int] = ()) -> int:
+        return self._impl.add([int(t) for t in prompt], int(max_tokens), float(temperature),
+                              int(top_k), float(top_p), int(seed), [int(t) for t in stop_tokens])
+
+    def cancel(self, request_id: int) -> None:
+        self._impl.cancel(int(request_id))
+
+    def step(self) -> List[StepResult]:
+        return [StepResult(*r) for r in self._impl.step()]
+
+    def run(self, max_steps: int = 100000) -> dict:
+        """Steps until idle; returns {id: Generation} of the requests that
+        finished meanwhile."""
+        done = {}
+        for _ in range(max_steps):
+            if self._impl.idle:
+                return done
+            for r in self.step():
+                g = done.setdefault(r.id, Generation(r.id))
+                g.tokens += r.tokens
+                g.cached_tokens = max(g.cached_tokens, r.cached_tokens)
+                if r.finished:
+                    g.finished, g.error = r.finished, r.error
+        raise RuntimeError(f"moelink: Engine.run: not idle after {max_steps} steps")
+
+    @property
+    def idle(self) -> bool:
+        return self._impl.idle
+
+    @property
+    def preemptions(self) -> int:
+        return self._impl.preemptions
+
+    @property
+    def available_pages(self) -> int:
+        return self._impl.available_pages
+
+    @property
+    def cached_pages(self) -> int:
+        return self._impl.cached_pages

@@ -1,0 +1,95 @@
+#include "engine_binding.h"
+
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "engine/engine.h"
+#include "model_binding.h"
+#include "moelink/errors.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace moelink::python {
+namespace {
+
+// An Engine with the KV-cache manager it owns; the Model (a Python object)
+// is kept alive by the wrapper in moelink/_engine.py.
+class PyEngine {
+ public:
+  PyEngine(nb::handle model, int64_t num_pages, int page_size, int64_t token_budget,
+           int max_running, int max_pages_per_request)
+      : kv_(num_pages, page_size) {
+    engine::EngineOptions o;
+    o.token_budget = token_budget;
+    o.max_running = max_running;
+    o.max_pages_per_request = max_pages_per_request;
+    try {
+      engine_ = std::make_unique<engine::Engine>(unwrap_model(model), kv_, o);
+    } catch (const std::invalid_argument& e) {
+      throw InvalidArgument(e.what());
+    }
+  }
+
+  uint64_t add(const std::vector<uint32_t>& prompt, int max_tokens, float temperature, int top_k,
+               float top_p, int64_t seed, const std::vector<uint32_t>& stop_tokens) {
+    engine::GenerateParams p;
+    p.prompt = prompt;
+    p.max_tokens = max_tokens;
+    p.temperature = temperature;
+    p.top_k = top_k;
+    p.top_p = top_p;
+    p.seed = seed;
+    p.stop_tokens = stop_tokens;
+    try {
+      return engine_->add(p);
+    } catch (const std::invalid_argument& e) {
+      throw InvalidArgument(e.what());
+    }
+  }
+
+  // [(id, new tokens, finish reason or "", cached tokens, error)]
+  std::vector<std::tuple<uint64_t, std::vector<uint32_t>, std::string, int64_t, std::string>> step() {
+    std::vector<engine::StepResult> r;
+    {
+      nb::gil_scoped_release release;
+      r = engine_->step();
+    }
+    std::vector<std::tuple<uint64_t, std::vector<uint32_t>, std::string, int64_t, std::string>> out;
+    for (const engine::StepResult& s : r)
+      out.emplace_back(s.id, s.tokens, engine::finish_reason_name(s.finished), s.cached_tokens, s.error);
+    return out;
+  }
+
+  engine::Engine& engine() { return *engine_; }
+  engine::KvCacheManager& kv() { return kv_; }
+
+ private:
+  engine::KvCacheManager kv_;
+  std::unique_ptr<engine::Engine> engine_;
+};
+
+}  // namespace
+
+void bind_engine(nb::module_& m) {
+  nb::class_<PyEngine>(m, "Engine", "The serving engine's step loop (moelink.Engine wraps this).")
+      .def(nb::init<nb::handle, int64_t, int, int64_t, int, int>(), "model"_a, "num_pages"_a,
+           "page_size"_a, "token_budget"_a, "max_running"_a, "max_pages_per_request"_a)
+      .def("add", &PyEngine::add, "prompt"_a, "max_tokens"_a, "temperature"_a, "top_k"_a,
+           "top_p"_a, "seed"_a, "stop_tokens"_a)
+      .def("cancel", [](PyEngine& e, uint64_t id) { e.engine().cancel(id); }, "id"_a)
+      .def("step", &PyEngine::step)
+      .def_prop_ro("idle", [](PyEngine& e) { return e.engine().idle(); })
+      .def_prop_ro("waiting", [](PyEngine& e) { return e.engine().waiting(); })
+      .def_prop_ro("running", [](PyEngine& e) { return e.engine().running(); })
+      .def_prop_ro("preemptions", [](PyEngine& e) { return e.engine().preemptions(); })
+      .def_prop_ro("available_pages", [](PyEngine& e) { return e.kv().available_pages(); })
+      .def_prop_ro("cached_pages", [](PyEngine& e) { return e.kv().cached_pages(); });
+}
+
+}  // namespace moelink::python

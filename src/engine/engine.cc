@@ -1,0 +1,228 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <map>
+#include <stdexcept>
+
+#include "moelink/errors.h"
+
+namespace moelink::engine {
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNone: return "";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kError: return "error";
+  }
+  return "";
+}
+
+Engine::Engine(Model& model, KvCacheManager& kv, const EngineOptions& options)
+    : model_(model), kv_(kv), o_(options) {
+  auto bad = [](const char* field, int64_t v, const std::string& rule) {
+    throw std::invalid_argument("moelink: EngineOptions." + std::string(field) + " = " +
+                                std::to_string(v) + " " + rule);
+  };
+  if (o_.token_budget < 1) bad("token_budget", o_.token_budget, "must be >= 1");
+  if (o_.max_running < 1) bad("max_running", o_.max_running, "must be >= 1");
+  if (o_.max_pages_per_request < 1) bad("max_pages_per_request", o_.max_pages_per_request, "must be >= 1");
+}
+
+uint64_t Engine::add(const GenerateParams& p) {
+  auto bad = [](const char* field, const std::string& what) {
+    throw std::invalid_argument("moelink: Engine.add: " + std::string(field) + " " + what);
+  };
+  if (p.prompt.empty()) bad("prompt", "is empty (at least one token)");
+  if (p.max_tokens < 1) bad("max_tokens", "= " + std::to_string(p.max_tokens) + " must be >= 1");
+  const int64_t room = int64_t{o_.max_pages_per_request} * kv_.page_size();
+  if (static_cast<int64_t>(p.prompt.size()) + p.max_tokens > room)
+    bad("max_tokens", "= " + std::to_string(p.max_tokens) + " with a prompt of " +
+                          std::to_string(p.prompt.size()) + " tokens exceeds the " +
+                          std::to_string(room) + " tokens a request may hold (max_pages_per_request * page_size)");
+  const uint32_t vocab = static_cast<uint32_t>(model_.config().vocab_size);
+  for (size_t i = 0; i < p.prompt.size(); ++i)
+    if (p.prompt[i] >= vocab)
+      bad("prompt", "token " + std::to_string(i) + " = " + std::to_string(p.prompt[i]) +
+                        " is outside [0, " + std::to_string(vocab) + ") (vocab_size)");
+  if (!(p.temperature >= 0.0f)) bad("temperature", "= " + std::to_string(p.temperature) + " must be >= 0");
+  if (p.top_k < 0) bad("top_k", "= " + std::to_string(p.top_k) + " must be >= 0");
+  if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) bad("top_p", "= " + std::to_string(p.top_p) + " must be in (0, 1]");
+  auto r = std::make_unique<Request>();
+  r->id = next_id_++;
+  r->params = p;
+  r->tokens = p.prompt;
+  r->prompt_len = static_cast<int64_t>(p.prompt.size());
+  waiting_.push_back(r.get());
+  const uint64_t id = r->id;
+  requests_[id] = std::move(r);
+  return id;
+}
+
+void Engine::cancel(uint64_t id) {
+  auto it = requests_.find(id);
+  if (it != requests_.end()) it->second->cancelled = true;
+}
+
+void Engine::preempt(Request& r) {
+  // Recompute later: its prompt and what it made so far become the prompt.
+  kv_.release(r.id);
+  r.computed = 0;
+  r.started = false;
+  r.prompt_len = static_cast<int64_t>(r.tokens.size());
+  running_.erase(std::find(running_.begin(), running_.end(), &r));
+  waiting_.push_front(&r);
+  ++preemptions_;
+}
+
+void Engine::finish(Request& r, FinishReason why, std::vector<StepResult>& out) {
+  kv_.release(r.id);
+  running_.erase(std::remove(running_.begin(), running_.end(), &r), running_.end());
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), &r), waiting_.end());
+  auto it = std::find_if(out.begin(), out.end(), [&](const StepResult& s) { return s.id == r.id; });
+  if (it == out.end()) it = out.insert(out.end(), StepResult{r.id, {}, FinishReason::kNone, 0, {}});
+  it->finished = why;
+  requests_.erase(r.id);
+}
+
+std::vector<StepResult> Engine::step() {
+  std::vector<StepResult> out;
+  // Cancelled requests end now.
+  std::vector<Request*> gone;
+  for (auto& [id, r] : requests_)
+    if (r->cancelled) gone.push_back(r.get());
+  for (Request* r : gone) finish(*r, FinishReason::kCancelled, out);
+
+  // ---- schedule
+  std::vector<Planned> decodes, prefills;
+  int64_t budget = o_.token_budget;
+  for (size_t i = 0; i < running_.size() && budget > 0;) {
+    Request& r = *running_[i];
+    if (r.computed < r.prompt_len) {
+      ++i;
+      continue;
+    }
+    bool preempted_self = false;
+    while (!kv_.reserve(r.id, r.computed + 1)) {
+      Request& victim = *running_.back();  // the most recently started
+      preempt(victim);
+      if (&victim == &r) {
+        preempted_self = true;
+        break;
+      }
+    }
+    if (preempted_self) break;
+    decodes.push_back({&r, 1});
+    --budget;
+    ++i;
+  }
+  auto batch_full = [&] { return decodes.size() + prefills.size() >= static_cast<size_t>(o_.max_running); };
+  for (Request* rp : running_) {
+    Request& r = *rp;
+    if (budget <= 0 || batch_full()) break;
+    if (r.computed >= r.prompt_len) continue;
+    const int64_t chunk = std::min(r.prompt_len - r.computed, budget);
+    if (!kv_.reserve(r.id, r.computed + chunk)) break;
+    prefills.push_back({&r, chunk});
+    budget -= chunk;
+  }
+  while (budget > 0 && !waiting_.empty() && !batch_full() &&
+         running_.size() < static_cast<size_t>(o_.max_running)) {
+    Request& r = *waiting_.front();
+    const std::span<const uint32_t> prompt(r.tokens.data(), static_cast<size_t>(r.prompt_len));
+    r.cached = kv_.admit(r.id, prompt);
+    r.computed = r.cached;
+    const int64_t chunk = std::min(r.prompt_len - r.computed, budget);
+    if (!kv_.reserve(r.id, r.computed + chunk)) {
+      kv_.release(r.id);  // nothing taken: it waits for pages
+      r.computed = 0;
+      break;
+    }
+    r.started = true;
+    waiting_.pop_front();
+    running_.push_back(&r);
+    prefills.push_back({&r, chunk});
+    budget -= chunk;
+  }
+
+  // ---- run
+  std::vector<Planned> batch = decodes;
+  batch.insert(batch.end(), prefills.begin(), prefills.end());
+  const int B = static_cast<int>(batch.size());
+  std::vector<int32_t> token_ids, q_start{0}, kv_len, top_k;
+  std::vector<float> temperature, top_p;
+  std::vector<int64_t> seed;
+  int64_t columns = 1;
+  for (const Planned& p : batch) {
+    const Request& r = *p.r;
+    for (int64_t t = r.computed; t < r.computed + p.q_len; ++t) token_ids.push_back(static_cast<int32_t>(r.tokens[t]));
+    q_start.push_back(q_start.back() + static_cast<int32_t>(p.q_len));
+    kv_len.push_back(static_cast<int32_t>(r.computed + p.q_len));
+    temperature.push_back(r.params.temperature);
+    top_k.push_back(r.params.top_k);
+    top_p.push_back(r.params.top_p);
+    seed.push_back(r.params.seed);
+    columns = std::max<int64_t>(columns, static_cast<int64_t>(kv_.pages(r.id).size()));
+  }
+  std::vector<int32_t> table(static_cast<size_t>(std::max(B, 1) * columns), 0);
+  for (int i = 0; i < B; ++i) {
+    const std::vector<int32_t>& pages = kv_.pages(batch[i].r->id);
+    std::copy(pages.begin(), pages.end(), table.begin() + i * columns);
+  }
+  std::vector<int32_t> next(std::max(B, 1), -1);
+  StepInput in;
+  const int64_t n = static_cast<int64_t>(token_ids.size());
+  in.token_ids = Tensor::contiguous(token_ids.data(), DType::kInt32, {n});
+  in.batch.num_requests = B;
+  in.batch.num_decode = static_cast<int>(decodes.size());
+  in.batch.q_start = Tensor::contiguous(q_start.data(), DType::kInt32, {B + 1});
+  if (B > 0) {
+    in.batch.kv_len = Tensor::contiguous(kv_len.data(), DType::kInt32, {B});
+    in.batch.block_table = Tensor::contiguous(table.data(), DType::kInt32, {B, columns});
+    in.sampling.temperature = Tensor::contiguous(temperature.data(), DType::kFloat32, {B});
+    in.sampling.top_k = Tensor::contiguous(top_k.data(), DType::kInt32, {B});
+    in.sampling.top_p = Tensor::contiguous(top_p.data(), DType::kFloat32, {B});
+    in.sampling.seed = Tensor::contiguous(seed.data(), DType::kInt64, {B});
+  }
+  StepOutput so;
+  so.next_tokens = Tensor::contiguous(next.data(), DType::kInt32, {B});
+  std::string error;
+  try {
+    model_.step(in, so);
+    model_.check();
+  } catch (const Error& e) {
+    error = e.what();
+  }
+
+  // ---- process
+  for (int i = 0; i < B; ++i) {
+    Request& r = *batch[i].r;
+    auto it = std::find_if(out.begin(), out.end(), [&](const StepResult& s) { return s.id == r.id; });
+    if (it == out.end()) it = out.insert(out.end(), StepResult{r.id, {}, FinishReason::kNone, 0, {}});
+    if (!r.reported_cache) {
+      it->cached_tokens = r.cached;
+      r.reported_cache = true;
+    }
+    if (!error.empty()) {
+      it->error = error;
+      finish(r, FinishReason::kError, out);
+      continue;
+    }
+    r.computed += batch[i].q_len;
+    kv_.commit(r.id, r.tokens, r.computed);
+    if (r.computed < static_cast<int64_t>(r.tokens.size())) continue;  // a prefill chunk mid-prompt
+    const uint32_t t = static_cast<uint32_t>(next[i]);
+    r.tokens.push_back(t);
+    ++r.output;
+    it->tokens.push_back(t);
+    const auto& stops = r.params.stop_tokens;
+    if (std::find(stops.begin(), stops.end(), t) != stops.end())
+      finish(r, FinishReason::kStop, out);
+    else if (r.output >= static_cast<size_t>(r.params.max_tokens))
+      finish(r, FinishReason::kLength, out);
+  }
+  return out;
+}
+
+}  // namespace moelink::engine

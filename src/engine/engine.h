@@ -1,0 +1,109 @@
+// Engine: continuous batching over a Model and a KvCacheManager, one step()
+// at a time (the loop's schedule, run, process-outputs):
+//
+//   schedule  running decodes first (one token each; when pages run out the
+//             most recently started request is preempted: its pages are
+//             released and it waits to be recomputed from its prompt and
+//             the tokens it made), then prefill chunks of waiting or
+//             partly prefilled requests within the step's token budget
+//             (prefix-cached pages are skipped);
+//   run       Model::step over the batch (decodes first, as MLABatch wants);
+//   process   the computed pages committed to the cache, each request's new
+//             token appended, stop conditions (a stop token, max_tokens)
+//             applied, finished and cancelled requests released.
+//
+// Every rank of an expert-parallel model runs an Engine over its own
+// requests and calls step() in lock step with the others (a step without
+// requests still takes part in the MoE layers' exchanges).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/kv_cache_manager.h"
+#include "moelink/model.h"
+
+namespace moelink::engine {
+
+struct EngineOptions {
+  int64_t token_budget = 0;  // query tokens a step may carry (<= the model's max_tokens)
+  int max_running = 0;       // requests a step may carry (<= the attention's max_requests)
+  int max_pages_per_request = 0;  // the block table's columns (the attention's option)
+};
+
+struct GenerateParams {
+  std::vector<uint32_t> prompt;      // >= 1 token
+  int max_tokens = 16;               // >= 1 generated tokens
+  float temperature = 0.0f;          // 0: greedy
+  int top_k = 0;
+  float top_p = 1.0f;
+  int64_t seed = 0;
+  std::vector<uint32_t> stop_tokens;  // e.g. EOS; the stop token is part of the output
+};
+
+enum class FinishReason { kNone, kStop, kLength, kCancelled, kError };
+const char* finish_reason_name(FinishReason r);  // "", "stop", "length", "cancelled", "error"
+
+// What one step produced for one request.
+struct StepResult {
+  uint64_t id = 0;
+  std::vector<uint32_t> tokens;  // new output tokens (0 or 1)
+  FinishReason finished = FinishReason::kNone;
+  int64_t cached_tokens = 0;     // prompt tokens the prefix cache held (on its first step)
+  std::string error;             // kError: why
+};
+
+class Engine {
+ public:
+  Engine(Model& model, KvCacheManager& kv, const EngineOptions& options);
+
+  // Queues a request; returns its id. Throws std::invalid_argument naming
+  // the field for an empty prompt, max_tokens < 1, a prompt plus max_tokens
+  // beyond the pages a request may hold, or bad sampling values.
+  uint64_t add(const GenerateParams& params);
+  // Ends a request at the next step (its pages are freed then); unknown ids
+  // are ignored.
+  void cancel(uint64_t id);
+
+  // One schedule-run-process round. Returns what changed per request.
+  std::vector<StepResult> step();
+
+  bool idle() const { return waiting_.empty() && running_.empty(); }
+  size_t waiting() const { return waiting_.size(); }
+  size_t running() const { return running_.size(); }
+  int64_t preemptions() const { return preemptions_; }
+
+ private:
+  struct Request {
+    uint64_t id = 0;
+    GenerateParams params;
+    std::vector<uint32_t> tokens;  // prompt, then the output so far
+    int64_t computed = 0;          // tokens whose KV rows are in the cache
+    int64_t prompt_len = 0;        // the prompt (grows on preemption: recompute)
+    size_t output = 0;             // output tokens made
+    bool started = false, cancelled = false, reported_cache = false;
+    int64_t cached = 0;
+  };
+  struct Planned {
+    Request* r;
+    int64_t q_len;
+  };
+
+  void preempt(Request& r);
+  void finish(Request& r, FinishReason why, std::vector<StepResult>& out);
+
+  Model& model_;
+  KvCacheManager& kv_;
+  EngineOptions o_;
+  uint64_t next_id_ = 1;
+  std::unordered_map<uint64_t, std::unique_ptr<Request>> requests_;
+  std::deque<Request*> waiting_;   // FIFO; preempted ones go to the front
+  std::vector<Request*> running_;  // in admission order
+  int64_t preemptions_ = 0;
+};
+
+}  // namespace moelink::engine
