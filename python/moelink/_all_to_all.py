@@ -15,6 +15,14 @@ _BACKENDS = ("nvlink", "cpu", "nvshmem", "internode", "internode-cpu")
 _HOST_BACKENDS = ("cpu", "internode-cpu")
 
 
+def sync_cuda_device() -> None:
+    """moelink links its own (static) CUDA runtime: make its current device
+    the one torch considers current (nothing without torch or CUDA)."""
+    torch = sys.modules.get("torch")
+    if _C.with_cuda and torch is not None and torch.cuda.is_available():
+        _C.cuda_set_device(torch.cuda.current_device())
+
+
 def _resolve_bootstrap(group, bootstrap, timeout_s) -> Bootstrap:
     if group is not None and bootstrap is not None:
         raise ValueError("moelink: AllToAll: pass either group= or bootstrap=, not both")
@@ -135,11 +143,7 @@ class AllToAll:
 
     @staticmethod
     def _sync_cuda_device() -> None:
-        # moelink links its own (static) CUDA runtime: make its current device
-        # the one torch considers current.
-        torch = sys.modules.get("torch")
-        if _C.with_cuda and torch is not None and torch.cuda.is_available():
-            _C.cuda_set_device(torch.cuda.current_device())
+        sync_cuda_device()
 
     # ------------------------------------------------------------ properties
     @property

@@ -3,11 +3,10 @@ then calls the C++ binding (which releases the GIL while it runs)."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
 
 from . import _C
-from ._all_to_all import stream_handle
+from ._all_to_all import stream_handle, sync_cuda_device
 from ._config import resolve_config
 
 
@@ -37,9 +36,7 @@ class MLAAttention:
         cfg = mla_config(config, **config_fields)
         self._host = device == "cpu"
         if not self._host:
-            torch = sys.modules.get("torch")
-            if _C.with_cuda and torch is not None and torch.cuda.is_available():
-                _C.cuda_set_device(torch.cuda.current_device())
+            sync_cuda_device()
         self._impl = _C.MLAAttention(cfg, device, int(tp_size), int(tp_rank), int(page_size),
                                      int(max_tokens), int(max_requests), int(max_pages_per_request),
                                      -1 if debug is None else int(bool(debug)))

@@ -3,11 +3,10 @@ the C++ binding (which releases the GIL while it runs)."""
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 from . import _C
-from ._all_to_all import stream_handle
+from ._all_to_all import stream_handle, sync_cuda_device
 
 _DEVICES = ("cuda", "cpu")
 
@@ -33,9 +32,7 @@ class Experts:
         if device not in _DEVICES:
             raise ValueError(f"moelink: Experts: device = {device!r} must be 'cuda' or 'cpu'")
         if device == "cuda":
-            torch = sys.modules.get("torch")
-            if _C.with_cuda and torch is not None and torch.cuda.is_available():
-                _C.cuda_set_device(torch.cuda.current_device())
+            sync_cuda_device()
         self._device = device
         self._impl = _C.Experts(int(num_experts), int(max_rows), int(hidden_dim),
                                 int(intermediate_dim), device, int(expected_rows),

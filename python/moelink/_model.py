@@ -3,11 +3,10 @@ stream, then calls the C++ binding (which releases the GIL while it runs)."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
 
 from . import _C
-from ._all_to_all import _resolve_bootstrap, stream_handle
+from ._all_to_all import _resolve_bootstrap, stream_handle, sync_cuda_device
 from ._config import resolve_config
 
 _HOST_BACKENDS = ("cpu", "internode-cpu")
@@ -41,9 +40,7 @@ class Model:
         cfg = model_full_config(config)
         self._host = backend in _HOST_BACKENDS
         if not self._host:
-            torch = sys.modules.get("torch")
-            if _C.with_cuda and torch is not None and torch.cuda.is_available():
-                _C.cuda_set_device(torch.cuda.current_device())
+            sync_cuda_device()
         self._bootstrap = _resolve_bootstrap(group, bootstrap, timeout_s)
         self._impl = _C.Model(cfg, self._bootstrap, int(max_tokens), backend, overlap, int(dp_size),
                               -1.0 if timeout_s is None else float(timeout_s),

@@ -3,11 +3,10 @@ stream, then calls the C++ binding (which releases the GIL while it runs)."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
 
 from . import _C
-from ._all_to_all import _resolve_bootstrap, stream_handle
+from ._all_to_all import _resolve_bootstrap, stream_handle, sync_cuda_device
 from ._config import resolve_config
 
 _OVERLAPS = ("auto", "none", "dispatch-overlap", "micro-batch")
@@ -43,9 +42,7 @@ class MoELayer:
         cfg = model_config(model, **model_fields)
         self._host = backend in _HOST_BACKENDS
         if not self._host:
-            torch = sys.modules.get("torch")
-            if _C.with_cuda and torch is not None and torch.cuda.is_available():
-                _C.cuda_set_device(torch.cuda.current_device())
+            sync_cuda_device()
         self._bootstrap = _resolve_bootstrap(group, bootstrap, timeout_s)
         self._impl = _C.MoELayer(cfg, self._bootstrap, int(max_tokens), backend, overlap,
                                  int(micro_batch_min_tokens), bool(cuda_graphs), int(dp_size),

@@ -16,6 +16,7 @@
 
 #include "attention/rope.h"
 #include "attention/step_plan.h"
+#include "core/device_memory.h"
 #include "moelink/attention.h"
 
 namespace moelink::detail::attention {
@@ -29,14 +30,8 @@ struct RowPlan {
   int32_t* decode_rows;  // [Hq]: q_start[num_decode] per head (the batched GEMMs' counts)
 };
 
-class AttentionOps {
+class AttentionOps : public DeviceMemory {
  public:
-  virtual ~AttentionOps() = default;
-  virtual bool host_memory() const = 0;
-  virtual void* alloc(size_t bytes) = 0;  // zeroed
-  virtual void free(void* p) = 0;
-  virtual void copy_in(void* dst, const void* src, size_t bytes) = 0;  // synchronous
-  virtual void copy_out(void* dst, const void* src, size_t bytes) = 0;
 
   // Checks the batch (step_plan.h) and fills `plan`.
   virtual void plan_step(const MLABatch& b, int64_t n, const StepBounds& bounds, int local_heads,

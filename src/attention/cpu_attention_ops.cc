@@ -9,7 +9,7 @@
 
 #include "attention/attention_ops.h"
 #include "core/float_convert.h"
-#include "core/host_ops.h"
+#include "core/device_memory.h"
 
 namespace moelink::detail::attention {
 
@@ -30,13 +30,8 @@ uint16_t* bf16_at(const Tensor& t, int64_t a, int64_t b) {  // 3-D [a][b][:]
 float f(uint16_t h) { return bf16_to_f32(h); }
 uint16_t bf(float v) { return f32_to_bf16(v); }
 
-class CpuAttentionOps final : public AttentionOps {
+class CpuAttentionOps final : public HostMemory<AttentionOps> {
  public:
-  bool host_memory() const override { return true; }
-  void* alloc(size_t bytes) override { return zeroed_host_alloc(bytes); }
-  void free(void* p) override { std::free(p); }
-  void copy_in(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
-  void copy_out(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
 
   void plan_step(const MLABatch& b, int64_t n, const StepBounds& bounds, int local_heads,
                  const RowPlan& plan, StepErrorRecord* error, cudaStream_t) override {

@@ -38,29 +38,7 @@ constexpr int64_t kBlock = 128;
 // buffer ([chunk, Hq (Dn + Dv)] bf16: 64 MiB at DeepSeek-V3's 128 heads).
 constexpr int64_t kPrefillChunk = 1024;
 
-// Memory of the ops' kind that frees itself.
-class OpsBuffer {
- public:
-  OpsBuffer() = default;
-  OpsBuffer(AttentionOps& ops, size_t bytes) : ops_(&ops), p_(ops.alloc(bytes)) {}
-  OpsBuffer(OpsBuffer&& o) noexcept : ops_(o.ops_), p_(o.p_) { o.p_ = nullptr; }
-  OpsBuffer& operator=(OpsBuffer&& o) noexcept {
-    std::swap(ops_, o.ops_);
-    std::swap(p_, o.p_);
-    return *this;
-  }
-  ~OpsBuffer() {
-    if (p_ != nullptr) ops_->free(p_);
-  }
-  template <class T = void>
-  T* as() const {
-    return static_cast<T*>(p_);
-  }
-
- private:
-  AttentionOps* ops_ = nullptr;
-  void* p_ = nullptr;
-};
+using OpsBuffer = OwnedBuffer;
 
 // A BlockMatrix in the ops' memory, with views as the GEMMs take them.
 struct DeviceMatrix {

@@ -6,23 +6,13 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <new>
 #include <thread>
 
 #include "core/float_convert.h"
 #include "moelink/types.h"
 
 namespace moelink::detail {
-
-// Zeroed host memory of at least one byte (std::free releases it), for the
-// host devices of the MoE layer and the attention.
-inline void* zeroed_host_alloc(size_t bytes) {
-  void* p = std::calloc(bytes > 0 ? bytes : 1, 1);
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
-}
 
 // Address of element (i0, i1, i2) of a strided tensor (unused trailing
 // indices must be 0).

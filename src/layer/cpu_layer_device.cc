@@ -6,7 +6,6 @@
 #include <cstring>
 
 #include "core/float_convert.h"
-#include "core/host_ops.h"
 #include "layer/layer_device.h"
 #include "moelink/errors.h"
 
@@ -17,13 +16,8 @@ int64_t bounded_rows(const int32_t* bound_m, int64_t rows) {
   return std::clamp<int64_t>(*bound_m, 0, rows);
 }
 
-class CpuLayerDevice final : public LayerDevice {
+class CpuLayerDevice final : public HostMemory<LayerDevice> {
  public:
-  bool host_memory() const override { return true; }
-  void* alloc(size_t bytes) override { return zeroed_host_alloc(bytes); }
-  void free(void* p) override { std::free(p); }
-  void copy_in(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
-  void copy_out(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
 
   void gate_logits(float* logits, const Tensor& x, const void* gate, DType gate_dtype,
                    int num_experts, const int32_t* bound_m, float*, cudaStream_t) override {

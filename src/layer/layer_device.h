@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 
+#include "core/device_memory.h"
 #include "layer/router.h"
 #include "moelink/types.h"
 
@@ -25,17 +26,8 @@ struct LayerErrorRecord {
   int64_t limit;  // the rows of x
 };
 
-class LayerDevice {
+class LayerDevice : public DeviceMemory {
  public:
-  virtual ~LayerDevice() = default;
-  virtual bool host_memory() const = 0;
-  // Zeroed memory of the layer's kind; freed by free().
-  virtual void* alloc(size_t bytes) = 0;
-  virtual void free(void* p) = 0;
-  // From host or device memory into the layer's memory (and back), synchronous.
-  virtual void copy_in(void* dst, const void* src, size_t bytes) = 0;
-  virtual void copy_out(void* dst, const void* src, size_t bytes) = 0;
-
   // logits [rows, E] fp32 = x [rows, H] bf16 . gate[E, H]^T (gate bf16 or
   // fp32, as stored), for rows < min(m, rows) at least (m = bound_m[0]).
   // x_f32: scratch of rows * H floats for an fp32 gate.

@@ -21,6 +21,7 @@
 #include "core/arg_checks.h"
 #include "core/error_collector.h"
 #include "core/float_convert.h"
+#include "core/tensor_views.h"
 #include "layer/block_quant.h"
 #include "layer/checkpoint.h"
 #include "layer/layer_device.h"
@@ -36,55 +37,7 @@ namespace {
 
 constexpr int64_t kMaxTokens = 65536;
 
-// Layer memory that frees itself.
-class Buffer {
- public:
-  Buffer() = default;
-  Buffer(LayerDevice& dev, size_t bytes) : dev_(&dev), p_(dev.alloc(bytes)), bytes_(bytes) {}
-  Buffer(Buffer&& o) noexcept : dev_(o.dev_), p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr; }
-  Buffer& operator=(Buffer&& o) noexcept {
-    std::swap(dev_, o.dev_);
-    std::swap(p_, o.p_);
-    std::swap(bytes_, o.bytes_);
-    return *this;
-  }
-  ~Buffer() {
-    if (p_ != nullptr) dev_->free(p_);
-  }
-  void* get() const { return p_; }
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(p_);
-  }
-  size_t bytes() const { return bytes_; }
-
- private:
-  LayerDevice* dev_ = nullptr;
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-// Rows [row0, row0 + rows) of a row-major matrix.
-Tensor rows_of(const Tensor& t, int64_t row0, int64_t rows) {
-  Tensor v = t;
-  v.data = static_cast<char*>(t.data) + row0 * t.stride[0] * static_cast<int64_t>(dtype_size(t.dtype));
-  v.shape[0] = rows;
-  return v;
-}
-
-// A [rows, cols] tensor viewed as [1, rows, cols] (the shared expert is an
-// Experts of one expert).
-Tensor as_single_expert(const Tensor& t) {
-  Tensor v = t;
-  v.ndim = 3;
-  v.shape[2] = t.shape[1];
-  v.shape[1] = t.shape[0];
-  v.shape[0] = 1;
-  v.stride[2] = t.stride[1];
-  v.stride[1] = t.stride[0];
-  v.stride[0] = t.shape[0] * t.stride[0];
-  return v;
-}
+using Buffer = OwnedBuffer;
 
 // [L, C', cols] view of an [L, C, cols] buffer (C' <= C rows per expert).
 Tensor first_rows_per_expert(Tensor t, int64_t rows) {

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "core/float_convert.h"
-#include "core/host_ops.h"
+#include "core/device_memory.h"
 #include "model/model_ops.h"
 #include "model/sampling.h"
 #include "moelink/errors.h"
@@ -21,13 +21,8 @@ void record(ModelErrorRecord* e, int32_t code, int32_t field, int64_t row, doubl
   if (e->code == 0) *e = {code, field, row, value, limit};
 }
 
-class CpuModelOps final : public ModelOps {
+class CpuModelOps final : public HostMemory<ModelOps> {
  public:
-  bool host_memory() const override { return true; }
-  void* alloc(size_t bytes) override { return zeroed_host_alloc(bytes); }
-  void free(void* p) override { std::free(p); }
-  void copy_in(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
-  void copy_out(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
 
   void embed(const Tensor& h, const Tensor& token_ids, const uint16_t* table, int64_t vocab,
              const int32_t* rows, ModelErrorRecord* error, cudaStream_t) override {

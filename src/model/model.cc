@@ -18,6 +18,7 @@
 #include "core/arg_checks.h"
 #include "core/error_collector.h"
 #include "core/float_convert.h"
+#include "core/tensor_views.h"
 #include "layer/checkpoint.h"
 #include "layer/safetensors.h"
 #include "model/model_ops.h"
@@ -89,29 +90,7 @@ using model::ModelOps;
 
 namespace {
 
-// Memory of the ops' kind that frees itself.
-class ModelBuffer {
- public:
-  ModelBuffer() = default;
-  ModelBuffer(ModelOps& ops, size_t bytes) : ops_(&ops), p_(ops.alloc(bytes)) {}
-  ModelBuffer(ModelBuffer&& o) noexcept : ops_(o.ops_), p_(o.p_) { o.p_ = nullptr; }
-  ModelBuffer& operator=(ModelBuffer&& o) noexcept {
-    std::swap(ops_, o.ops_);
-    std::swap(p_, o.p_);
-    return *this;
-  }
-  ~ModelBuffer() {
-    if (p_ != nullptr) ops_->free(p_);
-  }
-  template <class T = void>
-  T* as() const {
-    return static_cast<T*>(p_);
-  }
-
- private:
-  ModelOps* ops_ = nullptr;
-  void* p_ = nullptr;
-};
+using ModelBuffer = OwnedBuffer;
 
 std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
   std::vector<uint16_t> b(v.size());
@@ -325,18 +304,7 @@ class ModelImpl {
     const Tensor xq = Tensor::contiguous(xq_.as(), DType::kFloat8E4M3, {rows, D});
     const Tensor xs = Tensor::contiguous(xs_.as(), DType::kFloat32, {rows, D / 128});
     quant_->quantize(xq, xs, x, bound, stream);
-    auto one = [](const Tensor& t) {  // [r, c] as [1, r, c]
-      Tensor v = t;
-      v.ndim = 3;
-      v.shape[2] = t.shape[1];
-      v.shape[1] = t.shape[0];
-      v.shape[0] = 1;
-      v.stride[2] = t.stride[1];
-      v.stride[1] = t.stride[0];
-      v.stride[0] = t.shape[0] * t.stride[0];
-      return v;
-    };
-    m.experts->forward(one(out), bound, one(xq), one(xs),
+    m.experts->forward(as_single_expert(out), bound, as_single_expert(xq), as_single_expert(xs),
                        Tensor::contiguous(m.w13.as(), DType::kFloat8E4M3, {1, 2 * I, D}),
                        Tensor::contiguous(m.w13_scale.as(), DType::kFloat32, {1, 2 * I / 128, D / 128}),
                        Tensor::contiguous(m.w2.as(), DType::kFloat8E4M3, {1, D, I}),

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "core/device_memory.h"
 #include "moelink/types.h"
 
 namespace moelink::detail::model {
@@ -21,14 +22,8 @@ struct ModelErrorRecord {
   int64_t limit;
 };
 
-class ModelOps {
+class ModelOps : public DeviceMemory {
  public:
-  virtual ~ModelOps() = default;
-  virtual bool host_memory() const = 0;
-  virtual void* alloc(size_t bytes) = 0;  // zeroed
-  virtual void free(void* p) = 0;
-  virtual void copy_in(void* dst, const void* src, size_t bytes) = 0;
-  virtual void copy_out(void* dst, const void* src, size_t bytes) = 0;
 
   // h [*, D] bf16 = table [V, D] bf16 rows of token_ids [*] (a bad id gives
   // a zero row and an error).
