@@ -19,7 +19,8 @@ moelink_apt_build=(cmake ninja-build g++ pkg-config googletest libgtest-dev libc
                    libxxhash-dev)
 moelink_pip_build=("nanobind>=2.0" "scikit-build-core>=0.10" "nvidia-cutlass==$cutlass_version"
                    "grpcio-tools>=1.60")
-moelink_pip_test=("numpy>=1.21" "pytest>=7" "ml-dtypes>=0.2" "grpcio>=1.60" "xxhash>=3.0")
+moelink_pip_test=("numpy>=1.21" "pytest>=7" "ml-dtypes>=0.2" "grpcio>=1.60" "xxhash>=3.0"
+                  "tokenizers>=0.15" "jinja2>=3.0" "openai>=1.0")
 
 # Prints the requirements (pip form) that python3 lacks or has at another version.
 _moelink_missing_pip() {

@@ -33,6 +33,7 @@ from ._all_to_all import AllToAll, stream_handle
 from ._attention import MLAAttention, mla_config
 from ._experts import Experts
 from ._engine import Engine
+from . import serve
 from ._model import Model, model_full_config
 from ._moe_layer import MoELayer, model_config
 from ._torch import TorchGroupBootstrap

@@ -1,0 +1,42 @@
+"""python -m moelink.serve --model DIR: serves the model over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .server import Server, ServerOptions
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="moelink-serve", description=__doc__)
+    p.add_argument("--model", required=True, help="model directory (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--backend", default="cpu", help="the MoE layers' backend (cpu today)")
+    p.add_argument("--num-pages", type=int, default=256, help="KV-cache pages per layer")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-running", type=int, default=8, help="requests a step carries at most")
+    p.add_argument("--token-budget", type=int, default=256, help="query tokens a step carries at most")
+    p.add_argument("--max-model-len", type=int, default=1024, help="prompt plus output tokens at most")
+    p.add_argument("--num-layers", type=int, default=0, help="run the first N layers only (0: all)")
+    p.add_argument("--served-model-name", default=None)
+    a = p.parse_args(argv)
+    opts = ServerOptions(num_pages=a.num_pages, page_size=a.page_size, max_running=a.max_running,
+                         token_budget=a.token_budget, max_model_len=a.max_model_len,
+                         num_layers=a.num_layers, backend=a.backend,
+                         served_model_name=a.served_model_name)
+    server = Server(a.model, opts)
+    host, port = server.start(a.host, a.port)
+    print(f"moelink-serve: {server.model_name} on http://{host}:{port}/v1", flush=True)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""The OpenAI-compatible front: HTTP handler threads parse and check each
+request, an engine thread owns moelink.Engine (adds, cancels, steps) and
+hands every request its tokens through a queue."""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Optional
+
+import moelink
+
+
+@dataclass
+class ServerOptions:
+    num_pages: int = 256        # KV-cache pages per layer
+    page_size: int = 16         # tokens a page (the scheduler's block size)
+    max_running: int = 8        # requests a step carries
+    token_budget: int = 256     # query tokens a step carries
+    max_model_len: int = 1024   # prompt plus output tokens
+    num_layers: int = 0         # the first N layers (0: all)
+    backend: str = "cpu"
+    served_model_name: Optional[str] = None
+    max_n: int = 1              # choices a request may ask for
+
+
+class RequestError(Exception):
+    """A request the server refuses: an OpenAI error body with `status`."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+class _Job:
+    """One request between a handler thread and the engine thread."""
+
+    def __init__(self, prompt, params):
+        self.prompt, self.params = prompt, params
+        self.out: "queue.Queue" = queue.Queue()
+        self.id: Optional[int] = None
+        self.cancelled = False
+
+
+class _Metrics:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests = self.finished = self.errors = self.tokens = self.cached_tokens = 0
+        self.ttft_sum = self.ttft_count = self.itl_sum = self.itl_count = 0.0
+
+    def text(self, running, waiting, kv_usage) -> str:
+        with self.lock:
+            rows = [
+                ("moelink_requests_total", "counter", "requests accepted", self.requests),
+                ("moelink_requests_finished_total", "counter", "requests finished", self.finished),
+                ("moelink_request_errors_total", "counter", "requests refused or failed", self.errors),
+                ("moelink_generated_tokens_total", "counter", "output tokens", self.tokens),
+                ("moelink_prefix_cache_hit_tokens_total", "counter", "prompt tokens from the prefix cache", self.cached_tokens),
+                ("moelink_requests_running", "gauge", "requests in the engine's batch", running),
+                ("moelink_requests_waiting", "gauge", "requests queued", waiting),
+                ("moelink_kv_cache_usage", "gauge", "share of KV pages held by requests", kv_usage),
+                ("moelink_time_to_first_token_seconds_sum", "counter", "time to first token", self.ttft_sum),
+                ("moelink_time_to_first_token_seconds_count", "counter", "time to first token", self.ttft_count),
+                ("moelink_inter_token_latency_seconds_sum", "counter", "time between tokens", self.itl_sum),
+                ("moelink_inter_token_latency_seconds_count", "counter", "time between tokens", self.itl_count),
+            ]
+        out = []
+        for name, kind, help_, value in rows:
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        return "\n".join(out) + "\n"
+
+
+class Server:
+    """Loads the model directory, runs the engine thread and the HTTP server."""
+
+    def __init__(self, model_dir: str, options: Optional[ServerOptions] = None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError("moelink.serve needs Hugging Face tokenizers: pip install tokenizers") from e
+        self.options = o = options or ServerOptions()
+        d = Path(model_dir)
+        self.tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
+        cfg = json.loads((d / "config.json").read_text())
+        tok_cfg = json.loads((d / "tokenizer_config.json").read_text()) if (d / "tokenizer_config.json").exists() else {}
+        self.chat_template = tok_cfg.get("chat_template")
+        self.bos = tok_cfg.get("bos_token") if isinstance(tok_cfg.get("bos_token"), str) else None
+        eos = cfg.get("eos_token_id", [])
+        self.stop_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        self.model_name = o.served_model_name or d.name
+        self.vocab_size = int(cfg["vocab_size"])
+        pages_per_request = math.ceil(o.max_model_len / o.page_size)
+        self.model = moelink.Model(str(d / "config.json"), backend=o.backend,
+                                   max_tokens=o.token_budget, num_pages=o.num_pages,
+                                   page_size=o.page_size, max_requests=o.max_running,
+                                   max_pages_per_request=pages_per_request, num_layers=o.num_layers,
+                                   bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", _free_port(), 30.0))
+        self.model.load_checkpoint(str(d))
+        self.engine = moelink.Engine(self.model, num_pages=o.num_pages, page_size=o.page_size,
+                                     token_budget=o.token_budget, max_running=o.max_running,
+                                     max_pages_per_request=pages_per_request)
+        self.metrics = _Metrics()
+        self._submit: "queue.Queue[_Job]" = queue.Queue()
+        self._jobs = {}  # engine id -> _Job (the engine thread's)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._engine_thread = threading.Thread(target=self._engine_loop, name="moelink-engine", daemon=True)
+        self._http: Optional[ThreadingHTTPServer] = None
+        self._http_thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self, host: str = "127.0.0.1", port: int = 8000):
+        self._engine_thread.start()
+        handler = type("Handler", (_Handler,), {"server_ref": self})
+        self._http = ThreadingHTTPServer((host, port), handler)
+        self._http.daemon_threads = True
+        self._http_thread = threading.Thread(target=self._http.serve_forever, name="moelink-http", daemon=True)
+        self._http_thread.start()
+        return self._http.server_address[:2]
+
+    def wait(self) -> None:
+        while not self._stop.wait(0.5):
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        self._engine_thread.join(timeout=10)
+
+    def kv_pages_free(self) -> int:
+        return self.engine.available_pages
+
+    # ------------------------------------------------------------ engine thread
+
+    def submit(self, job: _Job) -> None:
+        self._submit.put(job)
+        self._wake.set()
+
+    def cancel(self, job: _Job) -> None:
+        job.cancelled = True
+        self._wake.set()
+
+    def _engine_loop(self) -> None:
+        while not self._stop.is_set():
+            while True:
+                try:
+                    job = self._submit.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    job.id = self.engine.add(job.prompt, **job.params)
+                    self._jobs[job.id] = job
+                    job.started = time.monotonic()
+                except ValueError as e:
+                    job.out.put(("error", str(e)))
+            for jid, job in list(self._jobs.items()):
+                if job.cancelled:
+                    self.engine.cancel(jid)
+            if self.engine.idle:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            for r in self.engine.step():
+                job = self._jobs.get(r.id)
+                if job is None:
+                    continue
+                if r.tokens or r.finished:
+                    job.out.put(("tokens", list(r.tokens), r.finished, r.cached_tokens, r.error))
+                if r.finished:
+                    del self._jobs[r.id]
+
+    # ------------------------------------------------------------ requests
+
+    def prepare(self, body: dict, chat: bool):
+        """Checks a completions or chat body; returns (prompt ids, engine
+        params, stop strings, stream, include_usage). RequestError otherwise."""
+        o = self.options
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise RequestError(404, f"The model '{model}' does not exist (this server serves "
+                                    f"'{self.model_name}')", "model", "model_not_found")
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
+                    for m in messages):
+                raise RequestError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
+            if not self.chat_template:
+                raise RequestError(400, f"the model '{self.model_name}' has no chat template "
+                                        "(tokenizer_config.json's chat_template)", "messages")
+            import jinja2
+            text = jinja2.Environment().from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=True, bos_token=self.bos or "")
+            prompt = self.tokenizer.encode(text, add_special_tokens=False).ids
+        else:
+            p = body.get("prompt")
+            if isinstance(p, str):
+                prompt = self.tokenizer.encode(p, add_special_tokens=False).ids
+            elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+                prompt = list(p)
+            else:
+                raise RequestError(400, "'prompt' must be a non-empty string or a list of token ids", "prompt")
+        if not prompt:
+            raise RequestError(400, "the prompt has no tokens", "messages" if chat else "prompt")
+        if any(t < 0 or t >= self.vocab_size for t in prompt):
+            raise RequestError(400, f"a prompt token is outside [0, {self.vocab_size})", "prompt")
+        n = body.get("n", 1)
+        if not isinstance(n, int) or n < 1 or n > o.max_n:
+            raise RequestError(400, f"'n' = {n!r} must be an integer in [1, {o.max_n}]", "n")
+        key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        max_tokens = body.get(key, 16)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise RequestError(400, f"'{key}' = {max_tokens!r} must be an integer >= 1", key)
+        if len(prompt) + max_tokens > o.max_model_len:
+            raise RequestError(400, f"the prompt's {len(prompt)} tokens plus '{key}' = {max_tokens} "
+                                    f"exceed the context of {o.max_model_len} tokens", key,
+                                    "context_length_exceeded")
+        temperature = body.get("temperature", 1.0)
+        top_p = body.get("top_p", 1.0)
+        top_k = body.get("top_k", 0)
+        seed = body.get("seed", 0)
+        if not isinstance(temperature, (int, float)) or temperature < 0 or temperature > 2:
+            raise RequestError(400, f"'temperature' = {temperature!r} must be in [0, 2]", "temperature")
+        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise RequestError(400, f"'top_p' = {top_p!r} must be in (0, 1]", "top_p")
+        if not isinstance(top_k, int) or top_k < 0:
+            raise RequestError(400, f"'top_k' = {top_k!r} must be an integer >= 0", "top_k")
+        if seed is None:
+            seed = 0
+        if not isinstance(seed, int):
+            raise RequestError(400, f"'seed' = {seed!r} must be an integer", "seed")
+        stop = body.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+            raise RequestError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+        stream = bool(body.get("stream", False))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        params = dict(max_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
+                      top_p=float(top_p), seed=seed, stop_tokens=self.stop_ids)
+        return prompt, params, stop, stream, include_usage
+
+    def generate(self, prompt, params, stop):
+        """Yields (text delta, finish reason or None, cached tokens, output
+        tokens) as the engine makes tokens; stop strings end the text early."""
+        job = _Job(prompt, params)
+        with self.metrics.lock:
+            self.metrics.requests += 1
+        t0 = last = time.monotonic()
+        self.submit(job)
+        out_ids, text, sent = [], "", 0
+        try:
+            while True:
+                item = job.out.get()
+                if item[0] == "error":
+                    raise RequestError(400, item[1], None)
+                _, tokens, finished, cached, error = item
+                now = time.monotonic()
+                with self.metrics.lock:
+                    if tokens and not out_ids:
+                        self.metrics.ttft_sum += now - t0
+                        self.metrics.ttft_count += 1
+                    elif tokens:
+                        self.metrics.itl_sum += now - last
+                        self.metrics.itl_count += 1
+                    self.metrics.tokens += len(tokens)
+                    self.metrics.cached_tokens += cached
+                last = now
+                out_ids += tokens
+                if finished == "error":
+                    raise RequestError(500, f"the engine failed: {error}", None, kind="server_error")
+                text = self.tokenizer.decode(out_ids)
+                reason = {"stop": "stop", "length": "length"}.get(finished)
+                for s in stop:  # a stop string ends the text before it
+                    at = text.find(s)
+                    if at >= 0:
+                        text, reason = text[:at], "stop"
+                if reason == "stop" and not finished:
+                    self.cancel(job)  # a stop string: the engine's request is no longer needed
+                # Text that may be the start of a stop string is held back
+                # until it is known not to be (it is never sent, then cut).
+                hold = 0 if reason or not stop else max(len(s) for s in stop) - 1
+                upto = max(sent, len(text) - hold)
+                delta, sent = text[sent:upto], upto
+                yield delta, reason, cached, len(out_ids)
+                if reason or finished:
+                    with self.metrics.lock:
+                        self.metrics.finished += 1
+                    return
+        finally:
+            if not job.cancelled and job.id is not None:
+                self.cancel(job)  # the client went away or an error ended it: free its pages
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_ref: Server = None
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):  # quiet: metrics say what happened
+        pass
+
+    def _json(self, status: int, obj) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, e: RequestError) -> None:
+        with self.server_ref.metrics.lock:
+            self.server_ref.metrics.errors += 1
+        self._json(e.status, e.body())
+
+    def do_GET(self):
+        s = self.server_ref
+        if self.path == "/health":
+            self._json(200, {"status": "ok"})
+        elif self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [
+                {"id": s.model_name, "object": "model", "created": 0, "owned_by": "moelink"}]})
+        elif self.path == "/metrics":
+            used = 1.0 - s.kv_pages_free() / s.options.num_pages
+            body = s.metrics.text(s.engine._impl.running, s.engine._impl.waiting, used).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        else:
+            self._error(RequestError(404, f"no such path: {self.path}", None, "not_found"))
+
+    def do_POST(self):
+        chat = self.path == "/v1/chat/completions"
+        if self.path not in ("/v1/completions", "/v1/chat/completions"):
+            self._error(RequestError(404, f"no such path: {self.path}", None, "not_found"))
+            return
+        s = self.server_ref
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length)
+            try:
+                body = json.loads(raw)
+            except ValueError as e:
+                raise RequestError(400, f"the request body is not valid JSON: {e}")
+            if not isinstance(body, dict):
+                raise RequestError(400, "the request body must be a JSON object")
+            prompt, params, stop, stream, include_usage = s.prepare(body, chat)
+        except RequestError as e:
+            self._error(e)
+            return
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        base = {"id": rid, "created": created, "model": s.model_name}
+        usage = lambda n: {"prompt_tokens": len(prompt), "completion_tokens": n,
+                           "total_tokens": len(prompt) + n}
+        gen = s.generate(prompt, params, stop)
+        if not stream:
+            text, reason, n = "", None, 0
+            try:
+                for delta, reason, _, n in gen:
+                    text += delta
+            except RequestError as e:
+                self._error(e)
+                return
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                       "finish_reason": reason, "logprobs": None} if chat else
+                      {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
+            self._json(200, dict(base, object="chat.completion" if chat else "text_completion",
+                                 choices=[choice], usage=usage(n)))
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choice, extra=None):
+            payload = dict(base, object=obj, choices=[choice] if choice else [])
+            if extra:
+                payload.update(extra)
+            self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+            self.wfile.flush()
+
+        try:
+            first, n = True, 0
+            for delta, reason, _, n in gen:
+                if chat:
+                    d = {"content": delta}
+                    if first:
+                        d["role"] = "assistant"
+                    choice = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
+                else:
+                    choice = {"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}
+                first = False
+                event(choice)
+            if include_usage:
+                event(None, {"usage": usage(n)})
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except RequestError as e:
+            event(None, {"error": e.body()["error"]})
+        except (BrokenPipeError, ConnectionResetError):
+            gen.close()  # the client went away: its request is cancelled, its pages freed

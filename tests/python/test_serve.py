@@ -1,0 +1,204 @@
+"""moelink-serve end to end on the CPU path: a small random model (written
+with numpy) and a word-level tokenizer (written with Hugging Face
+tokenizers) behind the OpenAI-compatible API; requests from the official
+openai client, streaming and not, against the model's own greedy
+generation; errors; concurrency; a client that goes away."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+import moelink
+from model_testlib import SMALL, random_checkpoint
+
+tokenizers = pytest.importorskip("tokenizers", reason="moelink.serve needs Hugging Face tokenizers")
+pytest.importorskip("jinja2", reason="chat templates need jinja2")
+pytestmark = pytest.mark.skipif(not moelink._C.with_engine, reason="this build has no engine (xxHash)")
+
+FIELDS = dict(SMALL, rope_scaling=None, num_hidden_layers=2, eos_token_id=1)
+SPECIAL = ["<unk>", "</s>", "<|user|>", "<|assistant|>"]
+WORDS = SPECIAL + [f"w{i}" for i in range(FIELDS["vocab_size"] - len(SPECIAL))]
+
+
+def _write_tokenizer(directory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(f"{directory}/tokenizer.json")
+    template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    with open(f"{directory}/tokenizer_config.json", "w") as f:
+        json.dump({"chat_template": template}, f)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    pytest.importorskip("ml_dtypes")
+    d = tmp_path_factory.mktemp("tiny-moe")
+    random_checkpoint(str(d), FIELDS, seed=31)
+    _write_tokenizer(str(d))
+    opts = moelink.serve.ServerOptions(num_pages=24, page_size=16, max_running=4, token_budget=48,
+                                       max_model_len=96)
+    server = moelink.serve.Server(str(d), opts)
+    host, port = server.start("127.0.0.1", 0)
+    server.directory = str(d)
+    yield server, f"http://{host}:{port}"
+    server.stop()
+
+
+def _post(url, body, raw=None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _greedy_reference(model_dir, prompt_ids, max_tokens):
+    """The model's own greedy tokens for one request, on an engine of its own."""
+    model = moelink.Model(f"{model_dir}/config.json", backend="cpu", max_tokens=48, num_pages=8,
+                          page_size=16, max_requests=1, max_pages_per_request=6,
+                          bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", _free_port(), 30.0))
+    model.load_checkpoint(model_dir)
+    eng = moelink.Engine(model, num_pages=8, page_size=16, token_budget=48, max_running=1,
+                         max_pages_per_request=6)
+    i = eng.add(prompt_ids, max_tokens=max_tokens, stop_tokens=[FIELDS["eos_token_id"]])
+    return eng.run()[i].tokens
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_completions_match_the_models_own_greedy_output(served):
+    openai = pytest.importorskip("openai")
+    server, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    prompt = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 w17 w18"
+    ids = server.tokenizer.encode(prompt, add_special_tokens=False).ids
+    r = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=8, temperature=0)
+    text = r.choices[0].text
+    want = _greedy_reference(server.directory, ids, 8)
+    assert text == server.tokenizer.decode(want), "the server's text is the model's own greedy output"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens <= 8
+    assert r.choices[0].finish_reason in ("length", "stop")
+    # The same request streamed gives the same text, and again from the
+    # prefix cache the same again.
+    chunks = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=8,
+                                       temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == text
+    assert client.completions.create(model=server.model_name, prompt=prompt, max_tokens=8,
+                                     temperature=0).choices[0].text == text
+    # Token ids in, and a stop string cuts the text before it.
+    r2 = client.completions.create(model=server.model_name, prompt=ids, max_tokens=8, temperature=0)
+    assert r2.choices[0].text == text
+    words = text.split()
+    if len(words) >= 3:
+        r3 = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=8,
+                                       temperature=0, stop=[words[2]])
+        assert r3.choices[0].finish_reason == "stop"
+        assert r3.choices[0].text == text[:text.find(words[2])]
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.model_name]
+
+
+def test_chat_completions_stream_and_not(served):
+    openai = pytest.importorskip("openai")
+    server, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    msgs = [{"role": "user", "content": "w5 w6 w7 w8"}]
+    r = client.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=6, temperature=0)
+    text = r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=6,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_bad_requests_get_openai_errors_naming_the_field(served):
+    server, url = served
+    cases = [
+        (dict(prompt="w1", max_tokens=0), 400, "max_tokens"),
+        (dict(prompt="w1", n=2), 400, "n"),
+        (dict(prompt="w1 " * 95, max_tokens=8), 400, "max_tokens"),
+        (dict(prompt="", max_tokens=4), 400, "prompt"),
+        (dict(prompt=[1, 99999], max_tokens=4), 400, "prompt"),
+        (dict(prompt="w1", top_p=0), 400, "top_p"),
+        (dict(prompt="w1", model="gpt-4"), 404, "model"),
+    ]
+    for body, status, param in cases:
+        got, err = _post(url + "/v1/completions", body)
+        assert got == status, (body, err)
+        assert err["error"]["param"] == param and err["error"]["message"], err
+    got, err = _post(url + "/v1/completions", None, raw=b"{not json")
+    assert got == 400 and "not valid JSON" in err["error"]["message"]
+    got, err = _post(url + "/v1/chat/completions", {"messages": "hi"})
+    assert got == 400 and err["error"]["param"] == "messages"
+    # and the server still serves
+    got, ok = _post(url + "/v1/completions", dict(prompt="w1 w2", max_tokens=2, temperature=0))
+    assert got == 200 and ok["usage"]["completion_tokens"] >= 1
+    with urllib.request.urlopen(url + "/health", timeout=10) as r:
+        assert json.loads(r.read()) == {"status": "ok"}
+
+
+def test_concurrent_requests_all_finish_and_pages_come_back(served):
+    server, url = served
+    results, errors = [], []
+
+    def one(i):
+        body = dict(prompt=" ".join(f"w{(i * 7 + j) % 400 + 4}" for j in range(10 + i % 13)),
+                    max_tokens=5 + i % 4, temperature=0.8, seed=i)
+        try:
+            results.append(_post(url + "/v1/completions", body))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors and len(results) == 16
+    assert all(status == 200 and b["choices"][0]["finish_reason"] in ("length", "stop")
+               for status, b in results), results
+    deadline = time.time() + 10
+    while server.kv_pages_free() != server.options.num_pages and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.kv_pages_free() == server.options.num_pages
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    assert "moelink_requests_running 0" in metrics and "moelink_generated_tokens_total" in metrics
+
+
+def test_a_client_that_goes_away_frees_its_pages(served):
+    server, url = served
+    host, port = url[len("http://"):].split(":")
+    body = json.dumps(dict(prompt="w1 w2 w3 w4", max_tokens=80, stream=True, temperature=0)).encode()
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    got = b""
+    while b"data: " not in got:  # the stream started
+        chunk = s.recv(4096)
+        assert chunk, f"the server closed the stream early: {got!r}"
+        got += chunk
+    s.close()
+    deadline = time.time() + 20
+    while server.kv_pages_free() != server.options.num_pages and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.kv_pages_free() == server.options.num_pages, "the request kept its pages"
