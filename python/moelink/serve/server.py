@@ -167,7 +167,6 @@ class Server:
                 try:
                     job.id = self.engine.add(job.prompt, **job.params)
                     self._jobs[job.id] = job
-                    job.started = time.monotonic()
                 except ValueError as e:
                     job.out.put(("error", str(e)))
             for jid, job in list(self._jobs.items()):
@@ -305,8 +304,9 @@ class Server:
                         self.metrics.finished += 1
                     return
         finally:
-            if not job.cancelled and job.id is not None:
-                self.cancel(job)  # the client went away or an error ended it: free its pages
+            # Done, or the client went away, or an error ended it: the engine
+            # drops the request if it still has it (also one still queued).
+            self.cancel(job)
 
 
 def _free_port() -> int:
