@@ -1,6 +1,6 @@
-"""moelink-serve end to end on the CPU path: a small random model (written
-with numpy) and a word-level tokenizer (written with Hugging Face
-tokenizers) behind the OpenAI-compatible API; requests from the official
+"""moelink-serve end to end on the CPU path: the tiny random model
+(moelink.serve.tiny_model: numpy weights, a word-level tokenizer) behind
+the OpenAI-compatible API; requests from the official
 openai client, streaming and not, against the model's own greedy
 generation; errors; concurrency; a client that goes away."""
 
@@ -13,39 +13,25 @@ import time
 import urllib.error
 import urllib.request
 
-import numpy as np
 import pytest
 
 import moelink
-from model_testlib import SMALL, random_checkpoint
+from model_testlib import free_port
 
 tokenizers = pytest.importorskip("tokenizers", reason="moelink.serve needs Hugging Face tokenizers")
 pytest.importorskip("jinja2", reason="chat templates need jinja2")
 pytestmark = pytest.mark.skipif(not moelink._C.with_engine, reason="this build has no engine (xxHash)")
 
-FIELDS = dict(SMALL, rope_scaling=None, num_hidden_layers=2, eos_token_id=1)
-SPECIAL = ["<unk>", "</s>", "<|user|>", "<|assistant|>"]
-WORDS = SPECIAL + [f"w{i}" for i in range(FIELDS["vocab_size"] - len(SPECIAL))]
+from moelink.serve.tiny_model import write_tiny_model  # noqa: E402
 
-
-def _write_tokenizer(directory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok.save(f"{directory}/tokenizer.json")
-    template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    with open(f"{directory}/tokenizer_config.json", "w") as f:
-        json.dump({"chat_template": template}, f)
+FIELDS = {}  # the tiny model's config, once the fixture wrote it
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     pytest.importorskip("ml_dtypes")
     d = tmp_path_factory.mktemp("tiny-moe")
-    random_checkpoint(str(d), FIELDS, seed=31)
-    _write_tokenizer(str(d))
+    FIELDS.update(write_tiny_model(str(d), layers=2, seed=31))
     opts = moelink.serve.ServerOptions(num_pages=24, page_size=16, max_running=4, token_budget=48,
                                        max_model_len=96)
     server = moelink.serve.Server(str(d), opts)
@@ -69,18 +55,12 @@ def _greedy_reference(model_dir, prompt_ids, max_tokens):
     """The model's own greedy tokens for one request, on an engine of its own."""
     model = moelink.Model(f"{model_dir}/config.json", backend="cpu", max_tokens=48, num_pages=8,
                           page_size=16, max_requests=1, max_pages_per_request=6,
-                          bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", _free_port(), 30.0))
+                          bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", free_port(), 30.0))
     model.load_checkpoint(model_dir)
     eng = moelink.Engine(model, num_pages=8, page_size=16, token_budget=48, max_running=1,
                          max_pages_per_request=6)
     i = eng.add(prompt_ids, max_tokens=max_tokens, stop_tokens=[FIELDS["eos_token_id"]])
     return eng.run()[i].tokens
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_completions_match_the_models_own_greedy_output(served):
