@@ -70,6 +70,20 @@ class Engine:
                     g.finished, g.error = r.finished, r.error
         raise RuntimeError(f"moelink: Engine.run: not idle after {max_steps} steps")
 
+    def take_kv_events(self):
+        """(cleared_all, [(kind, hashes, parent)]): what the prefix cache
+        changed since the last call, in moelink block hashes (the
+        scheduler's KvEvents: kind "stored" with its parent, or "removed")."""
+        return self._impl.take_kv_events()
+
+    @property
+    def running(self) -> int:
+        return self._impl.running
+
+    @property
+    def waiting(self) -> int:
+        return self._impl.waiting
+
     @property
     def idle(self) -> bool:
         return self._impl.idle

@@ -3,6 +3,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
+#include <nanobind/stl/optional.h>
 
 #include <memory>
 #include <stdexcept>
@@ -66,6 +67,18 @@ class PyEngine {
     return out;
   }
 
+  // (cleared_all, [(kind "stored" / "removed", hashes, parent or None)]):
+  // what the prefix cache changed since the last call, for the scheduler.
+  nb::tuple take_kv_events() {
+    bool cleared = false;
+    const std::vector<engine::KvEvent> events = kv_.take_events(&cleared);
+    nb::list out;
+    for (const engine::KvEvent& e : events)
+      out.append(nb::make_tuple(e.kind == engine::KvEvent::kStored ? "stored" : "removed", e.hashes,
+                                e.parent ? nb::cast(*e.parent) : nb::none()));
+    return nb::make_tuple(cleared, out);
+  }
+
   engine::Engine& engine() { return *engine_; }
   engine::KvCacheManager& kv() { return kv_; }
 
@@ -84,6 +97,7 @@ void bind_engine(nb::module_& m) {
            "top_p"_a, "seed"_a, "stop_tokens"_a)
       .def("cancel", [](PyEngine& e, uint64_t id) { e.engine().cancel(id); }, "id"_a)
       .def("step", &PyEngine::step)
+      .def("take_kv_events", &PyEngine::take_kv_events)
       .def_prop_ro("idle", [](PyEngine& e) { return e.engine().idle(); })
       .def_prop_ro("waiting", [](PyEngine& e) { return e.engine().waiting(); })
       .def_prop_ro("running", [](PyEngine& e) { return e.engine().running(); })

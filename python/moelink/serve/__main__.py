@@ -21,16 +21,29 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024, help="prompt plus output tokens at most")
     p.add_argument("--num-layers", type=int, default=0, help="run the first N layers only (0: all)")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--engines", type=int, default=0,
+                   help="start moelink-scheduler and this many engine workers behind the front "
+                        "(0: one engine in this process)")
+    p.add_argument("--scheduler", default=None,
+                   help="send requests to a running moelink-scheduler at HOST:PORT instead")
     a = p.parse_args(argv)
     opts = ServerOptions(num_pages=a.num_pages, page_size=a.page_size, max_running=a.max_running,
                          token_budget=a.token_budget, max_model_len=a.max_model_len,
                          num_layers=a.num_layers, backend=a.backend,
                          served_model_name=a.served_model_name)
-    server = Server(a.model, opts)
-    host, port = server.start(a.host, a.port)
-    print(f"moelink-serve: {server.model_name} on http://{host}:{port}/v1", flush=True)
+    if a.engines > 0:
+        from .cluster import LocalServing
+        server = LocalServing(a.model, a.engines, opts)
+        host, port = server.start(a.host, a.port)
+        waiter = server.front
+        print(f"moelink-serve: {a.engines} engines behind moelink-scheduler at {server.scheduler.target}",
+              flush=True)
+    else:
+        server = waiter = Server(a.model, opts, scheduler=a.scheduler)
+        host, port = server.start(a.host, a.port)
+    print(f"moelink-serve: {waiter.model_name} on http://{host}:{port}/v1", flush=True)
     try:
-        server.wait()
+        waiter.wait()
     except KeyboardInterrupt:
         pass
     finally:

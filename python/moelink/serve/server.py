@@ -83,10 +83,26 @@ class _Metrics:
         return "\n".join(out) + "\n"
 
 
-class Server:
-    """Loads the model directory, runs the engine thread and the HTTP server."""
+def load_engine(model_dir: str, o: ServerOptions):
+    """A moelink.Model of the directory's checkpoint and a moelink.Engine on it."""
+    d = Path(model_dir)
+    pages_per_request = math.ceil(o.max_model_len / o.page_size)
+    model = moelink.Model(str(d / "config.json"), backend=o.backend, max_tokens=o.token_budget,
+                          num_pages=o.num_pages, page_size=o.page_size, max_requests=o.max_running,
+                          max_pages_per_request=pages_per_request, num_layers=o.num_layers,
+                          bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", _free_port(), 30.0))
+    model.load_checkpoint(str(d))
+    return moelink.Engine(model, num_pages=o.num_pages, page_size=o.page_size,
+                          token_budget=o.token_budget, max_running=o.max_running,
+                          max_pages_per_request=pages_per_request)
 
-    def __init__(self, model_dir: str, options: Optional[ServerOptions] = None):
+
+class Server:
+    """Loads the model directory's tokenizer (and, without a scheduler, its
+    model on a local engine thread) and runs the HTTP server."""
+
+    def __init__(self, model_dir: str, options: Optional[ServerOptions] = None,
+                 scheduler: Optional[str] = None):
         try:
             from tokenizers import Tokenizer
         except ImportError as e:  # pragma: no cover - depends on the environment
@@ -102,16 +118,10 @@ class Server:
         self.stop_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         self.model_name = o.served_model_name or d.name
         self.vocab_size = int(cfg["vocab_size"])
-        pages_per_request = math.ceil(o.max_model_len / o.page_size)
-        self.model = moelink.Model(str(d / "config.json"), backend=o.backend,
-                                   max_tokens=o.token_budget, num_pages=o.num_pages,
-                                   page_size=o.page_size, max_requests=o.max_running,
-                                   max_pages_per_request=pages_per_request, num_layers=o.num_layers,
-                                   bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", _free_port(), 30.0))
-        self.model.load_checkpoint(str(d))
-        self.engine = moelink.Engine(self.model, num_pages=o.num_pages, page_size=o.page_size,
-                                     token_budget=o.token_budget, max_running=o.max_running,
-                                     max_pages_per_request=pages_per_request)
+        # Requests run on a local engine, or go to moelink-scheduler, which
+        # routes them to its engines (moelink.serve.worker processes).
+        self.scheduler = scheduler
+        self.engine = None if scheduler else load_engine(str(d), o)
         self.metrics = _Metrics()
         self._submit: "queue.Queue[_Job]" = queue.Queue()
         self._jobs = {}  # engine id -> _Job (the engine thread's)
@@ -124,7 +134,8 @@ class Server:
     # ------------------------------------------------------------ lifecycle
 
     def start(self, host: str = "127.0.0.1", port: int = 8000):
-        self._engine_thread.start()
+        if self.engine is not None:
+            self._engine_thread.start()
         handler = type("Handler", (_Handler,), {"server_ref": self})
         self._http = ThreadingHTTPServer((host, port), handler)
         self._http.daemon_threads = True
@@ -142,10 +153,11 @@ class Server:
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
-        self._engine_thread.join(timeout=10)
+        if self._engine_thread.is_alive():
+            self._engine_thread.join(timeout=10)
 
     def kv_pages_free(self) -> int:
-        return self.engine.available_pages
+        return self.engine.available_pages if self.engine is not None else 0
 
     # ------------------------------------------------------------ engine thread
 
@@ -256,21 +268,65 @@ class Server:
                       top_p=float(top_p), seed=seed, stop_tokens=self.stop_ids)
         return prompt, params, stop, stream, include_usage
 
-    def generate(self, prompt, params, stop):
-        """Yields (text delta, finish reason or None, cached tokens, output
-        tokens) as the engine makes tokens; stop strings end the text early."""
+    def _local_tokens(self, prompt, params, cancel_box):
+        """(new tokens, finished, cached, error) from the local engine."""
         job = _Job(prompt, params)
-        with self.metrics.lock:
-            self.metrics.requests += 1
-        t0 = last = time.monotonic()
+        cancel_box.append(lambda: self.cancel(job))
         self.submit(job)
-        out_ids, text, sent = [], "", 0
         try:
             while True:
                 item = job.out.get()
                 if item[0] == "error":
                     raise RequestError(400, item[1], None)
                 _, tokens, finished, cached, error = item
+                yield tokens, finished, cached, error
+                if finished:
+                    return
+        finally:
+            # Done, or the client went away, or an error ended it: the engine
+            # drops the request if it still has it (also one still queued).
+            self.cancel(job)
+
+    def _scheduler_tokens(self, prompt, params, cancel_box):
+        """(new tokens, finished, cached, error) from moelink-scheduler's stream."""
+        from moelink.scheduler import SchedulerClient, SchedulerError
+        client = SchedulerClient(self.scheduler)
+        rid = "srv-" + uuid.uuid4().hex[:20]
+        cancel_box.append(lambda: _quiet(client.cancel, rid))
+        have, done = 0, False
+        try:
+            for ev in client.generate(prompt, max_new_tokens=params["max_tokens"], request_id=rid,
+                                      temperature=params["temperature"]):
+                kind = ev.WhichOneof("kind")
+                if kind == "tokens":
+                    new = list(ev.tokens.token_ids)[max(0, have - ev.tokens.offset):]
+                    have = max(have, ev.tokens.offset + len(ev.tokens.token_ids))
+                    if new:
+                        yield new, "", 0, ""
+                elif kind == "finished":
+                    reason = ev.finished.finish_reason or "length"
+                    done = True
+                    yield [], reason if reason in ("stop", "length") else "stop", ev.finished.cached_tokens, ""
+                    return
+        except SchedulerError as e:
+            raise RequestError(503 if e.code.name == "UNAVAILABLE" else 500,
+                               f"the scheduler failed the request: {e}", None, kind="server_error")
+        finally:
+            if not done:  # the client went away or a stop string ended it
+                _quiet(client.cancel, rid)
+            client.close()
+
+    def generate(self, prompt, params, stop):
+        """Yields (text delta, finish reason or None, cached tokens, output
+        tokens) as the engine makes tokens; stop strings end the text early."""
+        with self.metrics.lock:
+            self.metrics.requests += 1
+        t0 = last = time.monotonic()
+        cancel_box = []
+        source = (self._scheduler_tokens if self.scheduler else self._local_tokens)(prompt, params, cancel_box)
+        out_ids, text, sent = [], "", 0
+        try:
+            for tokens, finished, cached, error in source:
                 now = time.monotonic()
                 with self.metrics.lock:
                     if tokens and not out_ids:
@@ -291,8 +347,8 @@ class Server:
                     at = text.find(s)
                     if at >= 0:
                         text, reason = text[:at], "stop"
-                if reason == "stop" and not finished:
-                    self.cancel(job)  # a stop string: the engine's request is no longer needed
+                if reason == "stop" and not finished and cancel_box:
+                    cancel_box[0]()  # a stop string: the engine's request is no longer needed
                 # Text that may be the start of a stop string is held back
                 # until it is known not to be (it is never sent, then cut).
                 hold = 0 if reason or not stop else max(len(s) for s in stop) - 1
@@ -304,9 +360,14 @@ class Server:
                         self.metrics.finished += 1
                     return
         finally:
-            # Done, or the client went away, or an error ended it: the engine
-            # drops the request if it still has it (also one still queued).
-            self.cancel(job)
+            source.close()  # a client that went away: the request is cancelled
+
+
+def _quiet(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:  # the request may be over already
+        pass
 
 
 def _free_port() -> int:
@@ -343,8 +404,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, {"object": "list", "data": [
                 {"id": s.model_name, "object": "model", "created": 0, "owned_by": "moelink"}]})
         elif self.path == "/metrics":
-            used = 1.0 - s.kv_pages_free() / s.options.num_pages
-            body = s.metrics.text(s.engine._impl.running, s.engine._impl.waiting, used).encode()
+            if s.engine is not None:
+                running, waiting = s.engine.running, s.engine.waiting
+                used = 1.0 - s.kv_pages_free() / s.options.num_pages
+            else:  # the engines report theirs to the scheduler
+                running = waiting = used = 0
+            body = s.metrics.text(running, waiting, used).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(body)))
@@ -375,14 +440,17 @@ class _Handler(BaseHTTPRequestHandler):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         base = {"id": rid, "created": created, "model": s.model_name}
+        cached_box = [0]
         usage = lambda n: {"prompt_tokens": len(prompt), "completion_tokens": n,
-                           "total_tokens": len(prompt) + n}
+                           "total_tokens": len(prompt) + n,
+                           "prompt_tokens_details": {"cached_tokens": cached_box[0]}}
         gen = s.generate(prompt, params, stop)
         if not stream:
             text, reason, n = "", None, 0
             try:
-                for delta, reason, _, n in gen:
+                for delta, reason, cached, n in gen:
                     text += delta
+                    cached_box[0] = max(cached_box[0], cached)
             except RequestError as e:
                 self._error(e)
                 return
@@ -409,7 +477,8 @@ class _Handler(BaseHTTPRequestHandler):
 
         try:
             first, n = True, 0
-            for delta, reason, _, n in gen:
+            for delta, reason, cached, n in gen:
+                cached_box[0] = max(cached_box[0], cached)
                 if chat:
                     d = {"content": delta}
                     if first:

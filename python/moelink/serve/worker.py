@@ -1,0 +1,151 @@
+"""moelink.serve.worker: a moelink.Engine behind moelink-scheduler. It
+registers as an engine of the scheduler's protocol, runs the requests the
+scheduler routes to it, and reports after every step: each request's
+progress (STARTED, acknowledged before its prefill; its new tokens;
+FINISHED), the prefix cache's KV events in moelink block hashes (so the
+scheduler's prefix index is exactly what this engine holds) and its load.
+
+    python -m moelink.serve.worker --model DIR --scheduler HOST:PORT --engine-id e0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import signal
+import sys
+import threading
+import zlib
+from pathlib import Path
+
+from .server import ServerOptions, load_engine
+
+
+class EngineWorker:
+    def __init__(self, model_dir: str, scheduler: str, engine_id: str,
+                 options: ServerOptions = ServerOptions(), dp_rank: int = 0):
+        from moelink.scheduler import EngineClient
+        self.options = options
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        eos = cfg.get("eos_token_id", [])
+        self.eos = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        self.engine = load_engine(model_dir, options)
+        self._inbox: "queue.Queue" = queue.Queue()
+        self._by_engine = {}   # engine request id -> [scheduler request id, tokens reported]
+        self._by_request = {}  # scheduler request id -> engine request id
+        self._stop = threading.Event()
+        self.client = EngineClient(scheduler, engine_id, kv_capacity_blocks=options.num_pages,
+                                   block_size=options.page_size, max_batch=options.max_running,
+                                   on_run=lambda run: self._inbox.put(("run", run)),
+                                   on_cancel=lambda c: self._inbox.put(("cancel", c.request_id)),
+                                   load=self._load, dp_rank=dp_rank)
+
+    def _load(self):
+        from moelink.scheduler import load
+        return load(running=self.engine.running, waiting=self.engine.waiting,
+                    free_kv_blocks=self.engine.available_pages)
+
+    def _kv_events(self):
+        from moelink.scheduler import cleared_event, removed_event, stored_event
+        cleared, events = self.engine.take_kv_events()
+        out = [cleared_event()] if cleared else []
+        for kind, hashes, parent in events:
+            out.append(stored_event(hashes, parent) if kind == "stored" else removed_event(hashes))
+        return out
+
+    def start(self, timeout: float = 30.0) -> "EngineWorker":
+        self.client.start(timeout)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.client.close()
+
+    def serve_forever(self) -> None:
+        while not self._stop.is_set():
+            self.step_once()
+
+    def step_once(self) -> None:
+        from moelink.scheduler import FINISHED, RUNNING, STARTED, progress
+        started = []
+        while True:
+            try:
+                kind, item = self._inbox.get(timeout=0.02 if self.engine.idle and not started else 0)
+            except queue.Empty:
+                break
+            if kind == "run":
+                started.append(item)
+            elif item in self._by_request:
+                self.engine.cancel(self._by_request[item])
+        if started:
+            # STARTED, acknowledged, before the prefill: a request the
+            # scheduler meanwhile gave to another engine is revoked here.
+            result = self.client.report(self._load(), (), [progress(r.request_id, STARTED) for r in started])
+            revoked = set(result.revoked) if result.ok else {r.request_id for r in started}
+            for run in started:
+                if run.request_id in revoked:
+                    continue
+                stops = [] if run.sampling.ignore_eos else self.eos
+                eid = self.engine.add(list(run.prompt_tokens), max_tokens=run.sampling.max_new_tokens,
+                                      temperature=run.sampling.temperature, stop_tokens=stops,
+                                      seed=zlib.crc32(run.request_id.encode()))
+                self._by_engine[eid] = [run.request_id, 0]
+                self._by_request[run.request_id] = eid
+        if self.engine.idle:
+            return
+        reports = []
+        for r in self.engine.step():
+            rid, offset = self._by_engine.get(r.id, (None, 0))
+            if rid is None:
+                continue
+            if r.cached_tokens:
+                # Known once the engine admitted it (its first step): the
+                # protocol takes cached tokens with STARTED, which may come
+                # again while the request runs.
+                reports.append(progress(rid, STARTED, cached_tokens=r.cached_tokens))
+            if r.finished == "cancelled":
+                pass  # the scheduler cancelled it: nothing more to say
+            elif r.finished in ("stop", "length"):
+                reports.append(progress(rid, FINISHED, r.tokens, offset, finish_reason=r.finished))
+            elif r.finished == "error":
+                from moelink.scheduler import FAILED
+                reports.append(progress(rid, FAILED, (), offset, 0, r.error[:200]))
+            elif r.tokens:
+                reports.append(progress(rid, RUNNING, r.tokens, offset))
+            self._by_engine[r.id][1] += len(r.tokens)
+            if r.finished:
+                del self._by_engine[r.id]
+                self._by_request.pop(rid, None)
+        self.client.report(self._load(), self._kv_events(), reports)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moelink.serve.worker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--scheduler", required=True, help="the scheduler's engine address, HOST:PORT")
+    p.add_argument("--engine-id", required=True)
+    p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--num-pages", type=int, default=256)
+    p.add_argument("--page-size", type=int, default=16, help="must equal the scheduler's --block-size")
+    p.add_argument("--max-running", type=int, default=8)
+    p.add_argument("--token-budget", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--ready-file", default=None, help="written once registered")
+    a = p.parse_args(argv)
+    opts = ServerOptions(num_pages=a.num_pages, page_size=a.page_size, max_running=a.max_running,
+                         token_budget=a.token_budget, max_model_len=a.max_model_len)
+    w = EngineWorker(a.model, a.scheduler, a.engine_id, opts, a.dp_rank).start()
+    signal.signal(signal.SIGTERM, lambda *_: w._stop.set())
+    if a.ready_file:
+        Path(a.ready_file).write_text("ready\n")
+    try:
+        w.serve_forever()
+    finally:
+        w.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
