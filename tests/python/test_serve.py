@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
 import moelink
@@ -182,3 +183,42 @@ def test_a_client_that_goes_away_frees_its_pages(served):
     while server.kv_pages_free() != server.options.num_pages and time.time() < deadline:
         time.sleep(0.05)
     assert server.kv_pages_free() == server.options.num_pages, "the request kept its pages"
+
+
+def test_a_bounded_load_loses_nothing(served):
+    """1000 requests, 64 at a time, on loopback: every one completes (or is
+    refused naming the field), and every KV page is back afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+    server, url = served
+    rng = np.random.default_rng(7)
+
+    def one(i):
+        n = int(rng.integers(1, 30))
+        body = dict(prompt=" ".join(f"w{int(t)}" for t in rng.integers(4, 500, n)),
+                    max_tokens=int(rng.integers(1, 4)), temperature=float(rng.choice([0.0, 0.9])),
+                    seed=i, stream=bool(i % 5 == 0))
+        if i % 97 == 0:
+            body["max_tokens"] = 0  # refused, naming the field
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                data = r.read().decode()
+            if body.get("stream"):
+                return "ok" if data.rstrip().endswith("data: [DONE]") else f"bad stream {data[-200:]}"
+            return "ok" if json.loads(data)["choices"][0]["finish_reason"] in ("length", "stop") else data
+        except urllib.error.HTTPError as e:
+            err = json.loads(e.read())["error"]
+            return "refused" if e.code == 400 and err["param"] == "max_tokens" else f"{e.code} {err}"
+
+    t0 = time.time()
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(one, range(1000)))
+    bad = [r for r in results if r not in ("ok", "refused")]
+    assert not bad, bad[:5]
+    assert results.count("refused") == len(range(0, 1000, 97))
+    deadline = time.time() + 10
+    while server.kv_pages_free() != server.options.num_pages and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.kv_pages_free() == server.options.num_pages
+    print(f"1000 requests in {time.time() - t0:.1f} s")

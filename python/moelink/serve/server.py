@@ -137,7 +137,7 @@ class Server:
         if self.engine is not None:
             self._engine_thread.start()
         handler = type("Handler", (_Handler,), {"server_ref": self})
-        self._http = ThreadingHTTPServer((host, port), handler)
+        self._http = _HTTPServer((host, port), handler)
         self._http.daemon_threads = True
         self._http_thread = threading.Thread(target=self._http.serve_forever, name="moelink-http", daemon=True)
         self._http_thread.start()
@@ -374,6 +374,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    # The listen backlog: socketserver's default of 5 resets the connections
+    # of a burst of clients (64 at once in the load test).
+    request_queue_size = 1024
 
 
 class _Handler(BaseHTTPRequestHandler):
