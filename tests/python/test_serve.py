@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import moelink
-from model_testlib import free_port
+from model_testlib import greedy_alone
 
 tokenizers = pytest.importorskip("tokenizers", reason="moelink.serve needs Hugging Face tokenizers")
 pytest.importorskip("jinja2", reason="chat templates need jinja2")
@@ -52,18 +52,6 @@ def _post(url, body, raw=None):
         return e.code, json.loads(e.read())
 
 
-def _greedy_reference(model_dir, prompt_ids, max_tokens):
-    """The model's own greedy tokens for one request, on an engine of its own."""
-    model = moelink.Model(f"{model_dir}/config.json", backend="cpu", max_tokens=48, num_pages=8,
-                          page_size=16, max_requests=1, max_pages_per_request=6,
-                          bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", free_port(), 30.0))
-    model.load_checkpoint(model_dir)
-    eng = moelink.Engine(model, num_pages=8, page_size=16, token_budget=48, max_running=1,
-                         max_pages_per_request=6)
-    i = eng.add(prompt_ids, max_tokens=max_tokens, stop_tokens=[FIELDS["eos_token_id"]])
-    return eng.run()[i].tokens
-
-
 def test_completions_match_the_models_own_greedy_output(served):
     openai = pytest.importorskip("openai")
     server, url = served
@@ -72,7 +60,7 @@ def test_completions_match_the_models_own_greedy_output(served):
     ids = server.tokenizer.encode(prompt, add_special_tokens=False).ids
     r = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=8, temperature=0)
     text = r.choices[0].text
-    want = _greedy_reference(server.directory, ids, 8)
+    want = greedy_alone(server.directory, ids, 8)
     assert text == server.tokenizer.decode(want), "the server's text is the model's own greedy output"
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens <= 8
     assert r.choices[0].finish_reason in ("length", "stop")

@@ -6,12 +6,11 @@ tokens; the scheduler's index holds exactly what the engines reported."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
 import moelink
-from model_testlib import free_port
+from model_testlib import greedy_alone
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("ml_dtypes")
@@ -44,17 +43,6 @@ def cluster(tmp_path_factory):
     serving.stop()
 
 
-def _alone(model_dir, prompt_ids, max_tokens):
-    model = moelink.Model(f"{model_dir}/config.json", backend="cpu", max_tokens=48, num_pages=8,
-                          page_size=16, max_requests=1, max_pages_per_request=6,
-                          bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", free_port(), 30.0))
-    model.load_checkpoint(model_dir)
-    eng = moelink.Engine(model, num_pages=8, page_size=16, token_budget=48, max_running=1,
-                         max_pages_per_request=6)
-    i = eng.add(prompt_ids, max_tokens=max_tokens, stop_tokens=[1])
-    return eng.run()[i].tokens
-
-
 def test_requests_through_the_scheduler_are_each_engines_own_output(cluster):
     serving, url, model_dir = cluster
     client = openai.OpenAI(base_url=url, api_key="none")
@@ -64,7 +52,7 @@ def test_requests_through_the_scheduler_are_each_engines_own_output(cluster):
     for p in prompts:
         r = client.completions.create(model=serving.front.model_name, prompt=p, max_tokens=6,
                                       temperature=0)
-        want = tok.decode(_alone(model_dir, tok.encode(p, add_special_tokens=False).ids, 6))
+        want = tok.decode(greedy_alone(model_dir, tok.encode(p, add_special_tokens=False).ids, 6))
         assert r.choices[0].text == want, (p, serving.logs())
     # The first prompt again: its first full page is cached on the engine
     # that ran it, and the scheduler sends it there.
@@ -75,7 +63,7 @@ def test_requests_through_the_scheduler_are_each_engines_own_output(cluster):
     chunks = client.completions.create(model=serving.front.model_name, prompt=prompts[1],
                                        max_tokens=6, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in chunks) == tok.decode(
-        _alone(model_dir, tok.encode(prompts[1], add_special_tokens=False).ids, 6))
+        greedy_alone(model_dir, tok.encode(prompts[1], add_special_tokens=False).ids, 6))
 
 
 def test_the_schedulers_index_is_what_the_engines_reported(cluster):
@@ -129,7 +117,7 @@ def test_an_engine_killed_mid_stream_ends_the_stream_and_rejoins(cluster):
     # Greedy output is the same on any engine: what came is a prefix of it,
     # so no token was sent twice or out of order.
     tok = serving.front.tokenizer
-    want = tok.decode(_alone(model_dir, tok.encode("w40 w41 w42 w43 w44", add_special_tokens=False).ids, 80))
+    want = tok.decode(greedy_alone(model_dir, tok.encode("w40 w41 w42 w43 w44", add_special_tokens=False).ids, 80))
     assert want.startswith(text), (text, want)
     assert b'"error"' in got or got.endswith(b"data: [DONE]\n\n")
     print("after the kill:", "an error event" if b'"error"' in got else "completed elsewhere")

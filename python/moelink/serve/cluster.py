@@ -10,8 +10,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from typing import List, Optional
+
+from moelink.scheduler.local_cluster import _tail, _wait_for
 
 from .server import Server, ServerOptions
 
@@ -63,13 +64,7 @@ class LocalServing:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         proc = subprocess.Popen(args, stdout=open(log, "a"), stderr=subprocess.STDOUT, env=env)
         self.workers[i] = proc
-        deadline = time.monotonic() + timeout
-        while not os.path.exists(ready):
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine worker {i} exited with {proc.returncode}:\n{_tail(log)}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"engine worker {i} not registered within {timeout} s:\n{_tail(log)}")
-            time.sleep(0.05)
+        _wait_for(ready, proc, f"engine worker {i}", timeout, log)
 
     def kill_worker(self, i: int, sig: int = signal.SIGKILL) -> None:
         p = self.workers[i]
@@ -91,11 +86,3 @@ class LocalServing:
             if name.endswith(".log"):
                 out.append(f"== {name}\n{_tail(os.path.join(self.dir, name), 30)}")
         return "\n".join(out)
-
-
-def _tail(path: str, n: int = 20) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return "(no log)"
