@@ -74,7 +74,7 @@ struct SamplingParams {
 };
 
 struct StepInput {
-  Tensor token_ids;  // [n] int32: the query tokens (rows of the batch)
+  Tensor token_ids;  // [n] int32: the query tokens (rows of the batch); may be undefined when B = 0
   MLABatch batch;    // request i's rows, lengths and pages (shared by every layer)
   SamplingParams sampling;  // undefined tensors: greedy for every request
 };

@@ -226,7 +226,11 @@ class ModelImpl {
       throw InvalidArgument("moelink: Model.step: no weights yet (call load_checkpoint first)");
     const int64_t D = c_.attention.hidden_size, V = c_.vocab_size, T = o_.moe.max_tokens;
     const int B = in.batch.num_requests;
-    const int64_t n = check_tensor(call, "token_ids", in.token_ids, {DType::kInt32}, {}, false);
+    // A rank without requests may pass no tokens at all (it still takes
+    // part in the MoE layers' exchanges).
+    const int64_t n = B == 0 && !in.token_ids.defined()
+                          ? 0
+                          : check_tensor(call, "token_ids", in.token_ids, {DType::kInt32}, {}, false);
     if (n > T) bad(call, "token_ids", "has " + std::to_string(n) + " rows, more than max_tokens = " + std::to_string(T));
     if (B < 0 || B > o_.attention.max_requests)
       bad(call, "batch.num_requests", "= " + std::to_string(B) + " must be in [0, " +

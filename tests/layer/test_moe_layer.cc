@@ -19,6 +19,7 @@
 #include "layer/layer_reference.h"
 #include "moelink/errors.h"
 #include "rank_harness.h"
+#include "safetensors_writer.h"
 #include "ref_dtype.h"
 #if defined(MOELINK_WITH_CUDA)
 #include "gpu_memory_ops.h"  // CUDA_OK
@@ -348,34 +349,6 @@ TEST(MoEModelConfig, BadFieldsAreNamed) {
 // ------------------------------------------------------------ checkpoints
 
 // A safetensors file of named tensors (dtype string, shape, bytes).
-struct StTensor {
-  std::string dtype;
-  std::vector<int64_t> shape;
-  std::vector<char> bytes;
-};
-void write_safetensors(const std::string& path, const std::map<std::string, StTensor>& tensors) {
-  nlohmann::json h = nlohmann::json::object();
-  uint64_t at = 0;
-  for (const auto& [name, t] : tensors) {
-    h[name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {at, at + t.bytes.size()}}};
-    at += t.bytes.size();
-  }
-  std::string header = h.dump();
-  while (header.size() % 8) header += ' ';
-  std::ofstream f(path, std::ios::binary);
-  const uint64_t len = header.size();
-  for (int i = 0; i < 8; ++i) f.put(static_cast<char>((len >> (8 * i)) & 0xff));
-  f << header;
-  for (const auto& [name, t] : tensors) f.write(t.bytes.data(), static_cast<std::streamsize>(t.bytes.size()));
-}
-
-template <class T>
-StTensor st(const char* dtype, std::vector<int64_t> shape, const T* data, size_t count) {
-  StTensor t{dtype, std::move(shape), std::vector<char>(count * sizeof(T))};
-  std::memcpy(t.bytes.data(), data, t.bytes.size());
-  return t;
-}
-
 // The test model's layer `layer` in DeepSeek-V3's layout, fp8 with
 // weight_scale_inv (fp8 = true) or bf16 (dequantized), split over two files
 // with an index.
