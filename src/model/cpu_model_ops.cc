@@ -24,6 +24,12 @@ void record(ModelErrorRecord* e, int32_t code, int32_t field, int64_t row, doubl
 class CpuModelOps final : public HostMemory<ModelOps> {
  public:
 
+  void step_rows(const int32_t* q_start, int num_requests, int64_t n, int32_t* rows,
+                 cudaStream_t) override {
+    const int32_t last = q_start[num_requests];
+    *rows = last >= 0 && last <= n ? last : 0;
+  }
+
   void embed(const Tensor& h, const Tensor& token_ids, const uint16_t* table, int64_t vocab,
              const int32_t* rows, ModelErrorRecord* error, cudaStream_t) override {
     const int64_t D = h.shape[1];

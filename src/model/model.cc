@@ -158,6 +158,7 @@ class ModelImpl {
     last_logits_ = ModelBuffer(*ops_, static_cast<size_t>(ao.max_requests) * V * 4);
     error_ = ModelBuffer(*ops_, sizeof(ModelErrorRecord));
     zero_ = ModelBuffer(*ops_, 4);
+    rows_ = ModelBuffer(*ops_, 4);
     final_norm_ = ModelBuffer(*ops_, D * 4);
     ExpertConfig qc;  // quantize() takes any shapes
     qc.num_experts = 1;
@@ -237,10 +238,15 @@ class ModelImpl {
                                           std::to_string(o_.attention.max_requests) + "] (max_requests)");
     check_outputs(call, out, n, B, V);
     check_sampling(call, in.sampling, B);
-    // Rows of this rank's step: q_start[B] (0 without requests: the MoE
-    // layers still take part in their collectives).
-    const int32_t* rows = B > 0 ? static_cast<const int32_t*>(in.batch.q_start.data) + B : zero_.as<int32_t>();
-    const Tensor bound = Tensor::contiguous(const_cast<int32_t*>(rows), DType::kInt32, {1});
+    // Rows of this rank's step: q_start[B], read where the step runs and
+    // kept within the rows of token_ids (0 without requests: the MoE layers
+    // still take part in their collectives).
+    int32_t* rows = rows_.as<int32_t>();
+    if (B > 0)
+      ops_->step_rows(static_cast<const int32_t*>(in.batch.q_start.data), B, n, rows, stream);
+    else
+      ops_->copy_in(rows, zero_.as(), 4);
+    const Tensor bound = Tensor::contiguous(rows, DType::kInt32, {1});
     const int64_t nr = std::max<int64_t>(n, 1);  // the MoE layers take at least one row
     const Tensor h = Tensor::contiguous(h_.as(), DType::kBFloat16, {nr, D});
     const Tensor normed = Tensor::contiguous(normed_.as(), DType::kBFloat16, {nr, D});
@@ -365,7 +371,8 @@ class ModelImpl {
   std::unique_ptr<ModelOps> ops_;
   std::vector<Layer> layers_v_;
   std::unique_ptr<Experts> quant_;
-  ModelBuffer h_, normed_, part_, xq_, xs_, last_logits_, error_, zero_, final_norm_, embed_, lm_head_;
+  ModelBuffer h_, normed_, part_, xq_, xs_, last_logits_, error_, zero_, rows_, final_norm_, embed_,
+      lm_head_;
 };
 
 }  // namespace detail

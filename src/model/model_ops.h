@@ -25,6 +25,10 @@ struct ModelErrorRecord {
 class ModelOps : public DeviceMemory {
  public:
 
+  // rows[0] = q_start[B] when it lies in [0, n], else 0: the rows every
+  // step of the model touches (MLAAttention reports a bad q_start itself).
+  virtual void step_rows(const int32_t* q_start, int num_requests, int64_t n, int32_t* rows,
+                         cudaStream_t stream) = 0;
   // h [*, D] bf16 = table [V, D] bf16 rows of token_ids [*] (a bad id gives
   // a zero row and an error).
   virtual void embed(const Tensor& h, const Tensor& token_ids, const uint16_t* table, int64_t vocab,

@@ -215,6 +215,10 @@ TEST(ModelCpu, BadInputIsReportedAndTheModelStaysUsable) {
                                              {"token_ids[2] = 517", "vocab_size"});
     expect_throw_naming<moelink::InputError>([&] { run(*m, {tokens(4, 5), {0, 4}, {4}, {99}}); },
                                              {"block_table[0][0] = 99"});
+    // q_start past the tokens given: the whole step is skipped, nothing is
+    // read or written past them (the sanitizer pass runs this too).
+    expect_throw_naming<moelink::InputError>([&] { run(*m, {tokens(4, 7), {0, 9}, {9}, {1}}); },
+                                             {"q_start[1] = 9"});
     std::vector<int32_t> out(3);
     std::vector<int32_t> good = tokens(4, 6), q_start{0, 4}, kv_len{4}, table{1};
     moelink::StepInput in;
