@@ -122,6 +122,9 @@ class Server:
         # routes them to its engines (moelink.serve.worker processes).
         self.scheduler = scheduler
         self.engine = None if scheduler else load_engine(str(d), o)
+        # The engine's counts as the engine thread last saw them: only that
+        # thread touches the engine (its step runs without the GIL).
+        self._engine_state = (0, 0, o.num_pages)  # running, waiting, available pages
         self.metrics = _Metrics()
         self._submit: "queue.Queue[_Job]" = queue.Queue()
         self._jobs = {}  # engine id -> _Job (the engine thread's)
@@ -157,7 +160,11 @@ class Server:
             self._engine_thread.join(timeout=10)
 
     def kv_pages_free(self) -> int:
-        return self.engine.available_pages if self.engine is not None else 0
+        return self._engine_state[2] if self.engine is not None else 0
+
+    def engine_counts(self):
+        """(running, waiting, available pages) as of the engine's last step."""
+        return self._engine_state
 
     # ------------------------------------------------------------ engine thread
 
@@ -184,7 +191,9 @@ class Server:
             for jid, job in list(self._jobs.items()):
                 if job.cancelled:
                     self.engine.cancel(jid)
-            if self.engine.idle:
+            e = self.engine
+            self._engine_state = (e.running, e.waiting, e.available_pages)
+            if e.idle:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
@@ -411,8 +420,8 @@ class _Handler(BaseHTTPRequestHandler):
                 {"id": s.model_name, "object": "model", "created": 0, "owned_by": "moelink"}]})
         elif self.path == "/metrics":
             if s.engine is not None:
-                running, waiting = s.engine.running, s.engine.waiting
-                used = 1.0 - s.kv_pages_free() / s.options.num_pages
+                running, waiting, free = s.engine_counts()
+                used = 1.0 - free / s.options.num_pages
             else:  # the engines report theirs to the scheduler
                 running = waiting = used = 0
             body = s.metrics.text(running, waiting, used).encode()

@@ -35,6 +35,9 @@ class EngineWorker:
         self._by_engine = {}   # engine request id -> [scheduler request id, tokens reported]
         self._by_request = {}  # scheduler request id -> engine request id
         self._stop = threading.Event()
+        # The engine's load as of its last step: the client's heartbeat
+        # thread reads this, never the engine (its step runs without the GIL).
+        self._counts = (0, 0, options.num_pages)
         self.client = EngineClient(scheduler, engine_id, kv_capacity_blocks=options.num_pages,
                                    block_size=options.page_size, max_batch=options.max_running,
                                    on_run=lambda run: self._inbox.put(("run", run)),
@@ -43,8 +46,8 @@ class EngineWorker:
 
     def _load(self):
         from moelink.scheduler import load
-        return load(running=self.engine.running, waiting=self.engine.waiting,
-                    free_kv_blocks=self.engine.available_pages)
+        running, waiting, free = self._counts
+        return load(running=running, waiting=waiting, free_kv_blocks=free)
 
     def _kv_events(self):
         from moelink.scheduler import cleared_event, removed_event, stored_event
@@ -68,6 +71,8 @@ class EngineWorker:
 
     def step_once(self) -> None:
         from moelink.scheduler import FINISHED, RUNNING, STARTED, progress
+        e = self.engine
+        self._counts = (e.running, e.waiting, e.available_pages)
         started = []
         while True:
             try:
@@ -117,6 +122,7 @@ class EngineWorker:
             if r.finished:
                 del self._by_engine[r.id]
                 self._by_request.pop(rid, None)
+        self._counts = (e.running, e.waiting, e.available_pages)
         self.client.report(self._load(), self._kv_events(), reports)
 
 
