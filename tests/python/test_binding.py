@@ -366,16 +366,28 @@ def combine_args(a2a, b):
                 bound_m=b["bound_m"])
 
 
-def test_import_without_torch():
+def _run_in_fresh_python(code, **env_overrides):
     import subprocess
     import sys
-    code = ("import sys, moelink; "
-            "assert 'torch' not in sys.modules, 'moelink imported torch'; print('ok')")
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(moelink.__file__)))
-    env = dict(os.environ)
+    env = dict(os.environ, **env_overrides)
     env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [p for p in [env.get("PYTHONPATH")] if p])
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_import_without_torch():
+    _run_in_fresh_python("import sys, moelink; "
+                         "assert 'torch' not in sys.modules, 'moelink imported torch'; print('ok')")
+
+
+def test_sglang_plugin_imports_nothing_when_off():
+    # SGLang calls the entry point in every process it starts; switched off
+    # it must not import SGLang's modules, torch or moelink's integration.
+    _run_in_fresh_python(
+        "import sys, moelink.integrations as mi; mi.sglang_plugin(); "
+        "loaded = [m for m in ('sglang', 'torch', 'moelink.integrations.sglang') if m in sys.modules]; "
+        "assert not loaded, loaded; print('ok')", MOELINK_SGLANG="0")
 
 
 def test_exception_hierarchy():
