@@ -54,7 +54,6 @@ from sglang.srt.runtime_context import get_parallel
 from .. import torch_ops
 from . import SGLANG_SWITCH_ENV as SWITCH_ENV
 from .._all_to_all import AllToAll
-from .._torch import TorchGroupBootstrap
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +197,7 @@ class MoelinkDispatcher(BaseDispatcher):
                    dp_size=get_parallel().attn_tp_size)
         key = (backend, tuple(sorted((k, str(v)) for k, v in cfg.items())), self.subbatch_index)
         return _shared_all_to_all(
-            key, lambda: AllToAll(backend=backend, group=TorchGroupBootstrap(self.group), **cfg))
+            key, lambda: AllToAll(backend=backend, group=self.group, **cfg))
 
     def _advance(self, expected: _Stage, new: _Stage, call: str) -> None:
         if self._stage != expected:
