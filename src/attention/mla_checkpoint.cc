@@ -8,6 +8,7 @@
 
 #include "attention/mla_checkpoint.h"
 #include "core/float_convert.h"
+#include "core/hf_config_json.h"
 #include "layer/safetensors.h"
 #include "moelink/attention.h"
 #include "moelink/errors.h"
@@ -15,19 +16,9 @@
 namespace moelink {
 
 MLAConfig MLAConfig::from_hf_config_json(const std::string& json_text) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(json_text);
-  } catch (const nlohmann::json::exception& e) {
-    throw InvalidArgument(std::string("moelink: MLAConfig: config.json is not valid JSON: ") + e.what());
-  }
-  if (!j.is_object()) throw InvalidArgument("moelink: MLAConfig: config.json is not a JSON object");
-  if (j.contains("text_config") && j["text_config"].is_object() && !j.contains("hidden_size"))
-    j = j["text_config"];
+  const nlohmann::json j = detail::parse_hf_config(json_text, "MLAConfig");
   auto number = [&](const nlohmann::json& o, const char* key, double fallback, bool required) {
-    if (o.contains(key) && o[key].is_number()) return o[key].get<double>();
-    if (required) throw InvalidArgument(std::string("moelink: MLAConfig: config.json has no ") + key);
-    return fallback;
+    return detail::hf_number(o, {key}, fallback, required, "MLAConfig");
   };
   MLAConfig c;
   c.hidden_size = static_cast<int>(number(j, "hidden_size", 0, true));

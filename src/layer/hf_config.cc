@@ -1,33 +1,15 @@
 // MoEModelConfig::from_hf_config_json (needs nlohmann/json; a build without
 // it has core/json_unavailable.cc instead).
-#include <nlohmann/json.hpp>
-
+#include "core/hf_config_json.h"
 #include "moelink/errors.h"
 #include "moelink/moe_layer.h"
 
 namespace moelink {
 
 MoEModelConfig MoEModelConfig::from_hf_config_json(const std::string& json_text) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(json_text);
-  } catch (const nlohmann::json::exception& e) {
-    throw InvalidArgument(std::string("moelink: MoEModelConfig: config.json is not valid JSON: ") +
-                          e.what());
-  }
-  if (!j.is_object()) throw InvalidArgument("moelink: MoEModelConfig: config.json is not a JSON object");
-  // Multimodal and wrapper configs keep the language model's fields here.
-  if (j.contains("text_config") && j["text_config"].is_object() && !j.contains("hidden_size"))
-    j = j["text_config"];
+  const nlohmann::json j = detail::parse_hf_config(json_text, "MoEModelConfig");
   auto number = [&](std::initializer_list<const char*> keys, double fallback, bool required) {
-    for (const char* k : keys)
-      if (j.contains(k) && j[k].is_number()) return j[k].get<double>();
-    if (required) {
-      std::string names;
-      for (const char* k : keys) names += (names.empty() ? "" : " or ") + std::string(k);
-      throw InvalidArgument("moelink: MoEModelConfig: config.json has no " + names);
-    }
-    return fallback;
+    return detail::hf_number(j, keys, fallback, required, "MoEModelConfig");
   };
   const std::string type = j.value("model_type", std::string());
   MoEModelConfig c;

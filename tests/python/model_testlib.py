@@ -4,10 +4,9 @@ tokens on an engine of its own."""
 
 from __future__ import annotations
 
-import socket
-
 from moelink.serve.tiny_model import TINY as SMALL  # noqa: F401 (re-exported)
 from moelink.serve.tiny_model import write_checkpoint as random_checkpoint  # noqa: F401
+from ranks_testlib import free_port  # noqa: F401 (re-exported)
 
 
 def greedy_alone(model_dir, prompt_ids, max_tokens, eos=1):
@@ -22,9 +21,3 @@ def greedy_alone(model_dir, prompt_ids, max_tokens, eos=1):
                          max_pages_per_request=6)
     i = eng.add(prompt_ids, max_tokens=max_tokens, stop_tokens=[eos])
     return eng.run()[i].tokens
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

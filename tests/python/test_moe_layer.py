@@ -5,13 +5,12 @@ checkpoint that transformers' save_pretrained wrote."""
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 
 import moelink
 from fp8_testlib import block_quant as _block_quant, dequant as _dequant
+from ranks_testlib import free_port
 
 try:
     import ml_dtypes
@@ -19,14 +18,8 @@ except ImportError:  # pragma: no cover
     ml_dtypes = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _boot():
-    return moelink.TcpBootstrap(0, 1, "127.0.0.1", _free_port(), 30.0)
+    return moelink.TcpBootstrap(0, 1, "127.0.0.1", free_port(), 30.0)
 
 
 SMALL = dict(hidden_size=256, moe_intermediate_size=128, n_routed_experts=16,
