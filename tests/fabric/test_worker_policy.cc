@@ -532,6 +532,12 @@ TEST(FabricWorker, AddingAPeerAgainRetriesIt) {
   const MemoryDescriptor gone = fake_peer("gone");
   f.nic->budget = 0;  // both in flight, their failures held back
   const TransferPtr a = e->write(r, 0, gone, 0, 64, 1u), b = e->write(r, 0, gone, 0, 64, 1u);
+  // The worker posts asynchronously: release a's failure only once b is
+  // posted too, or b would meet a peer already marked unreachable.
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  while (f.nic->posts_to_gone.load() < 2 && Clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_EQ(f.nic->posts_to_gone.load(), 2) << "the two writes did not reach the NIC";
   f.nic->budget = 1;
   EXPECT_NE(error_of(a).find("Connection reset by peer"), std::string::npos);
   EXPECT_NE(error_of(e->write(r, 0, gone, 0, 64, 1u)).find("is unreachable"), std::string::npos);
