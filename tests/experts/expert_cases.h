@@ -64,6 +64,13 @@ void run_grouped_gemm_reuse_case(moelink::ExpertDevice device, MemoryOps& ops, c
                                  int64_t expected_rows);
 void run_silu_mul_quant_case(moelink::ExpertDevice device, MemoryOps& ops, const ExpertCase& c);
 void run_forward_case(moelink::ExpertDevice device, MemoryOps& ops, const ExpertCase& c);
+// Issue 32 item 4: forward() with one row per expert, over `seeds` fresh
+// seeds, for each ExpertConfig.expected_rows in `tiles` (CUDA), on the same
+// inputs: GEMM1 must hold bf16 precision for every tile and no tile's
+// median forward() error may exceed another's by 1.5x. Prints the
+// distribution per tile.
+void run_forward_precision_sweep(MemoryOps& ops, const ExpertShape& s,
+                                 const std::vector<int64_t>& tiles, int seeds);
 // quantize of x [M, K]; m < 0: no bound_m (all M rows).
 void run_quantize_case(moelink::ExpertDevice device, MemoryOps& ops, int64_t M, int64_t K, int64_t m);
 // gemm: y [M, N] = x [M, K] . w [N, K]^T; m < 0: no bound_m.

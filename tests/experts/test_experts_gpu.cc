@@ -237,6 +237,14 @@ TEST(GpuExpertsDense, GemmMatchesReference) {
   run_gemm_case(ExpertDevice::kCUDA, ops, 20000, 384, 256, 19950);
 }
 
+// Issue 32 item 4: the decode tile (expected_rows 16) against the larger
+// ones on the same one-row-per-expert inputs (H 1024, I 512), many seeds.
+TEST(GpuExpertsPrecision, DecodeTileMatchesTheOthersOverSeeds) {
+  REQUIRE_HOPPER();
+  GpuMemoryOps ops(0);
+  run_forward_precision_sweep(ops, {"Decode", 4, 16, 1024, 512}, {16, 48, 128, 256}, 64);
+}
+
 TEST(GpuExpertsErrors, CountsOutOfRangeAreClampedAndReported) {
   REQUIRE_HOPPER();
   GpuMemoryOps ops(0);
