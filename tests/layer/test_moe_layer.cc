@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -169,32 +170,40 @@ TEST(GpuCaptureSafety, ObjectsDestroyedDuringAnotherStreamsCapture) {
       auto a2a = moelink::AllToAll::create(ac, boot);
       CUDA_OK(cudaDeviceSynchronize());
 
-      CUDA_OK(cudaStreamBeginCapture(s, mode));
-      CUDA_OK(cudaMemsetAsync(buf, 0x11, kBytes / 2, s));
-      experts.reset();
-      layer.reset();
-      a2a.reset();
-      CUDA_OK(cudaMemsetAsync(static_cast<char*>(buf) + kBytes / 2, 0x22, kBytes / 2, s));
-      cudaGraph_t graph = nullptr;
-      const cudaError_t ended = cudaStreamEndCapture(s, &graph);
-      RANK_CHECK(ended == cudaSuccess) << when << ": the capture broke: " << cudaGetErrorString(ended);
-      if (ended != cudaSuccess) {
-        (void)cudaGetLastError();
-        continue;
-      }
-      cudaGraphExec_t exec = nullptr;
-      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-      CUDA_OK(cudaMemset(buf, 0, kBytes));
-      CUDA_OK(cudaGraphLaunch(exec, s));
-      CUDA_OK(cudaStreamSynchronize(s));
-      std::vector<uint8_t> host(kBytes);
-      CUDA_OK(cudaMemcpy(host.data(), buf, kBytes, cudaMemcpyDeviceToHost));
-      RANK_CHECK(host[0] == 0x11 && host[kBytes / 2 - 1] == 0x11 && host[kBytes / 2] == 0x22 &&
-                 host[kBytes - 1] == 0x22)
-          << when << ": the graph did not do what was captured";
-      RANK_CHECK(cudaGetLastError() == cudaSuccess) << when << ": an error was left behind";
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
+      // Each object goes inside a capture of its own, so that a failure
+      // names the object whose release broke it.
+      auto destroyed_during_capture = [&](const char* what, const std::function<void()>& destroy) {
+        CUDA_OK(cudaStreamBeginCapture(s, mode));
+        CUDA_OK(cudaMemsetAsync(buf, 0x11, kBytes / 2, s));
+        destroy();
+        const cudaError_t second = cudaMemsetAsync(static_cast<char*>(buf) + kBytes / 2, 0x22, kBytes / 2, s);
+        cudaGraph_t graph = nullptr;
+        const cudaError_t ended = cudaStreamEndCapture(s, &graph);
+        RANK_CHECK(second == cudaSuccess && ended == cudaSuccess)
+            << when << ": destroying " << what << " broke the capture: " << cudaGetErrorString(second)
+            << " / " << cudaGetErrorString(ended);
+        if (second != cudaSuccess || ended != cudaSuccess) {
+          if (graph) cudaGraphDestroy(graph);
+          (void)cudaGetLastError();
+          return;
+        }
+        cudaGraphExec_t exec = nullptr;
+        CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+        CUDA_OK(cudaMemset(buf, 0, kBytes));
+        CUDA_OK(cudaGraphLaunch(exec, s));
+        CUDA_OK(cudaStreamSynchronize(s));
+        std::vector<uint8_t> host(kBytes);
+        CUDA_OK(cudaMemcpy(host.data(), buf, kBytes, cudaMemcpyDeviceToHost));
+        RANK_CHECK(host[0] == 0x11 && host[kBytes / 2 - 1] == 0x11 && host[kBytes / 2] == 0x22 &&
+                   host[kBytes - 1] == 0x22)
+            << when << ", " << what << ": the graph did not do what was captured";
+        RANK_CHECK(cudaGetLastError() == cudaSuccess) << when << ", " << what << ": an error was left behind";
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+      };
+      destroyed_during_capture("an Experts", [&] { experts.reset(); });
+      destroyed_during_capture("a MoELayer", [&] { layer.reset(); });
+      destroyed_during_capture("an AllToAll", [&] { a2a.reset(); });
       ops.free(dx);
       ops.free(dout);
       ops.free(dm);

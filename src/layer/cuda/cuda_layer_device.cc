@@ -10,6 +10,7 @@
 #include "layer/cuda/layer_kernels.h"
 #include "layer/layer_device.h"
 #include "moelink/errors.h"
+#include "nvlink/cublas_handles.h"
 #include "nvlink/cuda_check.h"
 #include "nvlink/cuda_release.h"
 
@@ -35,19 +36,10 @@ void cublas_ok(cublasStatus_t s, const char* what) {
 
 class CudaLayerDevice final : public LayerDevice {
  public:
-  CudaLayerDevice() {
-    cublas_ok(cublasCreate(&cublas_), "cublasCreate");
-    // A workspace of its own, so that no cuBLAS call allocates inside a
-    // CUDA-graph capture.
-    MOELINK_CUDA_CHECK(cudaMalloc(&cublas_workspace_, kCublasWorkspace));
-    cublas_ok(cublasSetWorkspace(cublas_, cublas_workspace_, kCublasWorkspace), "cublasSetWorkspace");
-  }
   ~CudaLayerDevice() override {
     RelaxedCaptureMode relaxed;  // a layer may go while someone else captures
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
     if (capture_stream_) cudaStreamDestroy(capture_stream_);
-    cublasDestroy(cublas_);
-    release_device_memory(cublas_workspace_);
   }
 
   bool host_memory() const override { return false; }
@@ -71,17 +63,17 @@ class CudaLayerDevice final : public LayerDevice {
     // = gate [H, E]^T . x^T [H, rows].
     const int64_t rows = x.shape[0], H = x.shape[1];
     if (rows == 0) return;
-    cublas_ok(cublasSetStream(cublas_, stream), "cublasSetStream");
+    cublas_ok(cublasSetStream(cublas_.get(), stream), "cublasSetStream");
     const float one = 1.0f, zero = 0.0f;
     if (gate_dtype == DType::kFloat32) {
       launch_bf16_to_f32(x_f32, static_cast<const uint16_t*>(x.data), x.stride[0], rows, H, stream);
-      cublas_ok(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, num_experts, static_cast<int>(rows),
+      cublas_ok(cublasGemmEx(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, num_experts, static_cast<int>(rows),
                              static_cast<int>(H), &one, gate, CUDA_R_32F, static_cast<int>(H), x_f32,
                              CUDA_R_32F, static_cast<int>(H), &zero, logits, CUDA_R_32F, num_experts,
                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                 "cublasGemmEx (fp32 gate)");
     } else {
-      cublas_ok(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, num_experts, static_cast<int>(rows),
+      cublas_ok(cublasGemmEx(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, num_experts, static_cast<int>(rows),
                              static_cast<int>(H), &one, gate, CUDA_R_16BF, static_cast<int>(H), x.data,
                              CUDA_R_16BF, static_cast<int>(x.stride[0]), &zero, logits, CUDA_R_32F,
                              num_experts, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
@@ -165,11 +157,11 @@ class CudaLayerDevice final : public LayerDevice {
   void sync(cudaStream_t stream) override { MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream)); }
 
  private:
-  static constexpr size_t kCublasWorkspace = 32 << 20;
   std::vector<cudaEvent_t> events_;
   cudaStream_t capture_stream_ = nullptr;
-  cublasHandle_t cublas_ = nullptr;
-  void* cublas_workspace_ = nullptr;
+  // Pooled, with a workspace of its own (nothing allocates inside a
+  // capture) and never destroyed while another stream may capture.
+  PooledCublas cublas_;
 };
 
 }  // namespace
