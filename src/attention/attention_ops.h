@@ -32,6 +32,10 @@ struct RowPlan {
 
 class AttentionOps : public DeviceMemory {
  public:
+  // Waits for the work on `stream` (before the host reads what it wrote).
+  virtual void sync(cudaStream_t stream) = 0;
+  // *dst = value, in stream order (a count the next steps read).
+  virtual void set_count(int32_t* dst, int32_t value, cudaStream_t stream) = 0;
 
   // Checks the batch (step_plan.h) and fills `plan`.
   virtual void plan_step(const MLABatch& b, int64_t n, const StepBounds& bounds, int local_heads,
@@ -78,7 +82,8 @@ class AttentionOps : public DeviceMemory {
   struct PrefillState {  // the running softmax of one request's query rows
     virtual ~PrefillState() = default;
   };
-  virtual std::unique_ptr<PrefillState> prefill_begin(int64_t query_rows, int heads, int v_dims) = 0;
+  virtual std::unique_ptr<PrefillState> prefill_begin(int64_t query_rows, int heads, int v_dims,
+                                                      cudaStream_t stream) = 0;
   virtual void gather_kv(const Tensor& latent, const Tensor& k_pe, const Tensor& cache,
                          const int32_t* block_row, int page_size, int64_t first, int64_t count,
                          cudaStream_t stream) = 0;

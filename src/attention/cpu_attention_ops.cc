@@ -32,6 +32,8 @@ uint16_t bf(float v) { return f32_to_bf16(v); }
 
 class CpuAttentionOps final : public HostMemory<AttentionOps> {
  public:
+  void sync(cudaStream_t) override {}
+  void set_count(int32_t* dst, int32_t value, cudaStream_t) override { *dst = value; }
 
   void plan_step(const MLABatch& b, int64_t n, const StepBounds& bounds, int local_heads,
                  const RowPlan& plan, StepErrorRecord* error, cudaStream_t) override {
@@ -161,7 +163,8 @@ class CpuAttentionOps final : public HostMemory<AttentionOps> {
     }
   }
 
-  std::unique_ptr<PrefillState> prefill_begin(int64_t query_rows, int heads, int v_dims) override {
+  std::unique_ptr<PrefillState> prefill_begin(int64_t query_rows, int heads, int v_dims,
+                                              cudaStream_t) override {
     auto s = std::make_unique<CpuPrefillState>();
     s->rows = query_rows;
     s->heads = heads;

@@ -1,5 +1,5 @@
-// The CUDA attention kernels (FlashInfer's MLA kernels behind AttentionOps)
-// are not in this build yet: creating an MLAAttention on the GPU says so.
+// A build without CUDA (MOELINK_WITH_CUDA off) has no CUDA attention kernels:
+// creating an MLAAttention on the GPU says so.
 #include "attention/attention_ops.h"
 #include "moelink/errors.h"
 
@@ -7,8 +7,8 @@ namespace moelink::detail::attention {
 
 std::unique_ptr<AttentionOps> make_cuda_attention_ops() {
   throw InvalidArgument(
-      "moelink: MLAAttention: MLAOptions.device = cuda is not built yet (the CPU path, "
-      "device = cpu, implements the whole contract; the GPU kernels are issue 33's next step)");
+      "moelink: MLAAttention: MLAOptions.device = cuda needs a build with CUDA (this one has "
+      "none); device = cpu runs the same contract on the host");
 }
 
 }  // namespace moelink::detail::attention

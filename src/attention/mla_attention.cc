@@ -325,6 +325,7 @@ class MLAAttentionImpl {
                   Dv = c_.v_head_dim, B = b.num_requests;
     AttentionOps& ops = *ops_;
     std::vector<int32_t> q_start(B + 1), kv_len(B), block_row(bounds.max_pages);
+    ops.sync(stream);  // the batch's values may come from work on the stream
     ops.copy_out(q_start.data(), b.q_start.data, (B + 1) * 4);
     ops.copy_out(kv_len.data(), b.kv_len.data, B * 4);
     StepErrorRecord scratch{};  // plan_step has recorded the failures already
@@ -342,12 +343,11 @@ class MLAAttentionImpl {
         continue;
       }
       const int64_t len = kv_len[i];
-      auto state = ops.prefill_begin(q_rows, Hq_, static_cast<int>(Dv));
+      auto state = ops.prefill_begin(q_rows, Hq_, static_cast<int>(Dv), stream);
       const int32_t* block_row_dev = static_cast<const int32_t*>(b.block_table.data) + i * b.block_table.stride[0];
       for (int64_t k0 = 0; k0 < len; k0 += kPrefillChunk) {
         const int64_t count = std::min(kPrefillChunk, len - k0);
-        const int32_t count32 = static_cast<int32_t>(count);
-        ops.copy_in(chunk_rows, &count32, 4);
+        ops.set_count(chunk_rows, static_cast<int32_t>(count), stream);
         const Tensor lat = Tensor::contiguous(chunk_latent_.as(), DType::kBFloat16, {count, R});
         const Tensor kpe = Tensor::contiguous(chunk_kpe_.as(), DType::kBFloat16, {count, Dr});
         ops.gather_kv(lat, kpe, cache, block_row_dev, o_.page_size, k0, count, stream);

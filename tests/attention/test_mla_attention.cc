@@ -1,9 +1,10 @@
-// MLAAttention on the CPU path against the fp64 reference of HF's
-// DeepseekV3Attention (tests/attention/mla_reference.h): prefill then
+// MLAAttention on the CPU and the CUDA path against the fp64 reference of
+// HF's DeepseekV3Attention (tests/attention/mla_reference.h): prefill then
 // decode, MTP's two query tokens, chunked prefill, a mixed batch, long
 // contexts, pages in random order with NaN in the unused ones, TP, bad
-// input; and the config's numbers. The GPU path runs the same cases when
-// it exists.
+// input; and the config's numbers. Every case runs on both devices (the
+// CUDA ones skip on a machine without a GPU), its tensors staged into the
+// device's memory by the harness.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,12 +18,16 @@
 #include "experts/expert_cases.h"  // fresh_seed
 #include "moelink/attention.h"
 #include "moelink/errors.h"
-#include "rank_harness.h"  // expect_throw_naming
+#include "rank_harness.h"  // expect_throw_naming, probe_gpu_count
 #include "ref_dtype.h"
+#if defined(MOELINK_WITH_CUDA)
+#include "gpu_memory_ops.h"
+#endif
 
 namespace moelink_test {
 namespace {
 
+using moelink::AttentionDevice;
 using moelink::DType;
 using moelink::MLAAttention;
 using moelink::MLABatch;
@@ -49,19 +54,57 @@ MLAConfig small_config() {
   return c;
 }
 
-// Requests with their tokens, pages and progress, and one cache.
+// Host vectors staged into the memory an MLAAttention of `device` runs on:
+// in place for the CPU, copies in a GPU's memory (and back) for CUDA.
+class Staging {
+ public:
+  explicit Staging(MemoryOps* gpu) : gpu_(gpu) {}
+  ~Staging() {
+    for (void* p : copies_) gpu_->free(p);
+  }
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+  template <class T>
+  T* put(std::vector<T>& v) {
+    if (gpu_ == nullptr) return v.data();
+    void* p = gpu_->alloc(std::max<size_t>(v.size(), 1) * sizeof(T));
+    if (!v.empty()) gpu_->h2d(p, v.data(), v.size() * sizeof(T));
+    copies_.push_back(p);
+    return static_cast<T*>(p);
+  }
+  template <class T>
+  void get(std::vector<T>& v, const T* staged) {
+    if (gpu_ != nullptr && !v.empty()) gpu_->d2h(v.data(), staged, v.size() * sizeof(T));
+  }
+
+ private:
+  MemoryOps* gpu_;
+  std::vector<void*> copies_;
+};
+
+std::unique_ptr<MemoryOps> gpu_memory_for(AttentionDevice device) {
+#if defined(MOELINK_WITH_CUDA)
+  if (device == AttentionDevice::kCUDA) return std::make_unique<GpuMemoryOps>(0);
+#endif
+  (void)device;
+  return nullptr;
+}
+
+// Requests with their tokens, pages and progress, and one cache (kept on
+// the host, staged for each step).
 class Harness {
  public:
-  Harness(const MLAConfig& c, uint64_t seed, int num_pages, int page_size, int tp_size = 1,
-          bool input_norm = true)
-      : c_(c), w_(random_mla_weights(c, seed, input_norm)), rng_(seed ^ 0xA5A5), page_(page_size) {
+  Harness(AttentionDevice device, const MLAConfig& c, uint64_t seed, int num_pages, int page_size,
+          int tp_size = 1, bool input_norm = true)
+      : c_(c), w_(random_mla_weights(c, seed, input_norm)), rng_(seed ^ 0xA5A5), page_(page_size),
+        gpu_(gpu_memory_for(device)) {
     cache_.assign(static_cast<size_t>(num_pages) * page_size * c.cache_row(), kNaN);
     free_pages_.resize(num_pages);
     std::iota(free_pages_.begin(), free_pages_.end(), 0);
     std::shuffle(free_pages_.begin(), free_pages_.end(), rng_);  // pages in random order
     for (int r = 0; r < tp_size; ++r) {
       MLAOptions o;
-      o.device = moelink::AttentionDevice::kCPU;
+      o.device = device;
       o.tp_size = tp_size;
       o.tp_rank = r;
       o.page_size = page_size;
@@ -75,6 +118,32 @@ class Harness {
 
   MLATestWeights& weights() { return w_; }
   MLAAttention& rank(int r) { return *ranks_.at(r); }
+  cudaStream_t stream() const { return gpu_ ? gpu_->stream() : nullptr; }
+
+  // One forward() of rank r on host vectors (x [n, D], out [n, D], the
+  // batch's values), staged into the device's memory with the cache; out
+  // and the cache come back. No check(): the caller's.
+  void forward(int r, std::vector<uint16_t>& out, std::vector<uint16_t>& x, std::vector<int32_t>& q_start,
+               std::vector<int32_t>& kv_len, std::vector<int32_t>& table, int num_decode) {
+    const int64_t D = c_.hidden_size, n = static_cast<int64_t>(x.size()) / D;
+    const int64_t B = static_cast<int64_t>(q_start.size()) - 1;
+    const int64_t max_pages = B > 0 ? static_cast<int64_t>(table.size()) / B : 1;
+    Staging st(gpu_.get());
+    MLABatch b;
+    b.num_requests = static_cast<int>(B);
+    b.num_decode = num_decode;
+    b.q_start = Tensor::contiguous(st.put(q_start), DType::kInt32, {B + 1});
+    b.kv_len = Tensor::contiguous(st.put(kv_len), DType::kInt32, {std::max<int64_t>(B, 1)});
+    b.kv_len.shape[0] = B;
+    b.block_table = Tensor::contiguous(st.put(table), DType::kInt32, {B, max_pages});
+    uint16_t* cache = st.put(cache_);
+    uint16_t* dout = st.put(out);
+    rank(r).forward(Tensor::contiguous(dout, DType::kBFloat16, {n, D}),
+                    Tensor::contiguous(st.put(x), DType::kBFloat16, {n, D}), b,
+                    cache_tensor(cache), stream());
+    st.get(out, dout);
+    st.get(cache_, cache);
+  }
 
   // A new request of `len` random tokens (bf16 hidden states).
   int add_request(int64_t len) {
@@ -131,19 +200,10 @@ class Harness {
     const int64_t rows = q_start.back(), n = std::max<int64_t>(1, rows + s.extra_rows);
     x.resize(n * D, bf16_bits_exact(1.0));
     std::vector<double> total(rows * D, 0.0);
-    const Tensor cache = cache_tensor();
-    for (auto& rank : ranks_) {
+    for (size_t k = 0; k < ranks_.size(); ++k) {
       std::vector<uint16_t> out(n * D, kPoison);
-      MLABatch b;
-      b.num_requests = static_cast<int>(B);
-      b.num_decode = s.num_decode;
-      b.q_start = Tensor::contiguous(q_start.data(), DType::kInt32, {B + 1});
-      b.kv_len = Tensor::contiguous(kv_len.data(), DType::kInt32, {std::max<int64_t>(B, 1)});
-      b.kv_len.shape[0] = B;
-      b.block_table = Tensor::contiguous(table.data(), DType::kInt32, {B, max_pages});
-      rank->forward(Tensor::contiguous(out.data(), DType::kBFloat16, {n, D}),
-                    Tensor::contiguous(x.data(), DType::kBFloat16, {n, D}), b, cache);
-      rank->check();
+      forward(static_cast<int>(k), out, x, q_start, kv_len, table, s.num_decode);
+      ranks_[k]->check(stream());
       for (int64_t r = 0; r < n; ++r)
         for (int64_t d = 0; d < D; ++d) {
           const uint16_t v = out[r * D + d];
@@ -164,9 +224,10 @@ class Harness {
     return ref_mla(w_, reqs_[id].x.data(), to, from, flow);
   }
 
-  Tensor cache_tensor() {
+  // The cache as a tensor over `data` (the host copy by default).
+  Tensor cache_tensor(uint16_t* data = nullptr) {
     const int64_t pages = static_cast<int64_t>(cache_.size()) / (page_ * c_.cache_row());
-    return Tensor::contiguous(cache_.data(), DType::kBFloat16, {pages, page_, c_.cache_row()});
+    return Tensor::contiguous(data ? data : cache_.data(), DType::kBFloat16, {pages, page_, c_.cache_row()});
   }
   std::vector<uint16_t>& cache() { return cache_; }
   const std::vector<int32_t>& pages_of(int id) const { return reqs_[id].pages; }
@@ -197,6 +258,7 @@ class Harness {
   std::vector<uint16_t> cache_;
   std::vector<int32_t> free_pages_;
   std::vector<Request> reqs_;
+  std::unique_ptr<MemoryOps> gpu_;  // null: the CPU path, host memory
   std::vector<std::unique_ptr<MLAAttention>> ranks_;
 };
 
@@ -243,6 +305,17 @@ struct Checks {
   }
 };
 
+// Each case on the CPU path and on the GPU (skipped without one).
+class MLAAttentionTest : public ::testing::TestWithParam<AttentionDevice> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == AttentionDevice::kCUDA && probe_gpu_count() == 0)
+      GTEST_SKIP() << "no GPU on this machine (or a build without CUDA): the CUDA attention "
+                      "runs on the H200 device machine (tools/gpu_check.sh)";
+  }
+  AttentionDevice device() const { return GetParam(); }
+};
+
 void expect_close(const Checks& c, const std::string& what) {
   EXPECT_EQ(c.hf.nan, 0) << what << ": non-finite outputs (NaN from unused pages leaked?)";
   EXPECT_LT(c.hf.rel(), kRelBound) << what << ": relative L2 error";
@@ -251,12 +324,12 @@ void expect_close(const Checks& c, const std::string& what) {
               c.hf.worst_row);
 }
 
-TEST(MLAAttentionCpu, PrefillThenDecodeWithMixedLengthsMatchesReference) {
+TEST_P(MLAAttentionTest, PrefillThenDecodeWithMixedLengthsMatchesReference) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const MLAConfig c = small_config();
   const int64_t D = c.hidden_size;
-  Harness h(c, seed, 160, 64);
+  Harness h(device(), c, seed, 160, 64);
   // kv lengths after the decode step, and the decode's query tokens (2: MTP).
   const std::vector<int64_t> lengths{1, 63, 64, 65, 5000, 130};
   const std::vector<int64_t> q_lens{1, 2, 1, 2, 1, 2};
@@ -291,12 +364,12 @@ TEST(MLAAttentionCpu, PrefillThenDecodeWithMixedLengthsMatchesReference) {
   }
 }
 
-TEST(MLAAttentionCpu, ChunkedPrefillEqualsOneShotAndMixesWithDecode) {
+TEST_P(MLAAttentionTest, ChunkedPrefillEqualsOneShotAndMixesWithDecode) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const MLAConfig c = small_config();
   const int64_t D = c.hidden_size, L = 150;
-  Harness one(c, seed, 16, 32), chunked(c, seed, 16, 32);
+  Harness one(device(), c, seed, 16, 32), chunked(device(), c, seed, 16, 32);
   const int a = one.add_request(L), b = chunked.add_request(L);
   const std::vector<double> whole = one.run({{a}, {L}, 0});
   // The same tokens in three chunks; the second shares its step with a
@@ -337,12 +410,12 @@ TEST(MLAAttentionCpu, ChunkedPrefillEqualsOneShotAndMixesWithDecode) {
 // code one step apart moves the token's whole row by about 0.5 %; measured
 // worst position 1.7-2.1 %, bound 5 %). A wrong rotation, pair order or
 // slot is off by tens of percent.
-TEST(MLAAttentionCpu, CacheRowsAreTheReferences) {
+TEST_P(MLAAttentionTest, CacheRowsAreTheReferences) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const MLAConfig c = small_config();
   const int64_t D = c.hidden_size, L = 300, R = c.kv_lora_rank;
-  Harness h(c, seed, 24, 16);
+  Harness h(device(), c, seed, 24, 16);
   const int a = h.add_request(L);
   h.run({{a}, {100}, 0});
   h.run({{a}, {L - 100}, 0});
@@ -371,12 +444,12 @@ TEST(MLAAttentionCpu, CacheRowsAreTheReferences) {
 
 // MTP's two query tokens are causal to each other: the pair's rows equal
 // two single-token decodes of the same tokens (the same arithmetic).
-TEST(MLAAttentionCpu, TwoQueryTokensEqualTwoSingleDecodes) {
+TEST_P(MLAAttentionTest, TwoQueryTokensEqualTwoSingleDecodes) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const MLAConfig c = small_config();
   const int64_t D = c.hidden_size;
-  Harness pair(c, seed, 8, 16), single(c, seed, 8, 16);
+  Harness pair(device(), c, seed, 8, 16), single(device(), c, seed, 8, 16);
   const int a = pair.add_request(22), b = single.add_request(22);
   pair.run({{a}, {20}, 0});
   single.run({{b}, {20}, 0});
@@ -389,7 +462,7 @@ TEST(MLAAttentionCpu, TwoQueryTokensEqualTwoSingleDecodes) {
   EXPECT_LT(cmp.rel(), 1e-6) << "q_len 2 against two q_len 1 decodes";
 }
 
-TEST(MLAAttentionCpu, TensorParallelRanksSumToTheWholeAttention) {
+TEST_P(MLAAttentionTest, TensorParallelRanksSumToTheWholeAttention) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   MLAConfig c = small_config();
@@ -397,7 +470,7 @@ TEST(MLAAttentionCpu, TensorParallelRanksSumToTheWholeAttention) {
   const int64_t D = c.hidden_size;
   std::vector<double> whole;  // TP 1's rows of both steps
   for (int tp : {1, 2, 4}) {
-    Harness h(c, seed, 16, 16, tp);
+    Harness h(device(), c, seed, 16, 16, tp);
     const int a = h.add_request(40), b = h.add_request(9);
     Checks pre, dec;
     const std::vector<double> p = h.run({{a, b}, {38, 8}, 0});
@@ -422,14 +495,14 @@ TEST(MLAAttentionCpu, TensorParallelRanksSumToTheWholeAttention) {
   }
 }
 
-TEST(MLAAttentionCpu, PlainRopeWithoutInputNorm) {
+TEST_P(MLAAttentionTest, PlainRopeWithoutInputNorm) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   MLAConfig c = small_config();
   c.rope_scaling = {};
   c.rope_interleave = false;
   const int64_t D = c.hidden_size;
-  Harness h(c, seed, 8, 16, 1, /*input_norm=*/false);
+  Harness h(device(), c, seed, 8, 16, 1, /*input_norm=*/false);
   const int a = h.add_request(30);
   Checks pre, dec;
   const std::vector<double> p = h.run({{a}, {29}, 0});
@@ -443,12 +516,12 @@ TEST(MLAAttentionCpu, PlainRopeWithoutInputNorm) {
 // Each bad value is reported by check() naming the field and the value,
 // the request is skipped (zeros, nothing out of bounds), and the next good
 // step runs clean.
-TEST(MLAAttentionCpu, BadBatchValuesAreReportedAndTheObjectStaysUsable) {
+TEST_P(MLAAttentionTest, BadBatchValuesAreReportedAndTheObjectStaysUsable) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const MLAConfig c = small_config();
   const int64_t D = c.hidden_size;
-  Harness h(c, seed, 8, 16);
+  Harness h(device(), c, seed, 8, 16);
   const int a = h.add_request(20);
   h.run({{a}, {19}, 0});
   MLAAttention& m = h.rank(0);
@@ -471,18 +544,12 @@ TEST(MLAAttentionCpu, BadBatchValuesAreReportedAndTheObjectStaysUsable) {
       {{1, 1}, {20}, {p0, p1}, true, {"q_start[0] = 1"}},
   };
   for (const Bad& bc : cases) {
-    MLABatch b;
-    b.num_requests = 1;
-    b.num_decode = 1;
     std::vector<int32_t> qs = bc.q_start, kl = bc.kv_len, tb = bc.table;
-    b.q_start = Tensor::contiguous(qs.data(), DType::kInt32, {2});
-    b.kv_len = Tensor::contiguous(kl.data(), DType::kInt32, {1});
-    b.block_table = Tensor::contiguous(tb.data(), DType::kInt32, {1, 2});
     std::fill(out.begin(), out.end(), kPoison);
     const std::vector<uint16_t> before = h.cache();
-    m.forward(tout, tx, b, cache);
+    h.forward(0, out, x, qs, kl, tb, 1);
     try {
-      m.check();
+      m.check(h.stream());
       ADD_FAILURE() << bc.words[0] << ": check() reported nothing";
     } catch (const moelink::InputError& e) {
       for (const std::string& w : bc.words)
@@ -494,7 +561,7 @@ TEST(MLAAttentionCpu, BadBatchValuesAreReportedAndTheObjectStaysUsable) {
       const bool ok = skipped_row ? (out[i] & 0x7FFF) == 0 : out[i] == kPoison;
       ASSERT_TRUE(ok) << bc.words[0] << ": out element " << i << " = " << out[i];
     }
-    EXPECT_NO_THROW(m.check()) << "the error was reported twice";
+    EXPECT_NO_THROW(m.check(h.stream())) << "the error was reported twice";
   }
   // Refused on the host, naming the field.
   MLABatch good;
@@ -528,12 +595,140 @@ TEST(MLAAttentionCpu, BadBatchValuesAreReportedAndTheObjectStaysUsable) {
   expect_close(cmp, "the good step after the bad ones");
 }
 
-TEST(MLAAttentionCpu, EmptyBatchDoesNothing) {
+TEST_P(MLAAttentionTest, EmptyBatchDoesNothing) {
   const MLAConfig c = small_config();
-  Harness h(c, fresh_seed(), 4, 16);
+  Harness h(device(), c, fresh_seed(), 4, 16);
   const std::vector<double> none = h.run({{}, {}, 0, 4});
   EXPECT_TRUE(none.empty());
 }
+
+#if defined(MOELINK_WITH_CUDA)
+// The decode step captured once in a CUDA graph (its lengths and block
+// tables read on the device), replayed with new lengths, new tokens and
+// MTP's two query tokens: each replay's rows and cache writes are the
+// eager step's, to the bit.
+TEST(MLAAttentionCuda, DecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const MLAConfig c = small_config();
+  const int64_t D = c.hidden_size, n = 6, max_pages = 8;
+  Harness graph(AttentionDevice::kCUDA, c, seed, 32, 16), eager(AttentionDevice::kCUDA, c, seed, 32, 16);
+  int ids[2] = {};
+  for (Harness* h : {&graph, &eager}) {
+    ids[0] = h->add_request(60);
+    ids[1] = h->add_request(30);
+    h->run({{ids[0], ids[1]}, {40, 9}, 0});
+  }
+  GpuMemoryOps mem(0);
+  cudaStream_t stream = graph.stream();
+  std::vector<uint16_t> cache = graph.cache();
+  auto device_copy = [&](const void* src, size_t bytes) {
+    void* p = mem.alloc(bytes);
+    mem.h2d(p, src, bytes);
+    return p;
+  };
+  auto* dcache = static_cast<uint16_t*>(device_copy(cache.data(), cache.size() * 2));
+  auto* dx = static_cast<uint16_t*>(mem.alloc(n * D * 2));
+  auto* dout = static_cast<uint16_t*>(mem.alloc(n * D * 2));
+  auto* dq_start = static_cast<int32_t*>(mem.alloc(3 * 4));
+  auto* dkv_len = static_cast<int32_t*>(mem.alloc(2 * 4));
+  auto* dtable = static_cast<int32_t*>(mem.alloc(2 * max_pages * 4));
+  MLABatch b;
+  b.num_requests = 2;
+  b.num_decode = 2;
+  b.q_start = Tensor::contiguous(dq_start, DType::kInt32, {3});
+  b.kv_len = Tensor::contiguous(dkv_len, DType::kInt32, {2});
+  b.block_table = Tensor::contiguous(dtable, DType::kInt32, {2, max_pages});
+  const Tensor tout = Tensor::contiguous(dout, DType::kBFloat16, {n, D}),
+               tx = Tensor::contiguous(dx, DType::kBFloat16, {n, D}),
+               tcache = Tensor::contiguous(dcache, DType::kBFloat16, {32, 16, c.cache_row()});
+  // Writes a step's values (request 0 then 1, q_lens q0, q1) into the
+  // buffers the graph reads.
+  int64_t done[2] = {40, 9};
+  auto stage = [&](int64_t q0, int64_t q1) {
+    std::vector<int32_t> qs{0, static_cast<int32_t>(q0), static_cast<int32_t>(q0 + q1)};
+    std::vector<int32_t> kl{static_cast<int32_t>(done[0] + q0), static_cast<int32_t>(done[1] + q1)};
+    std::vector<int32_t> table(2 * max_pages, -1);
+    std::vector<uint16_t> x(n * D, bf16_bits_exact(1.0));
+    for (int i = 0; i < 2; ++i) {
+      const std::vector<int32_t>& pages = graph.pages_of(ids[i]);
+      std::copy(pages.begin(), pages.end(), table.begin() + i * max_pages);
+    }
+    const int64_t q_lens[2] = {q0, q1};
+    int64_t row = 0;
+    for (int i = 0; i < 2; ++i)
+      for (int64_t j = 0; j < q_lens[i]; ++j, ++row)
+        std::copy_n(&graph.x_of(ids[i])[(done[i] + j) * D], D, &x[row * D]);
+    mem.h2d(dq_start, qs.data(), 12);
+    mem.h2d(dkv_len, kl.data(), 8);
+    mem.h2d(dtable, table.data(), table.size() * 4);
+    mem.h2d(dx, x.data(), x.size() * 2);
+  };
+  // The pages the replays use are reserved by the eager harness's steps
+  // first (both harnesses hand out the same pages: same seed).
+  stage(1, 1);
+  MLAAttention& m = graph.rank(0);
+  m.forward(tout, tx, b, tcache, stream);  // warm-up, outside the capture
+  m.check(stream);
+  mem.h2d(dcache, cache.data(), cache.size() * 2);
+  cudaGraph_t g = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  m.forward(tout, tx, b, tcache, stream);
+  CUDA_OK(cudaStreamEndCapture(stream, &g));
+  CUDA_OK(cudaGraphInstantiate(&exec, g, 0));
+  for (auto [q0, q1] : {std::pair<int64_t, int64_t>{1, 1}, {2, 1}, {1, 2}}) {
+    SCOPED_TRACE("q_lens " + std::to_string(q0) + ", " + std::to_string(q1));
+    const std::vector<double> want = eager.run({{ids[0], ids[1]}, {q0, q1}, 2});
+    stage(q0, q1);
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    m.check(stream);
+    std::vector<uint16_t> out(n * D);
+    mem.d2h(out.data(), dout, out.size() * 2);
+    int64_t differ = 0;
+    for (size_t k = 0; k < want.size(); ++k) differ += bf16_to_double(out[k]) != want[k];
+    EXPECT_EQ(differ, 0) << "of " << want.size() << " output values differ from the eager step's";
+    mem.d2h(cache.data(), dcache, cache.size() * 2);
+    EXPECT_TRUE(cache == eager.cache()) << "the replay's cache rows differ from the eager step's";
+    done[0] += q0, done[1] += q1;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(g);
+  for (void* p : {static_cast<void*>(dcache), static_cast<void*>(dx), static_cast<void*>(dout),
+                  static_cast<void*>(dq_start), static_cast<void*>(dkv_len), static_cast<void*>(dtable)})
+    mem.free(p);
+}
+
+// The CUDA path against the CPU path on the same weights and steps: the
+// same arithmetic but for the order of fp32 sums and fp8 rounding ties.
+TEST(MLAAttentionCuda, MatchesTheCpuPath) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const MLAConfig c = small_config();
+  const int64_t D = c.hidden_size;
+  Harness cpu(AttentionDevice::kCPU, c, seed, 64, 64), gpu(AttentionDevice::kCUDA, c, seed, 64, 64);
+  std::vector<double> got[2];
+  int k = 0;
+  for (Harness* h : {&cpu, &gpu}) {
+    const int a = h->add_request(400), b = h->add_request(65), d = h->add_request(3);
+    std::vector<double> p = h->run({{a, b, d}, {398, 64, 2}, 0});
+    const std::vector<double> q = h->run({{a, b, d}, {2, 1, 1}, 3});
+    p.insert(p.end(), q.begin(), q.end());
+    got[k++] = p;
+  }
+  Compare cmp;
+  cmp.rows(got[1].data(), got[0], D);
+  EXPECT_EQ(cmp.nan, 0);
+  EXPECT_LT(cmp.rel(), 2e-2) << "CUDA against CPU, relative L2";
+  std::printf("[ measured ] CUDA against CPU: relative L2 %.2e, worst row %.2e\n", cmp.rel(), cmp.worst_row);
+}
+#endif
+
+INSTANTIATE_TEST_SUITE_P(Devices, MLAAttentionTest,
+                         ::testing::Values(AttentionDevice::kCPU, AttentionDevice::kCUDA),
+                         [](const auto& info) { return info.param == AttentionDevice::kCPU ? "Cpu" : "Cuda"; });
 
 TEST(MLAConfig, DeepSeekV3NumbersAndErrors) {
   const MLAConfig c = MLAConfig::deepseek_v3();

@@ -1,0 +1,425 @@
+// CUDA kernels of the attention steps (attention_kernels.h). The decode and
+// prefill attention here are plain warp-per-key online-softmax kernels: the
+// contract's correctness on the GPU, the reference the faster kernels
+// (FlashInfer's MLA, moelink's own decode kernel) are checked against.
+#include <cuda_bf16.h>
+
+#include <climits>
+#include <cstring>
+#include <string>
+
+#include "attention/cuda/attention_kernels.h"
+#include "attention/rope.h"
+#include "attention/step_plan.h"
+#include "nvlink/cuda_check.h"
+
+namespace moelink::detail::attention {
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+// Limits of the attention kernels' per-lane registers and shared memory:
+// the latent (R) up to 512, the rotary dims up to 256, v_head_dim up to 256.
+constexpr int kMaxLatent = 512, kMaxRope = 256, kMaxV = 256;
+
+__device__ __forceinline__ float f32(uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
+__device__ __forceinline__ uint16_t bf16(float v) {
+  const __nv_bfloat16 b = __float2bfloat16_rn(v);
+  uint16_t u;
+  memcpy(&u, &b, 2);
+  return u;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// ------------------------------------------------------------------ plan
+
+// One block: the rows' requests and positions; the first failing request
+// (in order, as the host loop finds it) is the one recorded.
+__global__ void plan_step_kernel(const int32_t* q_start, const int32_t* kv_len,
+                                 const int32_t* block_table, int64_t block_stride, int num_requests,
+                                 int num_decode, int64_t n, StepBounds bounds, int local_heads,
+                                 RowPlan plan, StepErrorRecord* error) {
+  __shared__ int64_t rows;
+  __shared__ int first_bad;
+  for (int64_t r = threadIdx.x; r < n; r += blockDim.x) plan.request[r] = -1, plan.position[r] = 0;
+  if (threadIdx.x == 0) {
+    rows = step_rows(q_start, num_requests, num_decode, n, error);
+    *plan.rows = static_cast<int32_t>(rows);
+    first_bad = INT_MAX;
+  }
+  __syncthreads();
+  const int32_t decode_rows = rows > 0 ? q_start[num_decode] : 0;
+  for (int h = threadIdx.x; h < local_heads; h += blockDim.x) plan.decode_rows[h] = decode_rows;
+  if (rows == 0) return;
+  for (int i = threadIdx.x; i < num_requests; i += blockDim.x) {
+    StepErrorRecord local{};
+    if (!request_ok(i, q_start, kv_len, block_table + i * block_stride, bounds, &local)) {
+      atomicMin(&first_bad, i);
+      continue;
+    }
+    const int32_t q_len = q_start[i + 1] - q_start[i];
+    for (int32_t j = 0; j < q_len; ++j) {
+      plan.request[q_start[i] + j] = i;
+      plan.position[q_start[i] + j] = kv_len[i] - q_len + j;
+    }
+  }
+  __syncthreads();
+  const int i = first_bad;
+  if (threadIdx.x == 0 && i != INT_MAX)
+    request_ok(i, q_start, kv_len, block_table + i * block_stride, bounds, error);
+}
+
+// ------------------------------------------------------------------ norms, RoPE, cache rows
+
+__global__ void rms_norm_kernel(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_stride,
+                                int64_t cols, const float* weight, float eps, const int32_t* rows) {
+  const int64_t r = blockIdx.x;
+  if (r >= *rows) return;
+  const uint16_t* in = x + r * x_stride;
+  float ss = 0.0f;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) ss += f32(in[c]) * f32(in[c]);
+  __shared__ float partial[32];
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0.0f;
+    v = warp_sum(v);
+    if (threadIdx.x == 0) partial[0] = v;
+  }
+  __syncthreads();
+  const float inv = 1.0f / sqrtf(partial[0] / static_cast<float>(cols) + eps);
+  uint16_t* out = y + r * y_stride;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) out[c] = bf16(f32(in[c]) * inv * weight[c]);
+}
+
+// Rotates `dims` bf16 values in place (rope.h's rotation).
+__device__ void rope_bf16(uint16_t* p, int dims, int32_t pos, const RopeArgs& rope) {
+  float v[kMaxRope];
+  for (int d = 0; d < dims; ++d) v[d] = f32(p[d]);
+  rope_rotate(v, dims, pos, rope.inv_freq, rope.attention_factor, rope.interleaved);
+  for (int d = 0; d < dims; ++d) p[d] = bf16(v[d]);
+}
+
+__global__ void rope_q_kernel(uint16_t* q, int64_t q_stride, int heads, int head_dim, int rope_dims,
+                              RowPlan plan, RopeArgs rope) {
+  const int64_t r = blockIdx.x;
+  if (r >= *plan.rows || plan.request[r] < 0) return;
+  for (int h = threadIdx.x; h < heads; h += blockDim.x)
+    rope_bf16(q + r * q_stride + static_cast<int64_t>(h) * head_dim + (head_dim - rope_dims), rope_dims,
+              plan.position[r], rope);
+}
+
+__global__ void append_kv_kernel(uint16_t* cache, int page_size, const uint16_t* latent,
+                                 int64_t latent_stride, int R, const uint16_t* kpe, int64_t kpe_stride,
+                                 int Dr, const int32_t* block_table, int64_t block_stride, RowPlan plan,
+                                 RopeArgs rope) {
+  const int64_t r = blockIdx.x;
+  if (r >= *plan.rows) return;
+  const int32_t i = plan.request[r];
+  if (i < 0) return;
+  const int32_t pos = plan.position[r];
+  const int64_t page = block_table[i * block_stride + pos / page_size];
+  uint16_t* row = cache + (page * page_size + pos % page_size) * (R + Dr);
+  for (int d = threadIdx.x; d < R; d += blockDim.x) row[d] = latent[r * latent_stride + d];
+  for (int d = threadIdx.x; d < Dr; d += blockDim.x) row[R + d] = kpe[r * kpe_stride + d];
+  __syncthreads();
+  if (threadIdx.x == 0) rope_bf16(row + R, Dr, pos, rope);
+}
+
+__global__ void split_heads_kernel(uint16_t* dst, int64_t Nd, int64_t width, const uint16_t* src,
+                                   int64_t src_stride, int64_t head_stride, int64_t offset,
+                                   const int32_t* rows) {
+  const int64_t r = blockIdx.x, h = blockIdx.y;
+  if (r >= *rows) return;
+  const uint16_t* s = src + r * src_stride + h * head_stride + offset;
+  uint16_t* d = dst + (h * Nd + r) * width;
+  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) d[c] = s[c];
+}
+
+__global__ void merge_heads_kernel(uint16_t* dst, int64_t dst_stride, const uint16_t* src, int64_t Nd,
+                                   int64_t width, const int32_t* rows) {
+  const int64_t r = blockIdx.x, h = blockIdx.y;
+  if (r >= *rows) return;
+  const uint16_t* s = src + (h * Nd + r) * width;
+  uint16_t* d = dst + r * dst_stride + h * width;
+  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) d[c] = s[c];
+}
+
+// ------------------------------------------------------------------ online softmax
+
+// One warp's running softmax over the keys it saw: max, sum and the
+// weighted values, kPerLane of them on each lane (value d = lane + 32 k).
+template <int kPerLane>
+struct WarpSoftmax {
+  float max = -INFINITY, sum = 0.0f, acc[kPerLane] = {};
+  // Folds in a key of `score` whose values are v[lane + 32 k], k < per_lane.
+  __device__ void add(float score, const uint16_t* v, int per_lane) {
+    const float m = fmaxf(max, score), carry = expf(max - m), p = expf(score - m);
+    sum = sum * carry + p;
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k)
+      if (k < per_lane) acc[k] = acc[k] * carry + p * f32(v[(threadIdx.x & 31) + 32 * k]);
+    max = m;
+  }
+};
+
+// The block's warps' states merged: (max, sum) in `stats`, the values in
+// `values` [width] (shared memory, fp32), all normalized to the common max.
+template <int kPerLane>
+__device__ void merge_warps(const WarpSoftmax<kPerLane>& w, int width, float* shared_acc,
+                            float* shared_stats, float* block_max, float* block_sum, float* values) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  for (int k = 0; k < kPerLane && lane + 32 * k < width; ++k) shared_acc[warp * width + lane + 32 * k] = w.acc[k];
+  if (lane == 0) shared_stats[2 * warp] = w.max, shared_stats[2 * warp + 1] = w.sum;
+  __syncthreads();
+  float m = -INFINITY;
+  for (int i = 0; i < kWarps; ++i) m = fmaxf(m, shared_stats[2 * i]);
+  float s = 0.0f;
+  for (int i = 0; i < kWarps; ++i)
+    if (shared_stats[2 * i] > -INFINITY) s += shared_stats[2 * i + 1] * expf(shared_stats[2 * i] - m);
+  for (int d = threadIdx.x; d < width; d += blockDim.x) {
+    float v = 0.0f;
+    for (int i = 0; i < kWarps; ++i)
+      if (shared_stats[2 * i] > -INFINITY) v += shared_acc[i * width + d] * expf(shared_stats[2 * i] - m);
+    values[d] = v;
+  }
+  *block_max = m;
+  *block_sum = s;
+  __syncthreads();
+}
+
+// Decode: block (row, head); warp w takes keys w, w + 4, ...; scores over
+// the latent and the rotary dims of each cache row, values the latent.
+__global__ void decode_attention_kernel(uint16_t* out_latent, const uint16_t* q_latent, int64_t Nd,
+                                        int R, const uint16_t* q, int64_t q_stride, int head_dim,
+                                        int nope_dims, const uint16_t* cache, int page_size, int Dr,
+                                        const int32_t* block_table, int64_t block_stride, RowPlan plan,
+                                        float scale) {
+  const int64_t r = blockIdx.x, h = blockIdx.y;
+  if (r >= plan.decode_rows[0]) return;
+  uint16_t* out = out_latent + (h * Nd + r) * R;
+  const int32_t i = plan.request[r];
+  if (i < 0) {
+    for (int d = threadIdx.x; d < R; d += blockDim.x) out[d] = 0;
+    return;
+  }
+  __shared__ float qs[kMaxLatent + kMaxRope];
+  __shared__ float shared_acc[kWarps * kMaxLatent];
+  __shared__ float shared_stats[2 * kWarps];
+  __shared__ float values[kMaxLatent];
+  const int Dc = R + Dr;
+  for (int d = threadIdx.x; d < R; d += blockDim.x) qs[d] = f32(q_latent[(h * Nd + r) * R + d]);
+  for (int d = threadIdx.x; d < Dr; d += blockDim.x) qs[R + d] = f32(q[r * q_stride + h * head_dim + nope_dims + d]);
+  __syncthreads();
+  const int64_t keys = plan.position[r] + 1;
+  const int32_t* block_row = block_table + i * block_stride;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  WarpSoftmax<kMaxLatent / 32> w;
+  for (int64_t s = warp; s < keys; s += kWarps) {
+    const uint16_t* k = cache + (static_cast<int64_t>(block_row[s / page_size]) * page_size + s % page_size) * Dc;
+    float dot = 0.0f;
+    for (int d = lane; d < Dc; d += 32) dot += qs[d] * f32(k[d]);
+    w.add(warp_sum(dot) * scale, k, R / 32);
+  }
+  float m, sum;
+  merge_warps(w, R, shared_acc, shared_stats, &m, &sum, values);
+  for (int d = threadIdx.x; d < R; d += blockDim.x) out[d] = bf16(values[d] / sum);
+}
+
+// Prefill: block (query row, head) over one chunk of keys, folded into the
+// request's running softmax in global memory.
+__global__ void prefill_chunk_kernel(PrefillSoftmax st, const uint16_t* q, int64_t q_stride,
+                                     int64_t q_row0, int64_t q_pos0, const uint16_t* kv,
+                                     int64_t kv_stride, const uint16_t* k_pe, int64_t kpe_stride,
+                                     int64_t keys, int64_t k_pos0, int nope_dims, int rope_dims,
+                                     float scale) {
+  const int64_t j = blockIdx.x;
+  const int h = blockIdx.y;
+  const int64_t visible = min(keys, q_pos0 + j - k_pos0 + 1);  // causal
+  if (visible <= 0) return;
+  const int head_dim = nope_dims + rope_dims, v_dims = st.v_dims, kv_head = nope_dims + v_dims;
+  __shared__ float qs[kMaxLatent];
+  __shared__ float shared_acc[kWarps * kMaxV];
+  __shared__ float shared_stats[2 * kWarps];
+  __shared__ float values[kMaxV];
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
+    qs[d] = f32(q[(q_row0 + j) * q_stride + static_cast<int64_t>(h) * head_dim + d]);
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  WarpSoftmax<kMaxV / 32> w;
+  for (int64_t s = warp; s < visible; s += kWarps) {
+    const uint16_t* k = kv + s * kv_stride + static_cast<int64_t>(h) * kv_head;
+    const uint16_t* kr = k_pe + s * kpe_stride;
+    float dot = 0.0f;
+    for (int d = lane; d < head_dim; d += 32) dot += qs[d] * (d < nope_dims ? f32(k[d]) : f32(kr[d - nope_dims]));
+    w.add(warp_sum(dot) * scale, k + nope_dims, v_dims / 32);
+  }
+  float m, sum;
+  merge_warps(w, v_dims, shared_acc, shared_stats, &m, &sum, values);
+  const int64_t at = j * st.heads + h;
+  const float old_max = st.max[at], new_max = fmaxf(old_max, m);
+  const float keep = expf(old_max - new_max), add = expf(m - new_max);
+  __syncthreads();  // every thread has read the old max
+  for (int d = threadIdx.x; d < v_dims; d += blockDim.x)
+    st.acc[at * v_dims + d] = st.acc[at * v_dims + d] * keep + values[d] * add;
+  if (threadIdx.x == 0) {
+    st.sum[at] = st.sum[at] * keep + sum * add;
+    st.max[at] = new_max;
+  }
+}
+
+__global__ void prefill_begin_kernel(PrefillSoftmax st) {
+  const int64_t n = st.rows * st.heads;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n * st.v_dims;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    st.acc[i] = 0.0f;
+    if (i < n) st.max[i] = -INFINITY, st.sum[i] = 0.0f;
+  }
+}
+
+__global__ void prefill_finish_kernel(PrefillSoftmax st, uint16_t* out, int64_t out_stride, int64_t row0) {
+  const int64_t j = blockIdx.x;
+  const int h = blockIdx.y;
+  const int64_t at = j * st.heads + h;
+  const float sum = st.sum[at];
+  uint16_t* o = out + (row0 + j) * out_stride + static_cast<int64_t>(h) * st.v_dims;
+  for (int d = threadIdx.x; d < st.v_dims; d += blockDim.x)
+    o[d] = bf16(sum > 0.0f ? st.acc[at * st.v_dims + d] / sum : 0.0f);
+}
+
+__global__ void gather_kv_kernel(uint16_t* latent, int64_t latent_stride, int R, uint16_t* k_pe,
+                                 int64_t kpe_stride, int Dr, const uint16_t* cache,
+                                 const int32_t* block_row, int page_size, int64_t first) {
+  const int64_t s = blockIdx.x, p = first + s;
+  const uint16_t* row = cache + (static_cast<int64_t>(block_row[p / page_size]) * page_size + p % page_size) * (R + Dr);
+  for (int d = threadIdx.x; d < R; d += blockDim.x) latent[s * latent_stride + d] = row[d];
+  for (int d = threadIdx.x; d < Dr; d += blockDim.x) k_pe[s * kpe_stride + d] = row[R + d];
+}
+
+__global__ void set_count_kernel(int32_t* dst, int32_t value) { *dst = value; }
+
+void launched(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw_cuda_error(e, what, __FILE__, __LINE__);
+}
+
+unsigned grid_rows(int64_t rows) { return static_cast<unsigned>(rows > 0 ? rows : 1); }
+
+}  // namespace
+
+void launch_plan_step(const MLABatch& b, int64_t n, const StepBounds& bounds, int local_heads,
+                      const RowPlan& plan, StepErrorRecord* error, cudaStream_t stream) {
+  plan_step_kernel<<<1, 256, 0, stream>>>(
+      static_cast<const int32_t*>(b.q_start.data), static_cast<const int32_t*>(b.kv_len.data),
+      static_cast<const int32_t*>(b.block_table.data), b.block_table.stride[0], b.num_requests,
+      b.num_decode, n, bounds, local_heads, plan, error);
+  launched("plan_step_kernel");
+}
+
+void launch_rms_norm(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_stride, int64_t cols,
+                     const float* weight, float eps, const int32_t* rows, int64_t max_rows,
+                     cudaStream_t stream) {
+  if (max_rows == 0) return;
+  rms_norm_kernel<<<grid_rows(max_rows), 256, 0, stream>>>(y, y_stride, x, x_stride, cols, weight, eps, rows);
+  launched("rms_norm_kernel");
+}
+
+void launch_rope_q(uint16_t* q, int64_t q_stride, int heads, int head_dim, int rope_dims,
+                   const RowPlan& plan, int64_t max_rows, const RopeArgs& rope, cudaStream_t stream) {
+  if (max_rows == 0) return;
+  rope_q_kernel<<<grid_rows(max_rows), 128, 0, stream>>>(q, q_stride, heads, head_dim, rope_dims, plan, rope);
+  launched("rope_q_kernel");
+}
+
+void launch_append_kv(uint16_t* cache, int page_size, const uint16_t* latent, int64_t latent_stride,
+                      int R, const uint16_t* kpe, int64_t kpe_stride, int Dr,
+                      const int32_t* block_table, int64_t block_stride, const RowPlan& plan,
+                      int64_t max_rows, const RopeArgs& rope, cudaStream_t stream) {
+  if (max_rows == 0) return;
+  append_kv_kernel<<<grid_rows(max_rows), 128, 0, stream>>>(cache, page_size, latent, latent_stride, R, kpe,
+                                                            kpe_stride, Dr, block_table, block_stride,
+                                                            plan, rope);
+  launched("append_kv_kernel");
+}
+
+void launch_split_heads(uint16_t* dst, int64_t Nd, int64_t width, const uint16_t* src,
+                        int64_t src_stride, int heads, int64_t head_stride, int64_t offset,
+                        const int32_t* rows, cudaStream_t stream) {
+  if (Nd == 0 || heads == 0) return;
+  split_heads_kernel<<<dim3(grid_rows(Nd), heads), 128, 0, stream>>>(dst, Nd, width, src, src_stride,
+                                                                     head_stride, offset, rows);
+  launched("split_heads_kernel");
+}
+
+void launch_merge_heads(uint16_t* dst, int64_t dst_stride, const uint16_t* src, int64_t Nd,
+                        int64_t width, int heads, const int32_t* rows, cudaStream_t stream) {
+  if (Nd == 0 || heads == 0) return;
+  merge_heads_kernel<<<dim3(grid_rows(Nd), heads), 128, 0, stream>>>(dst, dst_stride, src, Nd, width, rows);
+  launched("merge_heads_kernel");
+}
+
+void launch_decode_attention(uint16_t* out_latent, const uint16_t* q_latent, int64_t Nd, int R,
+                             const uint16_t* q, int64_t q_stride, int head_dim, int nope_dims,
+                             const uint16_t* cache, int page_size, int Dr,
+                             const int32_t* block_table, int64_t block_stride, const RowPlan& plan,
+                             int heads, float scale, cudaStream_t stream) {
+  if (R > kMaxLatent || R % 32 != 0 || Dr > kMaxRope)
+    throw InvalidArgument("moelink: MLAAttention (cuda): kv_lora_rank = " + std::to_string(R) +
+                          " and qk_rope_head_dim = " + std::to_string(Dr) +
+                          " must be at most 512 (a multiple of 32) and 256 for the decode kernel");
+  if (Nd == 0 || heads == 0) return;
+  decode_attention_kernel<<<dim3(grid_rows(Nd), heads), kThreads, 0, stream>>>(
+      out_latent, q_latent, Nd, R, q, q_stride, head_dim, nope_dims, cache, page_size, Dr, block_table,
+      block_stride, plan, scale);
+  launched("decode_attention_kernel");
+}
+
+void launch_prefill_begin(const PrefillSoftmax& s, cudaStream_t stream) {
+  if (s.rows == 0) return;
+  prefill_begin_kernel<<<256, 256, 0, stream>>>(s);
+  launched("prefill_begin_kernel");
+}
+
+void launch_gather_kv(uint16_t* latent, int64_t latent_stride, int R, uint16_t* k_pe, int64_t kpe_stride,
+                      int Dr, const uint16_t* cache, const int32_t* block_row, int page_size,
+                      int64_t first, int64_t count, cudaStream_t stream) {
+  if (count == 0) return;
+  gather_kv_kernel<<<grid_rows(count), 128, 0, stream>>>(latent, latent_stride, R, k_pe, kpe_stride, Dr,
+                                                         cache, block_row, page_size, first);
+  launched("gather_kv_kernel");
+}
+
+void launch_prefill_chunk(const PrefillSoftmax& s, const uint16_t* q, int64_t q_stride, int64_t q_row0,
+                          int64_t q_pos0, const uint16_t* kv, int64_t kv_stride, const uint16_t* k_pe,
+                          int64_t kpe_stride, int64_t keys, int64_t k_pos0, int nope_dims,
+                          int rope_dims, float scale, cudaStream_t stream) {
+  if (nope_dims + rope_dims > kMaxLatent || s.v_dims > kMaxV || s.v_dims % 32 != 0)
+    throw InvalidArgument("moelink: MLAAttention (cuda): qk_nope_head_dim + qk_rope_head_dim = " +
+                          std::to_string(nope_dims + rope_dims) + " and v_head_dim = " +
+                          std::to_string(s.v_dims) +
+                          " must be at most 512 and 256 (a multiple of 32) for the prefill kernel");
+  if (s.rows == 0 || keys == 0) return;
+  prefill_chunk_kernel<<<dim3(grid_rows(s.rows), s.heads), kThreads, 0, stream>>>(
+      s, q, q_stride, q_row0, q_pos0, kv, kv_stride, k_pe, kpe_stride, keys, k_pos0, nope_dims, rope_dims,
+      scale);
+  launched("prefill_chunk_kernel");
+}
+
+void launch_prefill_finish(const PrefillSoftmax& s, uint16_t* out, int64_t out_stride, int64_t row0,
+                           cudaStream_t stream) {
+  if (s.rows == 0) return;
+  prefill_finish_kernel<<<dim3(grid_rows(s.rows), s.heads), 128, 0, stream>>>(s, out, out_stride, row0);
+  launched("prefill_finish_kernel");
+}
+
+void launch_set_count(int32_t* dst, int32_t value, cudaStream_t stream) {
+  set_count_kernel<<<1, 1, 0, stream>>>(dst, value);
+  launched("set_count_kernel");
+}
+
+}  // namespace moelink::detail::attention

@@ -1,0 +1,157 @@
+// AttentionOps on the current CUDA device: cudaMalloc'd memory and the
+// kernels of attention_kernels.cu, each step on the caller's stream.
+#include <cuda_runtime_api.h>
+
+#include <memory>
+
+#include "attention/attention_ops.h"
+#include "attention/cuda/attention_kernels.h"
+#include "nvlink/cuda_check.h"
+#include "nvlink/cuda_release.h"
+
+namespace moelink::detail::attention {
+
+namespace {
+
+uint16_t* bf16_data(const Tensor& t) { return static_cast<uint16_t*>(t.data); }
+
+// A prefill request's running softmax, in memory the ops object keeps
+// (grown as needed; one request at a time).
+struct CudaPrefillState final : AttentionOps::PrefillState {
+  PrefillSoftmax softmax{};
+};
+
+class CudaAttentionOps final : public AttentionOps {
+ public:
+  ~CudaAttentionOps() override { release_device_memory(prefill_memory_); }
+
+  bool host_memory() const override { return false; }
+  void* alloc(size_t bytes) override {
+    void* p = nullptr;
+    MOELINK_CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
+    MOELINK_CUDA_CHECK(cudaMemset(p, 0, bytes > 0 ? bytes : 1));
+    return p;
+  }
+  void free(void* p) override { release_device_memory(p); }
+  void copy_in(void* dst, const void* src, size_t bytes) override {
+    MOELINK_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+  }
+  void copy_out(void* dst, const void* src, size_t bytes) override {
+    MOELINK_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+  }
+  void sync(cudaStream_t stream) override { MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream)); }
+  void set_count(int32_t* dst, int32_t value, cudaStream_t stream) override {
+    launch_set_count(dst, value, stream);
+  }
+
+  void plan_step(const MLABatch& b, int64_t n, const StepBounds& bounds, int local_heads,
+                 const RowPlan& plan, StepErrorRecord* error, cudaStream_t stream) override {
+    launch_plan_step(b, n, bounds, local_heads, plan, error, stream);
+  }
+
+  void rms_norm(const Tensor& y, const Tensor& x, const float* weight, float eps, const int32_t* rows,
+                cudaStream_t stream) override {
+    launch_rms_norm(bf16_data(y), y.stride[0], bf16_data(x), x.stride[0], x.shape[1], weight, eps, rows,
+                    x.shape[0], stream);
+  }
+
+  void rope_q(const Tensor& q, int heads, int head_dim, int rope_dims, const RowPlan& plan,
+              const float* inv_freq, float attention_factor, bool interleaved,
+              cudaStream_t stream) override {
+    launch_rope_q(bf16_data(q), q.stride[0], heads, head_dim, rope_dims, plan, q.shape[0],
+                  {inv_freq, attention_factor, interleaved}, stream);
+  }
+
+  void append_kv(const Tensor& cache, const Tensor& latent, const Tensor& kpe, const MLABatch& b,
+                 const RowPlan& plan, const float* inv_freq, float attention_factor, bool interleaved,
+                 cudaStream_t stream) override {
+    launch_append_kv(bf16_data(cache), static_cast<int>(cache.shape[1]), bf16_data(latent), latent.stride[0],
+                     static_cast<int>(latent.shape[1]), bf16_data(kpe), kpe.stride[0],
+                     static_cast<int>(kpe.shape[1]), static_cast<const int32_t*>(b.block_table.data),
+                     b.block_table.stride[0], plan, latent.shape[0], {inv_freq, attention_factor, interleaved},
+                     stream);
+  }
+
+  void split_heads(const Tensor& dst, const Tensor& src, int heads, int64_t head_stride, int64_t offset,
+                   const int32_t* rows, cudaStream_t stream) override {
+    launch_split_heads(bf16_data(dst), dst.shape[1], dst.shape[2], bf16_data(src), src.stride[0], heads,
+                       head_stride, offset, rows, stream);
+  }
+  void merge_heads(const Tensor& dst, const Tensor& src, int heads, const int32_t* rows,
+                   cudaStream_t stream) override {
+    launch_merge_heads(bf16_data(dst), dst.stride[0], bf16_data(src), src.shape[1], src.shape[2], heads, rows,
+                       stream);
+  }
+
+  void decode_attention(const Tensor& out_latent, const Tensor& q_latent, const Tensor& q,
+                        const Tensor& cache, const MLABatch& b, const RowPlan& plan, int heads,
+                        int nope_dims, float scale, cudaStream_t stream) override {
+    const int R = static_cast<int>(q_latent.shape[2]), Dr = static_cast<int>(cache.shape[2]) - R;
+    launch_decode_attention(bf16_data(out_latent), bf16_data(q_latent), q_latent.shape[1], R, bf16_data(q),
+                            q.stride[0], nope_dims + Dr, nope_dims, bf16_data(cache),
+                            static_cast<int>(cache.shape[1]), Dr,
+                            static_cast<const int32_t*>(b.block_table.data), b.block_table.stride[0], plan,
+                            heads, scale, stream);
+  }
+
+  std::unique_ptr<PrefillState> prefill_begin(int64_t query_rows, int heads, int v_dims,
+                                              cudaStream_t stream) override {
+    const size_t stats = static_cast<size_t>(query_rows) * heads;
+    const size_t bytes = (2 * stats + stats * v_dims) * sizeof(float);
+    if (bytes > prefill_bytes_) {
+      // Eager only (prefill reads the batch on the host): the previous
+      // request's work may still use the old memory.
+      MOELINK_CUDA_CHECK(cudaDeviceSynchronize());
+      release_device_memory(prefill_memory_);
+      prefill_memory_ = nullptr;
+      prefill_bytes_ = 0;
+      MOELINK_CUDA_CHECK(cudaMalloc(&prefill_memory_, bytes));
+      prefill_bytes_ = bytes;
+    }
+    auto s = std::make_unique<CudaPrefillState>();
+    float* base = static_cast<float*>(prefill_memory_);
+    s->softmax = {base, base + stats, base + 2 * stats, query_rows, heads, v_dims};
+    launch_prefill_begin(s->softmax, stream);
+    return s;
+  }
+
+  void gather_kv(const Tensor& latent, const Tensor& k_pe, const Tensor& cache, const int32_t* block_row,
+                 int page_size, int64_t first, int64_t count, cudaStream_t stream) override {
+    launch_gather_kv(bf16_data(latent), latent.stride[0], static_cast<int>(latent.shape[1]), bf16_data(k_pe),
+                     k_pe.stride[0], static_cast<int>(k_pe.shape[1]), bf16_data(cache), block_row, page_size,
+                     first, count, stream);
+  }
+
+  void prefill_chunk(PrefillState& state, const Tensor& q, int64_t q_row0, int64_t q_rows, int64_t q_pos0,
+                     const Tensor& kv, const Tensor& k_pe, int64_t k_pos0, int heads, int nope_dims,
+                     int rope_dims, int v_dims, float scale, cudaStream_t stream) override {
+    (void)q_rows, (void)heads, (void)v_dims;  // the state's
+    launch_prefill_chunk(static_cast<CudaPrefillState&>(state).softmax, bf16_data(q), q.stride[0], q_row0, q_pos0, bf16_data(kv), kv.stride[0],
+                         bf16_data(k_pe), k_pe.stride[0], kv.shape[0], k_pos0, nope_dims, rope_dims, scale,
+                         stream);
+  }
+
+  void prefill_finish(PrefillState& state, const Tensor& out, int64_t row0, cudaStream_t stream) override {
+    launch_prefill_finish(static_cast<CudaPrefillState&>(state).softmax, bf16_data(out), out.stride[0], row0, stream);
+  }
+
+  void zero_rows(const Tensor& dst, int64_t row0, int64_t rows, cudaStream_t stream) override {
+    if (rows == 0) return;
+    MOELINK_CUDA_CHECK(cudaMemset2DAsync(bf16_data(dst) + row0 * dst.stride[0], dst.stride[0] * 2, 0,
+                                         dst.shape[1] * 2, rows, stream));
+  }
+
+  StepErrorRecord take_error(StepErrorRecord* record, cudaStream_t stream) override {
+    return take_device_record(stream, record, [](const StepErrorRecord&) { return true; });
+  }
+
+ private:
+  void* prefill_memory_ = nullptr;
+  size_t prefill_bytes_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<AttentionOps> make_cuda_attention_ops() { return std::make_unique<CudaAttentionOps>(); }
+
+}  // namespace moelink::detail::attention
