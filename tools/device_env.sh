@@ -1,7 +1,7 @@
 # Sourced by the H200 machine's scripts (gpu_check.sh, nvshmem_check.sh), after
 # they set `root` (the checkout) and `steps`: the environment of every device
-# run. Defines OUT, py, site, nccl_home, nvshmem_home, fabric_args, cutlass_args, ngpu,
-# MOELINK_GIT_COMMIT, status and has().
+# run. Defines OUT, py, site, nccl_home, nvshmem_home, fabric_args, cutlass_args,
+# flashinfer_args, ngpu, MOELINK_GIT_COMMIT, status and has().
 OUT=${OUT:-$root/gpu-out}
 mkdir -p "$OUT"
 # NVLink multicast stays off: it can take the host's GPUs out of service.
@@ -33,6 +33,15 @@ if [[ -n $cutlass_wheel ]]; then
   [[ -f $cutlass_dir/cutlass_library/source/include/cutlass/cutlass.h ]] ||
     $py -m zipfile -e "$cutlass_wheel" "$cutlass_dir"
   cutlass_args=(-DMOELINK_CUTLASS_DIR="$cutlass_dir/cutlass_library/source")
+fi
+# FlashInfer's MLA headers, packed by tools/prepare_device_deps.sh.
+flashinfer_args=()
+flashinfer_pack=$(ls "$root"/.deps/flashinfer-*-headers.tar.xz 2>/dev/null | head -1)
+if [[ -n $flashinfer_pack ]]; then
+  flashinfer_dir=/tmp/moelink-flashinfer
+  [[ -f $flashinfer_dir/include/flashinfer/attention/mla_hopper.cuh ]] ||
+    { mkdir -p "$flashinfer_dir" && tar xJf "$flashinfer_pack" -C "$flashinfer_dir"; }
+  flashinfer_args=(-DMOELINK_FLASHINFER_DIR="$flashinfer_dir")
 fi
 ngpu=$(nvidia-smi -L | wc -l)
 # The device copy's .git may be older than its tree: a commit passed in wins.

@@ -35,10 +35,10 @@ if has build; then
     -DMOELINK_GTEST_SOURCE_DIR="$root/.deps/googletest" \
     -DMOELINK_EXTRA_INCLUDE_DIR="$root/.deps/include" \
     -DNCCL_ROOT="$nccl_home" -DNVSHMEM_HOME="$nvshmem_home" \
-    -DMOELINK_BUILD_PYTHON=$python_build "${fabric_args[@]}" "${cutlass_args[@]}" \
+    -DMOELINK_BUILD_PYTHON=$python_build "${fabric_args[@]}" "${cutlass_args[@]}" "${flashinfer_args[@]}" \
     ${MOELINK_CMAKE_ARGS:-} \
     -DPython_EXECUTABLE="$py" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-  grep -E "moelink: (backend|backends|TransferEngine|CUTLASS)" "$OUT/configure.log"
+  grep -E "moelink: (backend|backends|TransferEngine|CUTLASS|FlashInfer)" "$OUT/configure.log"
   cmake --build build-gpu -j "$(nproc)" ${MOELINK_BUILD_TARGETS:+--target $MOELINK_BUILD_TARGETS} \
     >"$OUT/build.log" 2>&1 || { grep -B2 -A10 error "$OUT/build.log" | head -60; exit 1; }
   echo "build ok"

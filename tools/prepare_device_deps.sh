@@ -3,8 +3,9 @@
 # registry) into .deps/, which the device run carries: GoogleTest sources,
 # the header-only CLI11 and nlohmann/json, Debian's libfabric (with the
 # libraries it loads) unpacked into .deps/sysroot for the internode backend,
-# and the nvidia-cutlass wheel (CUTLASS's headers, unpacked there by
-# tools/device_env.sh) for the CUDA expert kernels.
+# the nvidia-cutlass wheel (CUTLASS's headers, unpacked there by
+# tools/device_env.sh) for the CUDA expert kernels, and FlashInfer's headers
+# (packed; unpacked there) for the MLA decode kernel.
 # Run here, on a Debian machine with googletest, libcli11-dev and
 # nlohmann-json3-dev installed.
 set -euo pipefail
@@ -27,4 +28,7 @@ rm -rf "$debs" "$deps/sysroot/usr/share"
 # CUTLASS, the version .ci/run pins, as its wheel (7 MB; 27 MB unpacked).
 python3 -m pip download -q --no-deps --disable-pip-version-check -d "$deps/wheels" \
   "nvidia-cutlass==$(sed -n 's/^cutlass_version=\([^ ]*\).*/\1/p' "$root/tools/deps.sh")"
+# FlashInfer's MLA headers, packed (the wheel is too big to carry).
+source "$root/tools/deps.sh"
+moelink_flashinfer_headers "$deps/flashinfer-$flashinfer_version-headers.tar.xz"
 du -sh "$deps"

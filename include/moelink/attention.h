@@ -89,8 +89,19 @@ enum class AttentionDevice {
   kCPU,   // plain loops on host tensors (tests, CI, the host backends)
 };
 
+// The kernel of the absorbed decode attention on CUDA.
+enum class MLADecodeKernel {
+  // FlashInfer's MLA kernel where it applies (a build with FlashInfer's
+  // headers, kv_lora_rank 512, qk_rope_head_dim 64, an eager call), else
+  // moelink's own.
+  kAuto,
+  kFlashInfer,  // always FlashInfer's (create() refuses where it cannot)
+  kMoelink,     // always moelink's own kernel (any shape, CUDA graphs)
+};
+
 struct MLAOptions {
   AttentionDevice device = AttentionDevice::kCUDA;
+  MLADecodeKernel decode_kernel = MLADecodeKernel::kAuto;  // CUDA only
   int tp_size = 1;  // heads split over this many ranks: 1, 2, 4, 8, ... dividing num_attention_heads
   int tp_rank = 0;  // this rank's heads: tp_rank * Hq .. tp_rank * Hq + Hq - 1
   int page_size = 64;            // P: cache rows per page, a multiple of 16

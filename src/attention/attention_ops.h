@@ -101,7 +101,9 @@ class AttentionOps : public DeviceMemory {
 };
 
 std::unique_ptr<AttentionOps> make_cpu_attention_ops();
-// Throws InvalidArgument in a build without the CUDA attention kernels.
-std::unique_ptr<AttentionOps> make_cuda_attention_ops();
+// Throws InvalidArgument in a build without CUDA, or for a decode kernel
+// that cannot run this attention (naming MLAOptions.decode_kernel).
+std::unique_ptr<AttentionOps> make_cuda_attention_ops(const MLAConfig& config, int local_heads,
+                                                      MLADecodeKernel decode_kernel);
 
 }  // namespace moelink::detail::attention

@@ -95,7 +95,8 @@ std::unique_ptr<MemoryOps> gpu_memory_for(AttentionDevice device) {
 class Harness {
  public:
   Harness(AttentionDevice device, const MLAConfig& c, uint64_t seed, int num_pages, int page_size,
-          int tp_size = 1, bool input_norm = true)
+          int tp_size = 1, bool input_norm = true,
+          moelink::MLADecodeKernel kernel = moelink::MLADecodeKernel::kAuto)
       : c_(c), w_(random_mla_weights(c, seed, input_norm)), rng_(seed ^ 0xA5A5), page_(page_size),
         gpu_(gpu_memory_for(device)) {
     cache_.assign(static_cast<size_t>(num_pages) * page_size * c.cache_row(), kNaN);
@@ -105,6 +106,7 @@ class Harness {
     for (int r = 0; r < tp_size; ++r) {
       MLAOptions o;
       o.device = device;
+      o.decode_kernel = kernel;
       o.tp_size = tp_size;
       o.tp_rank = r;
       o.page_size = page_size;
@@ -698,6 +700,91 @@ TEST(MLAAttentionCuda, DecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
   for (void* p : {static_cast<void*>(dcache), static_cast<void*>(dx), static_cast<void*>(dout),
                   static_cast<void*>(dq_start), static_cast<void*>(dkv_len), static_cast<void*>(dtable)})
     mem.free(p);
+}
+
+// FlashInfer's MLA decode kernel (DeepSeek's latent 512, rotary 64) against
+// moelink's own and the reference, on mixed lengths and MTP's q_len 2, and
+// its refusals. Skipped in a build without FlashInfer's headers.
+TEST(MLAAttentionCuda, FlashInferDecodeMatchesTheOwnKernelAndTheReference) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  MLAConfig c = small_config();
+  c.kv_lora_rank = 512;
+  c.num_attention_heads = 16;
+  MLAOptions probe;
+  probe.decode_kernel = moelink::MLADecodeKernel::kFlashInfer;
+  probe.max_tokens = probe.max_requests = probe.max_pages_per_request = 1;
+  try {
+    MLAAttention::create(c, probe);
+  } catch (const moelink::InvalidArgument& e) {
+    GTEST_SKIP() << e.what();
+  }
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t D = c.hidden_size;
+  using moelink::MLADecodeKernel;
+  Harness fi(AttentionDevice::kCUDA, c, seed, 40, 64, 1, true, MLADecodeKernel::kFlashInfer),
+      own(AttentionDevice::kCUDA, c, seed, 40, 64, 1, true, MLADecodeKernel::kMoelink);
+  const std::vector<int64_t> lengths{1, 63, 64, 65, 700, 130}, q_lens{1, 2, 1, 2, 1, 2};
+  std::vector<double> dec[2];
+  int k = 0;
+  std::vector<int> ids;
+  for (Harness* h : {&fi, &own}) {
+    ids.clear();
+    for (int64_t len : lengths) ids.push_back(h->add_request(len));
+    Harness::Step prefill;
+    for (size_t i = 0; i < ids.size(); ++i)
+      if (lengths[i] > q_lens[i]) prefill.ids.push_back(ids[i]), prefill.q_lens.push_back(lengths[i] - q_lens[i]);
+    h->run(prefill);
+    dec[k++] = h->run({ids, q_lens, static_cast<int>(ids.size())});
+  }
+  Compare cmp;
+  cmp.rows(dec[0].data(), dec[1], D);
+  EXPECT_EQ(cmp.nan, 0);
+  EXPECT_LT(cmp.rel(), 3e-2) << "FlashInfer's decode against moelink's kernel";
+  std::printf("[ measured ] FlashInfer decode against moelink's kernel: relative L2 %.2e, worst row %.2e\n",
+              cmp.rel(), cmp.worst_row);
+  int64_t row = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    Checks one;
+    one.add(fi, &dec[0][row * D], ids[i], lengths[i] - q_lens[i], lengths[i], D);
+    expect_close(one, "FlashInfer decode at kv length " + std::to_string(lengths[i]) + ", q_len " +
+                          std::to_string(q_lens[i]));
+    row += q_lens[i];
+  }
+  // A capture with decode_kernel = flashinfer is refused, naming the option.
+  {
+    GpuMemoryOps mem(0);
+    Staging st(&mem);
+    std::vector<uint16_t> x(D, bf16_bits_exact(0.5)), out(D), cache = fi.cache();
+    std::vector<int32_t> qs{0, 1}, kl{static_cast<int32_t>(lengths[0] + 1)}, tb(1, fi.pages_of(ids[0])[0]);
+    MLABatch b;
+    b.num_requests = b.num_decode = 1;
+    b.q_start = Tensor::contiguous(st.put(qs), DType::kInt32, {2});
+    b.kv_len = Tensor::contiguous(st.put(kl), DType::kInt32, {1});
+    b.block_table = Tensor::contiguous(st.put(tb), DType::kInt32, {1, 1});
+    const Tensor tx = Tensor::contiguous(st.put(x), DType::kBFloat16, {1, D}),
+                 tout = Tensor::contiguous(st.put(out), DType::kBFloat16, {1, D});
+    const Tensor tcache = fi.cache_tensor(st.put(cache));
+    cudaStream_t s2 = nullptr;
+    CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+    CUDA_OK(cudaStreamBeginCapture(s2, cudaStreamCaptureModeThreadLocal));
+    bool refused = false;
+    try {
+      fi.rank(0).forward(tout, tx, b, tcache, s2);
+    } catch (const moelink::InvalidArgument& e) {
+      refused = std::string(e.what()).find("decode_kernel = flashinfer") != std::string::npos;
+    }
+    cudaGraph_t g = nullptr;
+    (void)cudaStreamEndCapture(s2, &g);
+    if (g) cudaGraphDestroy(g);
+    (void)cudaGetLastError();
+    cudaStreamDestroy(s2);
+    EXPECT_TRUE(refused) << "a capture with decode_kernel = flashinfer was not refused";
+  }
+  // And a shape FlashInfer's instantiation lacks.
+  MLAOptions o = probe;
+  expect_throw_naming<moelink::InvalidArgument>([&] { MLAAttention::create(small_config(), o); },
+                                                {"decode_kernel = flashinfer", "kv_lora_rank = 512"});
 }
 
 // The CUDA path against the CPU path on the same weights and steps: the

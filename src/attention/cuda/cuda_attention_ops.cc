@@ -1,11 +1,17 @@
 // AttentionOps on the current CUDA device: cudaMalloc'd memory and the
-// kernels of attention_kernels.cu, each step on the caller's stream.
+// kernels of attention_kernels.cu, each step on the caller's stream; the
+// decode attention on FlashInfer's MLA kernel where it applies
+// (MLAOptions.decode_kernel).
 #include <cuda_runtime_api.h>
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "attention/attention_ops.h"
 #include "attention/cuda/attention_kernels.h"
+#include "attention/cuda/flashinfer_mla.h"
+#include "moelink/errors.h"
 #include "nvlink/cuda_check.h"
 #include "nvlink/cuda_release.h"
 
@@ -23,6 +29,18 @@ struct CudaPrefillState final : AttentionOps::PrefillState {
 
 class CudaAttentionOps final : public AttentionOps {
  public:
+  CudaAttentionOps(const MLAConfig& c, int local_heads, MLADecodeKernel kernel) : kernel_(kernel) {
+    const bool shapes = c.kv_lora_rank == FlashInferMLA::kLatent && c.qk_rope_head_dim == FlashInferMLA::kRope;
+    if (kernel == MLADecodeKernel::kFlashInfer && !FlashInferMLA::built())
+      throw InvalidArgument("moelink: MLAAttention: MLAOptions.decode_kernel = flashinfer, but this build "
+                            "has no FlashInfer headers (configure with MOELINK_FLASHINFER_DIR)");
+    if (kernel == MLADecodeKernel::kFlashInfer && !shapes)
+      throw InvalidArgument("moelink: MLAAttention: MLAOptions.decode_kernel = flashinfer needs "
+                            "kv_lora_rank = 512 and qk_rope_head_dim = 64, got " +
+                            std::to_string(c.kv_lora_rank) + " and " + std::to_string(c.qk_rope_head_dim));
+    if (kernel != MLADecodeKernel::kMoelink && FlashInferMLA::built() && shapes)
+      flashinfer_ = FlashInferMLA::create(local_heads);
+  }
   ~CudaAttentionOps() override { release_device_memory(prefill_memory_); }
 
   bool host_memory() const override { return false; }
@@ -87,6 +105,26 @@ class CudaAttentionOps final : public AttentionOps {
                         const Tensor& cache, const MLABatch& b, const RowPlan& plan, int heads,
                         int nope_dims, float scale, cudaStream_t stream) override {
     const int R = static_cast<int>(q_latent.shape[2]), Dr = static_cast<int>(cache.shape[2]) - R;
+    if (flashinfer_ && flashinfer_plan(b, cache, stream)) {
+      const int64_t Nd = q_latent.shape[1];
+      const int head_dim = nope_dims + Dr;
+      FlashInferMLAArgs a{};
+      a.q_latent = bf16_data(q_latent);
+      a.q_latent_stride_row = R;
+      a.q_latent_stride_head = Nd * R;
+      a.q_pe = bf16_data(q) + nope_dims;
+      a.q_pe_stride_row = q.stride[0];
+      a.q_pe_stride_head = head_dim;
+      a.cache = bf16_data(cache);
+      a.page_size = static_cast<int>(cache.shape[1]);
+      a.block_table = static_cast<const int32_t*>(b.block_table.data);
+      a.out = bf16_data(out_latent);
+      a.out_stride_row = R;
+      a.out_stride_head = Nd * R;
+      a.scale = scale;
+      flashinfer_->run(a, stream);
+      return;
+    }
     launch_decode_attention(bf16_data(out_latent), bf16_data(q_latent), q_latent.shape[1], R, bf16_data(q),
                             q.stride[0], nope_dims + Dr, nope_dims, bf16_data(cache),
                             static_cast<int>(cache.shape[1]), Dr,
@@ -146,12 +184,60 @@ class CudaAttentionOps final : public AttentionOps {
   }
 
  private:
+  // Plans FlashInfer's kernel for the decode requests from host copies of
+  // the batch (eager calls only: the copy waits for the stream). False, for
+  // moelink's kernel to run instead, inside a capture (kAuto; kFlashInfer
+  // refuses) or when a request is one plan_step() skips (that kernel gives
+  // its rows zeros; FlashInfer would read the pages it names).
+  bool flashinfer_plan(const MLABatch& b, const Tensor& cache, cudaStream_t stream) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+    if (capturing != cudaStreamCaptureStatusNone) {
+      if (kernel_ == MLADecodeKernel::kFlashInfer)
+        throw InvalidArgument("moelink: MLAAttention.forward: MLAOptions.decode_kernel = flashinfer "
+                              "cannot be captured in a CUDA graph (its plan reads the batch on the "
+                              "host); use auto or moelink");
+      return false;
+    }
+    const int B = b.num_decode;
+    const int64_t max_pages = b.block_table.shape[1], stride = b.block_table.stride[0];
+    q_start_.resize(B + 1);
+    kv_len_.resize(B);
+    kv_indptr_.resize(B);
+    table_.resize(static_cast<size_t>(B) * stride);
+    MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream));
+    MOELINK_CUDA_CHECK(cudaMemcpy(q_start_.data(), b.q_start.data, (B + 1) * 4, cudaMemcpyDefault));
+    MOELINK_CUDA_CHECK(cudaMemcpy(kv_len_.data(), b.kv_len.data, B * 4, cudaMemcpyDefault));
+    if (B > 0)
+      MOELINK_CUDA_CHECK(cudaMemcpy(table_.data(), b.block_table.data, table_.size() * 4, cudaMemcpyDefault));
+    StepErrorRecord scratch{};
+    const StepBounds bounds{q_start_[B], cache.shape[0], static_cast<int32_t>(max_pages),
+                            static_cast<int32_t>(cache.shape[1])};
+    if (q_start_[0] != 0) return false;
+    for (int i = 0; i < B; ++i) {
+      if (q_start_[i + 1] < q_start_[i] || q_start_[i + 1] - q_start_[i] > 2 ||
+          !request_ok(i, q_start_.data(), kv_len_.data(), &table_[static_cast<size_t>(i) * stride], bounds,
+                      &scratch))
+        return false;
+      kv_indptr_[i] = static_cast<int32_t>(i * stride);
+    }
+    if (B == 0 || q_start_[B] == 0) return false;
+    flashinfer_->plan(q_start_.data(), kv_indptr_.data(), kv_len_.data(), B, stream);
+    return true;
+  }
+
+  MLADecodeKernel kernel_;
+  std::unique_ptr<FlashInferMLA> flashinfer_;
+  std::vector<int32_t> q_start_, kv_len_, kv_indptr_, table_;
   void* prefill_memory_ = nullptr;
   size_t prefill_bytes_ = 0;
 };
 
 }  // namespace
 
-std::unique_ptr<AttentionOps> make_cuda_attention_ops() { return std::make_unique<CudaAttentionOps>(); }
+std::unique_ptr<AttentionOps> make_cuda_attention_ops(const MLAConfig& config, int local_heads,
+                                                      MLADecodeKernel decode_kernel) {
+  return std::make_unique<CudaAttentionOps>(config, local_heads, decode_kernel);
+}
 
 }  // namespace moelink::detail::attention

@@ -1,0 +1,124 @@
+// FlashInferMLA on FlashInfer's headers (flashinfer_mla.h).
+#include <flashinfer/attention/mla_hopper.cuh>
+#include <flashinfer/attention/scheduler.cuh>
+
+#include <string>
+#include <vector>
+
+#include "attention/cuda/flashinfer_mla.h"
+#include "moelink/errors.h"
+#include "nvlink/cuda_check.h"
+#include "nvlink/cuda_release.h"
+
+namespace moelink::detail::attention {
+
+namespace {
+
+using Params = flashinfer::MLAParams<nv_bfloat16, nv_bfloat16, nv_bfloat16, int32_t>;
+
+template <class T>
+T* at(void* base, int64_t offset) {
+  return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
+}
+
+class FlashInferMLAImpl final : public FlashInferMLA {
+ public:
+  explicit FlashInferMLAImpl(int heads) : heads_(heads) {
+    int device = 0, sms = 0;
+    MOELINK_CUDA_CHECK(cudaGetDevice(&device));
+    MOELINK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    // MLAPlan's own sizes: partial outputs of two 64-row tiles per SM
+    // (bf16, 512 wide) and their LSE; 12 int arrays of its 16384 works.
+    float_bytes_ = size_t{2} * sms * 128 * (2 * kLatent + 4) + (1 << 20);
+    int_bytes_ = size_t{4} << 20;
+    MOELINK_CUDA_CHECK(cudaMalloc(&float_ws_, float_bytes_));
+    MOELINK_CUDA_CHECK(cudaMalloc(&int_ws_, int_bytes_));
+    MOELINK_CUDA_CHECK(cudaMallocHost(&staging_, int_bytes_));
+    MOELINK_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
+  }
+  ~FlashInferMLAImpl() override {
+    RelaxedCaptureMode relaxed;
+    cudaEventDestroy(staged_);
+    cudaFreeHost(staging_);
+    release_device_memory(int_ws_);
+    release_device_memory(float_ws_);
+  }
+
+  void plan(const int32_t* q_indptr, const int32_t* kv_indptr, const int32_t* kv_len, int batch,
+            cudaStream_t stream) override {
+    // The staging buffer may still feed the previous plan's copy.
+    MOELINK_CUDA_CHECK(cudaEventSynchronize(staged_));
+    size_t staged_bytes = 0;
+    const cudaError_t e = flashinfer::MLAPlan<int32_t>(
+        float_ws_, float_bytes_, int_ws_, staging_, int_bytes_, info_, staged_bytes,
+        const_cast<int32_t*>(q_indptr), const_cast<int32_t*>(kv_indptr), const_cast<int32_t*>(kv_len),
+        static_cast<uint32_t>(batch), static_cast<uint32_t>(heads_), kLatent, /*causal=*/true, stream);
+    if (e != cudaSuccess) throw_cuda_error(e, "flashinfer::MLAPlan", __FILE__, __LINE__);
+    MOELINK_CUDA_CHECK(cudaMemcpyAsync(int_ws_, staging_, staged_bytes, cudaMemcpyHostToDevice, stream));
+    MOELINK_CUDA_CHECK(cudaEventRecord(staged_, stream));
+  }
+
+  void run(const FlashInferMLAArgs& a, cudaStream_t stream) override {
+    Params p{};
+    p.q_nope = const_cast<nv_bfloat16*>(reinterpret_cast<const nv_bfloat16*>(a.q_latent));
+    p.q_pe = const_cast<nv_bfloat16*>(reinterpret_cast<const nv_bfloat16*>(a.q_pe));
+    auto* cache = const_cast<nv_bfloat16*>(reinterpret_cast<const nv_bfloat16*>(a.cache));
+    p.ckv = cache;
+    p.kpe = cache + kLatent;
+    p.final_o = reinterpret_cast<nv_bfloat16*>(a.out);
+    p.final_lse = nullptr;
+    p.partial_o = at<nv_bfloat16>(float_ws_, info_.partial_o_offset);
+    p.partial_lse = at<float>(float_ws_, info_.partial_lse_offset);
+    p.q_indptr = at<int32_t>(int_ws_, info_.q_indptr_offset);
+    p.kv_indptr = at<int32_t>(int_ws_, info_.kv_indptr_offset);
+    p.partial_indptr = at<int32_t>(int_ws_, info_.partial_indptr_offset);
+    p.merge_packed_offset_start = at<int32_t>(int_ws_, info_.merge_packed_offset_start_offset);
+    p.merge_packed_offset_end = at<int32_t>(int_ws_, info_.merge_packed_offset_end_offset);
+    p.merge_partial_packed_offset_start = at<int32_t>(int_ws_, info_.merge_partial_packed_offset_start_offset);
+    p.merge_partial_packed_offset_end = at<int32_t>(int_ws_, info_.merge_partial_packed_offset_end_offset);
+    p.merge_partial_stride = at<int32_t>(int_ws_, info_.merge_partial_stride_offset);
+    p.kv_indices = const_cast<int32_t*>(a.block_table);
+    p.q_len = at<int32_t>(int_ws_, info_.q_len_offset);
+    p.kv_len = at<int32_t>(int_ws_, info_.kv_len_offset);
+    p.q_start = at<int32_t>(int_ws_, info_.q_start_offset);
+    p.kv_start = at<int32_t>(int_ws_, info_.kv_start_offset);
+    p.kv_end = at<int32_t>(int_ws_, info_.kv_end_offset);
+    p.work_indptr = at<int32_t>(int_ws_, info_.work_indptr_offset);
+    p.num_heads = flashinfer::uint_fastdiv(static_cast<uint32_t>(heads_));
+    p.block_size = flashinfer::uint_fastdiv(static_cast<uint32_t>(a.page_size));
+    p.q_nope_stride_n = static_cast<uint32_t>(a.q_latent_stride_row);
+    p.q_nope_stride_h = static_cast<uint32_t>(a.q_latent_stride_head);
+    p.q_pe_stride_n = static_cast<uint32_t>(a.q_pe_stride_row);
+    p.q_pe_stride_h = static_cast<uint32_t>(a.q_pe_stride_head);
+    p.ckv_stride_page = p.kpe_stride_page = static_cast<uint32_t>(a.page_size * (kLatent + kRope));
+    p.ckv_stride_n = p.kpe_stride_n = kLatent + kRope;
+    p.o_stride_n = static_cast<uint32_t>(a.out_stride_row);
+    p.o_stride_h = static_cast<uint32_t>(a.out_stride_head);
+    p.sm_scale = a.scale;
+    p.ckv_scale = p.kpe_scale = 1.0f;
+    p.ckv_scale_arr = nullptr;
+    p.return_lse_base_on_e = false;
+    const cudaError_t e = flashinfer::mla::BatchMLAPageAttentionHopper<flashinfer::MaskMode::kCausal, kLatent, kRope>(
+        p, static_cast<uint32_t>(info_.num_blks_x), static_cast<uint32_t>(info_.num_blks_y), stream);
+    if (e != cudaSuccess) throw_cuda_error(e, "flashinfer::mla::BatchMLAPageAttentionHopper", __FILE__, __LINE__);
+  }
+
+ private:
+  int heads_;
+  size_t float_bytes_ = 0, int_bytes_ = 0;
+  void* float_ws_ = nullptr;
+  void* int_ws_ = nullptr;
+  void* staging_ = nullptr;
+  cudaEvent_t staged_ = nullptr;
+  flashinfer::MLAPlanInfo info_{};
+};
+
+}  // namespace
+
+bool FlashInferMLA::built() { return true; }
+
+std::unique_ptr<FlashInferMLA> FlashInferMLA::create(int heads) {
+  return std::make_unique<FlashInferMLAImpl>(heads);
+}
+
+}  // namespace moelink::detail::attention
