@@ -22,13 +22,22 @@ AttentionDevice parse_device(const std::string& s) {
   throw InvalidArgument("moelink: MLAAttention: device = '" + s + "' must be 'cuda' or 'cpu'");
 }
 
+MLADecodeKernel parse_decode_kernel(const std::string& s) {
+  if (s == "auto") return MLADecodeKernel::kAuto;
+  if (s == "flashinfer") return MLADecodeKernel::kFlashInfer;
+  if (s == "moelink") return MLADecodeKernel::kMoelink;
+  throw InvalidArgument("moelink: MLAAttention: decode_kernel = '" + s +
+                        "' must be 'auto', 'flashinfer' or 'moelink'");
+}
+
 class PyMLAAttention {
  public:
   PyMLAAttention(const MLAConfig& config, const std::string& device, int tp_size, int tp_rank,
                  int page_size, int64_t max_tokens, int max_requests, int max_pages_per_request,
-                 int debug) {
+                 int debug, const std::string& decode_kernel) {
     MLAOptions o;
     o.device = parse_device(device);
+    o.decode_kernel = parse_decode_kernel(decode_kernel);
     o.tp_size = tp_size;
     o.tp_rank = tp_rank;
     o.page_size = page_size;
@@ -156,9 +165,10 @@ void bind_attention(nb::module_& m) {
       .def_static("from_hf_config_json", &MLAConfig::from_hf_config_json, "json_text"_a);
 
   nb::class_<PyMLAAttention>(m, "MLAAttention", "MLA attention (moelink.MLAAttention wraps this).")
-      .def(nb::init<const MLAConfig&, const std::string&, int, int, int, int64_t, int, int, int>(),
+      .def(nb::init<const MLAConfig&, const std::string&, int, int, int, int64_t, int, int, int,
+                    const std::string&>(),
            "config"_a, "device"_a, "tp_size"_a, "tp_rank"_a, "page_size"_a, "max_tokens"_a,
-           "max_requests"_a, "max_pages_per_request"_a, "debug"_a)
+           "max_requests"_a, "max_pages_per_request"_a, "debug"_a, "decode_kernel"_a)
       .def("set_weights", &PyMLAAttention::set_weights, "tensors"_a)
       .def("load_checkpoint", &PyMLAAttention::load_checkpoint, "directory"_a, "layer_index"_a)
       .def("forward", &PyMLAAttention::forward, "out"_a, "x"_a, "kv_cache"_a, "q_start"_a,

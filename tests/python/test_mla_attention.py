@@ -40,6 +40,18 @@ def test_config_from_hf_json_and_presets():
         moelink.mla_config("deepseek-v3", heads=4)
 
 
+def test_decode_kernel_is_checked():
+    kw = dict(max_tokens=4, max_requests=1, max_pages_per_request=1)
+    with pytest.raises(ValueError, match="decode_kernel = 'fast'"):
+        moelink.MLAAttention(dict(SMALL), device="cpu", decode_kernel="fast", **kw)
+    torch = _torch()
+    if moelink.with_cuda and torch is not None and torch.cuda.is_available():
+        # SMALL's latent (128) is not FlashInfer's instantiation (512).
+        with pytest.raises(ValueError, match="kv_lora_rank = 512"):
+            moelink.MLAAttention(dict(SMALL), device="cuda", decode_kernel="flashinfer", **kw)
+        moelink.MLAAttention(dict(SMALL), device="cuda", decode_kernel="moelink", **kw)
+
+
 def _numpy_weights(rng, c):
     """fp8 (uint8 codes) weights with their block scales, as a checkpoint holds them."""
     def proj(n, k):

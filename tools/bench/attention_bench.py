@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""moelink-attention-bench: MLA decode (moelink.MLAAttention, DeepSeek-V3's
+widths, bf16 paged latent cache, page 64) on one GPU with each decode kernel
+side by side in one process: moelink's own (decode_kernel="moelink") and
+FlashInfer's MLA kernel through moelink (decode_kernel="flashinfer",
+FlashInfer 0.7.4's BatchMLAPageAttentionHopper), and the two ceilings the
+benchmark measures itself: a device-to-device copy (HBM bandwidth, bytes
+read + written) and a dense bf16 matmul (torch.matmul 8192^3).
+
+Heads 128 (TP 1) and 16 (TP 8), batch B, q_len 1 and 2 (MTP), kv length L
+(every request the same). For each case:
+  moelink_us / flashinfer_us   the attention kernel alone (its GPU time per
+                               step from torch.profiler, all kernels whose
+                               names are the decode kernel's)
+  *_step_us                    the whole attention decode step (forward():
+                               projections, the batched W_UK / W_UV GEMMs,
+                               the kernel, o_proj), wall time per call with
+                               the host's share (FlashInfer's plan reads the
+                               batch on the host)
+  floor_us                     the larger of the cache bytes (B L 576 x 2) at
+                               the copy bandwidth and the kernel's FLOPs
+                               (2 B q_len heads L (576 + 512)) at the bf16 peak
+FlashMLA is not built by this benchmark yet: flashmla_us is null.
+Both kernels' outputs are compared before timing (relative L2 of the step's
+output), so a fast wrong result cannot win.
+
+    PYTHONPATH=build/python python3 tools/bench/attention_bench.py --json out.json
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import moelink
+
+KERNELS = {"moelink": ("decode_attention_kernel",), "flashinfer": ("BatchMLAPageAttentionHopper",)}
+
+
+def median_us(fn, iters, warmup=2):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def events_us(fn, iters, warmup=2):
+    for _ in range(warmup):
+        fn()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(iters):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) * 1e3 / iters
+
+
+def kernel_us(fn, iters, names):
+    """GPU time per call of the kernels whose names contain one of `names`."""
+    fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total = 0.0
+    for evt in prof.key_averages():
+        if any(n in evt.key for n in names):
+            total += getattr(evt, "device_time_total", None) or evt.cuda_time_total
+    return total / iters if total > 0 else None
+
+
+def copy_gbs(iters):
+    n = 4 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = events_us(lambda: dst.copy_(src), iters)
+    del src, dst
+    return 2 * n / (us * 1e-6) / 1e9
+
+
+def bf16_tflops(iters, n=8192):
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    us = events_us(lambda: torch.matmul(a, b), iters)
+    return 2 * n ** 3 / (us * 1e-6) / 1e12
+
+
+def random_weights(cfg):
+    """bf16 weights (moelink quantizes them to fp8 blocks), all heads."""
+    D, H = cfg.hidden_size, cfg.num_attention_heads
+    Rq, R, Dn, Dr, Dv = (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                         cfg.qk_rope_head_dim, cfg.v_head_dim)
+
+    def proj(n, k):
+        return (torch.randn(n, k, device="cuda") * k ** -0.5).to(torch.bfloat16)
+
+    ones = lambda n: torch.ones(n, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    return dict(input_layernorm=ones(D), q_a_proj=proj(Rq, D), q_a_layernorm=ones(Rq),
+                kv_a_proj_with_mqa=proj(R + Dr, D), kv_a_layernorm=ones(R),
+                q_b_proj=proj(H * (Dn + Dr), Rq), kv_b_proj=proj(H * (Dn + Dv), R),
+                o_proj=proj(D, H * Dv))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--heads", default="128,16", help="heads on the GPU (128: TP 1, 16: TP 8)")
+    p.add_argument("--batch", default="1,8,32,64,128")
+    p.add_argument("--q-len", default="1,2")
+    p.add_argument("--kv", default="1024,5000,16384")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--machine", default="nvidia-h200")
+    p.add_argument("--json", default="-")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
+    heads_list, batches, q_lens, kvs = ints(a.heads), ints(a.batch), ints(a.q_len), ints(a.kv)
+    rec = {
+        "tool": "tools/bench/attention_bench.py",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": a.machine, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "git_commit": os.environ.get("MOELINK_GIT_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "model": "deepseek-v3 attention (D 7168, latent 512 + rotary 64, page 64, bf16 cache)",
+        "peers": {"flashinfer": "FlashInfer 0.7.4 BatchMLAPageAttentionHopper via moelink "
+                                "(decode_kernel='flashinfer')",
+                  "flashmla": "not built by this benchmark yet"},
+    }
+    rec["copy_gbs"] = copy_gbs(a.iters)
+    rec["bf16_tflops"] = bf16_tflops(a.iters)
+    print(f"copy {rec['copy_gbs']:.0f} GB/s (read + write), bf16 {rec['bf16_tflops']:.0f} TFLOP/s",
+          file=sys.stderr)
+    bw, peak = rec["copy_gbs"] * 1e9 / 2, rec["bf16_tflops"] * 1e12  # a read is half a copy
+    cfg = moelink.mla_config("deepseek-v3")
+    weights = random_weights(cfg)
+    max_b, max_q, max_kv = max(batches), max(q_lens), max(kvs)
+    rows = []
+    for heads in heads_list:
+        tp = cfg.num_attention_heads // heads
+        attn = {k: moelink.MLAAttention("deepseek-v3", device="cuda", decode_kernel=k,
+                                        tp_size=tp, max_tokens=max_b * max_q, max_requests=max_b,
+                                        max_pages_per_request=(max_kv + 63) // 64)
+                for k in KERNELS}
+        for m in attn.values():
+            m.set_weights(**weights)
+        for kv in kvs:
+            pages = (kv + 63) // 64
+            for B in batches:
+                cache = (torch.randn(B * pages, 64, 576, device="cuda") * 0.5).to(torch.bfloat16)
+                table = torch.randperm(B * pages, device="cuda", dtype=torch.int32).view(B, pages)
+                kv_len = torch.full((B,), kv, device="cuda", dtype=torch.int32)
+                for q_len in q_lens:
+                    n = B * q_len
+                    x = torch.randn(n, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+                    q_start = torch.arange(0, n + 1, q_len, device="cuda", dtype=torch.int32)
+                    outs = {k: torch.empty_like(x) for k in KERNELS}
+
+                    def step(k):
+                        return lambda: attn[k].forward(outs[k], x, cache, q_start, kv_len, table,
+                                                       num_decode=B)
+                    for k in KERNELS:
+                        step(k)()
+                        attn[k].check()
+                    ref = outs["moelink"].float()
+                    diff = ((outs["flashinfer"].float() - ref).norm() / ref.norm()).item()
+                    row = {"heads": heads, "batch": B, "q_len": q_len, "kv_len": kv,
+                           "flashinfer_vs_moelink_rel_l2": diff}
+                    for k, names in KERNELS.items():  # interleaved per case
+                        row[f"{k}_us"] = kernel_us(step(k), a.iters, names)
+                        row[f"{k}_step_us"] = median_us(step(k), a.iters)
+                    row["flashmla_us"] = None
+                    byte_us = B * kv * 576 * 2 / bw * 1e6
+                    flop_us = 2 * n * heads * kv * (576 + 512) / peak * 1e6
+                    row["floor_us"] = max(byte_us, flop_us)
+                    rows.append(row)
+                    us = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
+                    print(f"heads {heads:3d} B {B:3d} q {q_len} kv {kv:5d}: moelink "
+                          f"{us(row['moelink_us'])} us, flashinfer {us(row['flashinfer_us'])} us, "
+                          f"floor {row['floor_us']:.1f} us; steps {row['moelink_step_us']:.0f} / "
+                          f"{row['flashinfer_step_us']:.0f} us; outputs differ {diff:.1e}",
+                          file=sys.stderr)
+                del cache
+    rec["results"] = rows
+    out = json.dumps(rec, indent=1)
+    if a.json == "-":
+        print(out)
+    else:
+        with open(a.json, "w") as f:
+            f.write(out + "\n")
+
+
+if __name__ == "__main__":
+    main()
