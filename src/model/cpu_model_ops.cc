@@ -23,6 +23,9 @@ void record(ModelErrorRecord* e, int32_t code, int32_t field, int64_t row, doubl
 
 class CpuModelOps final : public HostMemory<ModelOps> {
  public:
+  void copy_async(void* dst, const void* src, size_t bytes, cudaStream_t) override {
+    if (bytes > 0) std::memmove(dst, src, bytes);
+  }
 
   void step_rows(const int32_t* q_start, int num_requests, int64_t n, int32_t* rows,
                  cudaStream_t) override {
@@ -162,11 +165,5 @@ class CpuModelOps final : public HostMemory<ModelOps> {
 }  // namespace
 
 std::unique_ptr<ModelOps> make_cpu_model_ops() { return std::make_unique<CpuModelOps>(); }
-
-std::unique_ptr<ModelOps> make_cuda_model_ops() {
-  throw InvalidArgument(
-      "moelink: Model: a GPU backend is not built yet for the whole model (its attention kernels "
-      "are issue 33's next step); use a host backend (cpu, internode-cpu) for the CPU path");
-}
 
 }  // namespace moelink::detail::model

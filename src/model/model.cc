@@ -245,7 +245,7 @@ class ModelImpl {
     if (B > 0)
       ops_->step_rows(static_cast<const int32_t*>(in.batch.q_start.data), B, n, rows, stream);
     else
-      ops_->copy_in(rows, zero_.as(), 4);
+      ops_->copy_async(rows, zero_.as(), 4, stream);
     const Tensor bound = Tensor::contiguous(rows, DType::kInt32, {1});
     const int64_t nr = std::max<int64_t>(n, 1);  // the MoE layers take at least one row
     const Tensor h = Tensor::contiguous(h_.as(), DType::kBFloat16, {nr, D});
@@ -280,7 +280,7 @@ class ModelImpl {
       if (out.logits_every_row)
         ops.lm_head(out.logits, normed, lm_head_.as<uint16_t>(), V, rows, nullptr, 0, stream);
       else
-        ops.copy_in(out.logits.data, last.data, static_cast<size_t>(B) * V * 4);
+        ops.copy_async(out.logits.data, last.data, static_cast<size_t>(B) * V * 4, stream);
     }
     const SamplingParams& sp = in.sampling;
     ops.sample(out.next_tokens, last, sp.temperature, sp.top_k, sp.top_p, sp.seed, q_start,

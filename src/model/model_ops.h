@@ -24,6 +24,8 @@ struct ModelErrorRecord {
 
 class ModelOps : public DeviceMemory {
  public:
+  // dst = src (bytes), in stream order.
+  virtual void copy_async(void* dst, const void* src, size_t bytes, cudaStream_t stream) = 0;
 
   // rows[0] = q_start[B] when it lies in [0, n], else 0: the rows every
   // step of the model touches (MLAAttention reports a bad q_start itself).
@@ -55,7 +57,7 @@ class ModelOps : public DeviceMemory {
 };
 
 std::unique_ptr<ModelOps> make_cpu_model_ops();
-// Throws InvalidArgument in a build without the CUDA model kernels.
+// Throws InvalidArgument in a build without CUDA.
 std::unique_ptr<ModelOps> make_cuda_model_ops();
 
 }  // namespace moelink::detail::model

@@ -20,9 +20,7 @@
 #include "moelink/errors.h"
 #include "rank_harness.h"  // expect_throw_naming, probe_gpu_count
 #include "ref_dtype.h"
-#if defined(MOELINK_WITH_CUDA)
-#include "gpu_memory_ops.h"
-#endif
+#include "staging.h"
 
 namespace moelink_test {
 namespace {
@@ -54,42 +52,6 @@ MLAConfig small_config() {
   return c;
 }
 
-// Host vectors staged into the memory an MLAAttention of `device` runs on:
-// in place for the CPU, copies in a GPU's memory (and back) for CUDA.
-class Staging {
- public:
-  explicit Staging(MemoryOps* gpu) : gpu_(gpu) {}
-  ~Staging() {
-    for (void* p : copies_) gpu_->free(p);
-  }
-  Staging(const Staging&) = delete;
-  Staging& operator=(const Staging&) = delete;
-  template <class T>
-  T* put(std::vector<T>& v) {
-    if (gpu_ == nullptr) return v.data();
-    void* p = gpu_->alloc(std::max<size_t>(v.size(), 1) * sizeof(T));
-    if (!v.empty()) gpu_->h2d(p, v.data(), v.size() * sizeof(T));
-    copies_.push_back(p);
-    return static_cast<T*>(p);
-  }
-  template <class T>
-  void get(std::vector<T>& v, const T* staged) {
-    if (gpu_ != nullptr && !v.empty()) gpu_->d2h(v.data(), staged, v.size() * sizeof(T));
-  }
-
- private:
-  MemoryOps* gpu_;
-  std::vector<void*> copies_;
-};
-
-std::unique_ptr<MemoryOps> gpu_memory_for(AttentionDevice device) {
-#if defined(MOELINK_WITH_CUDA)
-  if (device == AttentionDevice::kCUDA) return std::make_unique<GpuMemoryOps>(0);
-#endif
-  (void)device;
-  return nullptr;
-}
-
 // Requests with their tokens, pages and progress, and one cache (kept on
 // the host, staged for each step).
 class Harness {
@@ -98,7 +60,7 @@ class Harness {
           int tp_size = 1, bool input_norm = true,
           moelink::MLADecodeKernel kernel = moelink::MLADecodeKernel::kAuto)
       : c_(c), w_(random_mla_weights(c, seed, input_norm)), rng_(seed ^ 0xA5A5), page_(page_size),
-        gpu_(gpu_memory_for(device)) {
+        gpu_(gpu_memory_if(device == AttentionDevice::kCUDA)) {
     cache_.assign(static_cast<size_t>(num_pages) * page_size * c.cache_row(), kNaN);
     free_pages_.resize(num_pages);
     std::iota(free_pages_.begin(), free_pages_.end(), 0);

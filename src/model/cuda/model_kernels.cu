@@ -1,0 +1,263 @@
+// CUDA kernels of the model's own steps (model_kernels.h).
+#include <cuda_bf16.h>
+
+#include <cstring>
+
+#include "model/cuda/model_kernels.h"
+#include "model/sampling.h"
+#include "nvlink/cuda_check.h"
+
+namespace moelink::detail::model {
+
+namespace {
+
+__device__ __forceinline__ float f32(uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
+__device__ __forceinline__ uint16_t bf16(float v) {
+  const __nv_bfloat16 b = __float2bfloat16_rn(v);
+  uint16_t u;
+  memcpy(&u, &b, 2);
+  return u;
+}
+
+// The first error of a step (whichever block gets there first).
+__device__ void record(ModelErrorRecord* e, int32_t code, int32_t field, int64_t row, double value,
+                       int64_t limit) {
+  if (atomicCAS(&e->code, 0, code) == 0) {
+    e->field = field;
+    e->row = row;
+    e->value = value;
+    e->limit = limit;
+  }
+}
+
+// A block-wide reduction every thread gets the result of (shared: 32
+// slots; blockDim.x a multiple of 32).
+template <class T, class Op>
+__device__ T block_reduce(T v, Op op, T* shared) {
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, warps = blockDim.x / 32;
+  __syncthreads();  // shared may still be read by the previous call
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = shared[0];
+  for (int w = 1; w < warps; ++w) v = op(v, shared[w]);
+  return v;
+}
+
+struct Sum {
+  template <class T>
+  __device__ T operator()(T a, T b) const { return a + b; }
+};
+struct Max {
+  template <class T>
+  __device__ T operator()(T a, T b) const { return a > b ? a : b; }
+};
+struct Min {
+  template <class T>
+  __device__ T operator()(T a, T b) const { return a < b ? a : b; }
+};
+
+__global__ void step_rows_kernel(const int32_t* q_start, int num_requests, int64_t n, int32_t* rows) {
+  const int32_t last = q_start[num_requests];
+  *rows = last >= 0 && last <= n ? last : 0;
+}
+
+__global__ void embed_kernel(uint16_t* h, int64_t h_stride, int64_t D, const int32_t* ids, int64_t ids_stride,
+                             const uint16_t* table, int64_t vocab, const int32_t* rows, ModelErrorRecord* error) {
+  const int64_t r = blockIdx.x;
+  if (r >= *rows) return;
+  const int32_t id = ids[r * ids_stride];
+  uint16_t* out = h + r * h_stride;
+  const bool bad = id < 0 || id >= vocab;
+  if (bad && threadIdx.x == 0) record(error, 1, 0, r, id, vocab);
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) out[d] = bad ? 0 : table[static_cast<int64_t>(id) * D + d];
+}
+
+__global__ void add_rms_norm_kernel(uint16_t* h, int64_t h_stride, const uint16_t* x, int64_t x_stride,
+                                    uint16_t* normed, int64_t normed_stride, int64_t D, const float* weight,
+                                    float eps, const int32_t* rows) {
+  const int64_t r = blockIdx.x;
+  if (r >= *rows) return;
+  uint16_t* hr = h + r * h_stride;
+  float ss = 0.0f;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+    float s = f32(hr[d]);
+    if (x != nullptr) {
+      hr[d] = bf16(s + f32(x[r * x_stride + d]));  // the residual stream is bf16
+      s = f32(hr[d]);
+    }
+    ss += s * s;
+  }
+  if (weight == nullptr) return;
+  __shared__ float shared[32];
+  ss = block_reduce(ss, Sum{}, shared);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+  uint16_t* out = normed + r * normed_stride;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) out[d] = bf16(f32(hr[d]) * inv * weight[d]);
+}
+
+__global__ void gather_rows_kernel(uint16_t* dst, const uint16_t* h, int64_t h_stride, int64_t D,
+                                   const int32_t* rows, const int32_t* q_start, int64_t first, int32_t* valid) {
+  const int64_t j = blockIdx.x;
+  int64_t r = first + j;
+  bool ok = r < *rows;
+  if (q_start != nullptr) {
+    ok = q_start[j + 1] > q_start[j] && q_start[j + 1] <= *rows;
+    r = q_start[j + 1] - 1;
+  }
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) dst[j * D + d] = ok ? h[r * h_stride + d] : 0;
+  if (threadIdx.x == 0) valid[j] = ok;
+}
+
+__global__ void copy_valid_rows_kernel(float* dst, int64_t dst_stride, const float* src, int64_t V,
+                                       const int32_t* valid) {
+  const int64_t j = blockIdx.x;
+  if (!valid[j]) return;
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) dst[j * dst_stride + v] = src[j * V + v];
+}
+
+// ------------------------------------------------------------------ sampling
+
+// Sort keys (shuffles and atomics take unsigned long long).
+using Key = unsigned long long;
+
+// A key per vocabulary entry that orders as the host loop does: larger
+// logit first, then the smaller index.
+__device__ __forceinline__ Key key_of(const float* l, int64_t j) {
+  const uint32_t u = __float_as_uint(l[j]);
+  const uint32_t ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<Key>(ordered) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j));
+}
+__device__ __forceinline__ int32_t index_of(Key key) {
+  return static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(key));
+}
+
+// The largest key T such that pred(T) holds, for a predicate that holds at
+// 0 and stops holding as T grows (bit by bit from the top).
+template <class Pred>
+__device__ Key largest_key(Pred pred) {
+  Key t = 0;
+  for (int bit = 63; bit >= 0; --bit) {
+    const Key c = t | (Key{1} << bit);
+    if (pred(c)) t = c;
+  }
+  return t;
+}
+
+// One block per request: the top_k set (keys >= kth), its weights, the
+// top_p cut (keys >= cut), the draw; each a block-wide bisection over keys.
+__global__ void __launch_bounds__(1024) sample_kernel(SampleArgs a) {
+  const int i = blockIdx.x;
+  int32_t& tok = a.next_tokens[i * a.next_stride];
+  if (a.q_start[i + 1] <= a.q_start[i]) {
+    if (threadIdx.x == 0) tok = -1;
+    return;
+  }
+  const float t = a.temperature ? a.temperature[i] : 0.0f;
+  const int32_t k = a.top_k ? a.top_k[i] : 0;
+  const float tp = a.top_p ? a.top_p[i] : 1.0f;
+  if (!(t >= 0.0f) || k < 0 || !(tp > 0.0f && tp <= 1.0f)) {
+    if (threadIdx.x == 0) {
+      const int field = !(t >= 0.0f) ? 0 : k < 0 ? 1 : 2;
+      record(a.error, 2, field, i, field == 0 ? t : field == 1 ? k : tp, 0);
+      tok = -1;
+    }
+    return;
+  }
+  const float* l = a.logits + i * a.logits_stride;
+  const int64_t V = a.vocab;
+  __shared__ Key shared_keys[32];
+  __shared__ double shared_sums[32];
+  Key top = 0;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) top = Max{}(top, key_of(l, j));
+  top = block_reduce(top, Max{}, shared_keys);
+  if (t == 0.0f) {  // greedy: the first largest
+    if (threadIdx.x == 0) tok = index_of(top);
+    return;
+  }
+  const float m = l[index_of(top)];
+  auto count_from = [&](Key c) {
+    Key n = 0;
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) n += key_of(l, j) >= c;
+    return block_reduce(n, Sum{}, shared_keys);
+  };
+  const Key kth = k > 0 && k < V ? largest_key([&](Key c) { return count_from(c) >= static_cast<Key>(k); }) : 0;
+  // Weights over the keys >= `from`, as the host loop computes them.
+  auto mass_from = [&](Key from) {
+    double s = 0.0;
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x)
+      if (key_of(l, j) >= from) s += static_cast<double>(expf((l[j] - m) / t));
+    return block_reduce(s, Sum{}, shared_sums);
+  };
+  const double sum = mass_from(kth);
+  const Key cut = tp < 1.0f ? largest_key([&](Key c) { return mass_from(Max{}(c, kth)) / sum >= tp; })
+                                 : kth;
+  const double total = mass_from(cut);
+  const int64_t position = a.kv_len[i] - 1;
+  const double u = sample_uniform(a.seed ? a.seed[i] : 0, position) * total;
+  Key pick;
+  if (total > u) {
+    pick = largest_key([&](Key c) { return mass_from(Max{}(c, cut)) > u; });
+  } else {  // rounding left u at the end: the cut set's last entry
+    Key low = ~Key{0};
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+      const Key key = key_of(l, j);
+      if (key >= cut) low = Min{}(low, key);
+    }
+    pick = block_reduce(low, Min{}, shared_keys);
+  }
+  if (threadIdx.x == 0) tok = index_of(pick);
+}
+
+void launched(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw_cuda_error(e, what, __FILE__, __LINE__);
+}
+
+unsigned grid(int64_t n) { return static_cast<unsigned>(n > 0 ? n : 1); }
+
+}  // namespace
+
+void launch_step_rows(const int32_t* q_start, int num_requests, int64_t n, int32_t* rows, cudaStream_t stream) {
+  step_rows_kernel<<<1, 1, 0, stream>>>(q_start, num_requests, n, rows);
+  launched("step_rows_kernel");
+}
+
+void launch_embed(uint16_t* h, int64_t h_stride, int64_t D, const int32_t* ids, int64_t ids_stride,
+                  const uint16_t* table, int64_t vocab, const int32_t* rows, int64_t max_rows,
+                  ModelErrorRecord* error, cudaStream_t stream) {
+  if (max_rows == 0) return;
+  embed_kernel<<<grid(max_rows), 256, 0, stream>>>(h, h_stride, D, ids, ids_stride, table, vocab, rows, error);
+  launched("embed_kernel");
+}
+
+void launch_add_rms_norm(uint16_t* h, int64_t h_stride, const uint16_t* x, int64_t x_stride, uint16_t* normed,
+                         int64_t normed_stride, int64_t D, const float* weight, float eps, const int32_t* rows,
+                         int64_t max_rows, cudaStream_t stream) {
+  if (max_rows == 0) return;
+  add_rms_norm_kernel<<<grid(max_rows), 256, 0, stream>>>(h, h_stride, x, x_stride, normed, normed_stride, D,
+                                                          weight, eps, rows);
+  launched("add_rms_norm_kernel");
+}
+
+void launch_gather_rows(uint16_t* dst, const uint16_t* h, int64_t h_stride, int64_t D, const int32_t* rows,
+                        const int32_t* q_start, int64_t first, int64_t k, int32_t* valid, cudaStream_t stream) {
+  if (k == 0) return;
+  gather_rows_kernel<<<grid(k), 256, 0, stream>>>(dst, h, h_stride, D, rows, q_start, first, valid);
+  launched("gather_rows_kernel");
+}
+
+void launch_copy_valid_rows(float* dst, int64_t dst_stride, const float* src, int64_t V, const int32_t* valid,
+                            int64_t k, cudaStream_t stream) {
+  if (k == 0) return;
+  copy_valid_rows_kernel<<<grid(k), 256, 0, stream>>>(dst, dst_stride, src, V, valid);
+  launched("copy_valid_rows_kernel");
+}
+
+void launch_sample(const SampleArgs& a, cudaStream_t stream) {
+  if (a.num_requests == 0) return;
+  sample_kernel<<<a.num_requests, 1024, 0, stream>>>(a);
+  launched("sample_kernel");
+}
+
+}  // namespace moelink::detail::model

@@ -1,0 +1,49 @@
+// The CUDA kernels behind CudaModelOps (cuda_model_ops.cc); model_ops.h
+// gives each step's contract. Counts are read on the device; bf16 tensors
+// are passed as uint16_t with row strides in elements.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "model/model_ops.h"
+
+namespace moelink::detail::model {
+
+void launch_step_rows(const int32_t* q_start, int num_requests, int64_t n, int32_t* rows,
+                      cudaStream_t stream);
+void launch_embed(uint16_t* h, int64_t h_stride, int64_t D, const int32_t* ids, int64_t ids_stride,
+                  const uint16_t* table, int64_t vocab, const int32_t* rows, int64_t max_rows,
+                  ModelErrorRecord* error, cudaStream_t stream);
+// x, normed, weight may be null (model_ops.h's add_rms_norm).
+void launch_add_rms_norm(uint16_t* h, int64_t h_stride, const uint16_t* x, int64_t x_stride,
+                         uint16_t* normed, int64_t normed_stride, int64_t D, const float* weight,
+                         float eps, const int32_t* rows, int64_t max_rows, cudaStream_t stream);
+// dst [k, D] = h rows: each request j's last row when q_start is given,
+// else row first + j when it is < rows; zero rows where there is none, and
+// valid[j] says which.
+void launch_gather_rows(uint16_t* dst, const uint16_t* h, int64_t h_stride, int64_t D,
+                        const int32_t* rows, const int32_t* q_start, int64_t first, int64_t k,
+                        int32_t* valid, cudaStream_t stream);
+// dst rows j with valid[j] = src rows (fp32, V wide).
+void launch_copy_valid_rows(float* dst, int64_t dst_stride, const float* src, int64_t V,
+                            const int32_t* valid, int64_t k, cudaStream_t stream);
+// sampling.h's rule, one block per request.
+struct SampleArgs {
+  int32_t* next_tokens;
+  int64_t next_stride;
+  const float* logits;
+  int64_t logits_stride, vocab;
+  const float* temperature;  // null: greedy
+  const int32_t* top_k;      // null: 0
+  const float* top_p;        // null: 1
+  const int64_t* seed;       // null: 0
+  const int32_t* q_start;
+  const int32_t* kv_len;
+  int num_requests;
+  ModelErrorRecord* error;
+};
+void launch_sample(const SampleArgs& a, cudaStream_t stream);
+
+}  // namespace moelink::detail::model

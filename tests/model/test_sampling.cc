@@ -1,0 +1,101 @@
+// The CUDA sampling kernel against the host loop on the same logits: every
+// rule of sampling.h (greedy's first largest, top_k with ties broken by the
+// smaller index, top_p's smallest set, temperature, the counter-based draw)
+// must pick the same token; bad parameters reported the same way.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "experts/expert_cases.h"  // fresh_seed
+#include "model/model_ops.h"
+#include "rank_harness.h"  // probe_gpu_count
+#include "staging.h"
+
+namespace moelink_test {
+namespace {
+
+using moelink::DType;
+using moelink::Tensor;
+using moelink::detail::model::ModelErrorRecord;
+using moelink::detail::model::ModelOps;
+
+struct Requests {
+  std::vector<float> logits, temperature, top_p;
+  std::vector<int32_t> top_k, q_start, kv_len;
+  std::vector<int64_t> seed;
+};
+
+// Runs ops.sample on the requests (staged into the ops' memory); returns
+// the tokens and the error record.
+std::vector<int32_t> sample(ModelOps& ops, MemoryOps* gpu, Requests r, int64_t V, ModelErrorRecord* e) {
+  const int B = static_cast<int>(r.kv_len.size());
+  Staging st(gpu);
+  std::vector<int32_t> out(B, -7);
+  std::vector<uint8_t> record(sizeof(ModelErrorRecord), 0);
+  int32_t* dout = st.put(out);
+  auto* derr = reinterpret_cast<ModelErrorRecord*>(st.put(record));
+  ops.sample(Tensor::contiguous(dout, DType::kInt32, {B}),
+             Tensor::contiguous(st.put(r.logits), DType::kFloat32, {B, V}),
+             Tensor::contiguous(st.put(r.temperature), DType::kFloat32, {B}),
+             Tensor::contiguous(st.put(r.top_k), DType::kInt32, {B}),
+             Tensor::contiguous(st.put(r.top_p), DType::kFloat32, {B}),
+             Tensor::contiguous(st.put(r.seed), DType::kInt64, {B}), st.put(r.q_start), st.put(r.kv_len), B,
+             derr, nullptr);
+  *e = ops.take_error(derr, nullptr);
+  st.get(out, dout);
+  return out;
+}
+
+TEST(SamplingCuda, PicksTheHostLoopsToken) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  auto cpu = moelink::detail::model::make_cpu_model_ops();
+  auto cuda = moelink::detail::model::make_cuda_model_ops();
+  const std::unique_ptr<MemoryOps> gpu = gpu_memory_if(true);
+  for (int64_t V : {7, 1000, 129280}) {
+    SCOPED_TRACE("vocab " + std::to_string(V));
+    const int B = 48;
+    Requests r;
+    std::normal_distribution<float> nd(0.0f, 3.0f);
+    r.logits.resize(static_cast<size_t>(B) * V);
+    for (auto& v : r.logits) v = nd(rng);
+    r.q_start.push_back(0);
+    for (int i = 0; i < B; ++i) {
+      // Ties: request i % 4 == 1 has its largest logits repeated.
+      if (i % 4 == 1)
+        for (int64_t j = 0; j < std::min<int64_t>(V, 5); ++j) r.logits[i * V + j * (V / 5 + 1) % V] = 9.0f;
+      r.temperature.push_back(i % 6 == 0 ? 0.0f : std::uniform_real_distribution<float>(0.2f, 2.0f)(rng));
+      r.top_k.push_back(i % 3 == 0 ? 0 : static_cast<int32_t>(1 + rng() % std::min<int64_t>(V, 50)));
+      r.top_p.push_back(i % 5 == 0 ? 1.0f : std::uniform_real_distribution<float>(0.05f, 0.99f)(rng));
+      r.seed.push_back(static_cast<int64_t>(rng() % 1000));
+      r.kv_len.push_back(static_cast<int32_t>(1 + rng() % 5000));
+      r.q_start.push_back(r.q_start.back() + (i == 7 ? 0 : 1));  // request 7 is empty
+    }
+    ModelErrorRecord e_cpu{}, e_cuda{};
+    const std::vector<int32_t> want = sample(*cpu, nullptr, r, V, &e_cpu);
+    const std::vector<int32_t> got = sample(*cuda, gpu.get(), r, V, &e_cuda);
+    EXPECT_EQ(e_cpu.code, 0);
+    EXPECT_EQ(e_cuda.code, 0);
+    for (int i = 0; i < B; ++i)
+      EXPECT_EQ(got[i], want[i]) << "request " << i << " (temperature " << r.temperature[i] << ", top_k "
+                                 << r.top_k[i] << ", top_p " << r.top_p[i] << ")";
+    EXPECT_EQ(got[7], -1) << "the empty request";
+    // A bad parameter: the request gets -1 and the record names it.
+    Requests bad = r;
+    bad.top_p[3] = 1.5f;
+    const std::vector<int32_t> b = sample(*cuda, gpu.get(), bad, V, &e_cuda);
+    EXPECT_EQ(b[3], -1);
+    EXPECT_EQ(e_cuda.code, 2);
+    EXPECT_EQ(e_cuda.field, 2);
+    EXPECT_EQ(e_cuda.row, 3);
+    EXPECT_EQ(b[4], want[4]) << "a good request beside the bad one";
+  }
+}
+
+}  // namespace
+}  // namespace moelink_test
