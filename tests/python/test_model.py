@@ -56,22 +56,24 @@ def _write_hf_model(torch, Config, ForCausalLM, fields, seed, directory):
     return model, cfg
 
 
-def _teacher_forced(model, ids, steps, page=16):
+def _teacher_forced(model, ids, steps, page=16, torch=None):
     """Runs ids [L] through moelink.Model in `steps` [(tokens, decode?)] of one
-    request; returns the logits [L, V] of every row and the greedy tokens."""
+    request; returns the logits [L, V] of every row. With `torch`, the
+    tensors go to the GPU (a GPU backend) and the logits come back."""
     L = len(ids)
     pages = (L + page - 1) // page
     rng = np.random.default_rng(1)
     table = rng.permutation(pages + 2)[:pages].astype(np.int32)[None]  # pages in random order
+    on = (lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()) if torch else (lambda a: a)
     rows, done = [], 0
     for q_len, decode in steps:
-        logits = np.zeros((q_len, model.config.vocab_size), np.float32)
-        nxt = np.zeros(1, np.int32)
-        model.step(np.asarray(ids[done:done + q_len], np.int32), np.array([0, q_len], np.int32),
-                   np.array([done + q_len], np.int32), table, nxt, num_decode=int(decode),
+        logits = on(np.zeros((q_len, model.config.vocab_size), np.float32))
+        nxt = on(np.zeros(1, np.int32))
+        model.step(on(np.asarray(ids[done:done + q_len], np.int32)), on(np.array([0, q_len], np.int32)),
+                   on(np.array([done + q_len], np.int32)), on(table), nxt, num_decode=int(decode),
                    logits=logits, logits_every_row=True)
         model.check()
-        rows.append(logits)
+        rows.append(logits.cpu().numpy() if torch else logits)
         done += q_len
     return np.concatenate(rows)
 
@@ -90,24 +92,29 @@ KIMI_LIKE = dict(SMALL, n_routed_experts=24, num_experts_per_tok=6, n_group=1, t
                  rope_theta=50000.0)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "nvlink"])
 @pytest.mark.parametrize("shape", ["deepseek", "kimi"])
-def test_model_matches_hf_deepseek_v3_for_causal_lm(tmp_path, shape):
+def test_model_matches_hf_deepseek_v3_for_causal_lm(tmp_path, shape, backend):
     fields = SMALL if shape == "deepseek" else KIMI_LIKE
     hf = _torch_hf()
     if hf is None:
         pytest.skip("needs torch and transformers (CI's two commands do not install them; runs "
                     "where they are)")
     torch, Config, ForCausalLM = hf
+    gpu = backend != "cpu"
+    if gpu and not (moelink.with_cuda and torch.cuda.is_available()):
+        pytest.skip("needs a Hopper GPU (runs on the H200 device machine)")
     seed = int(np.random.default_rng().integers(1 << 30))
     ref_model, cfg = _write_hf_model(torch, Config, ForCausalLM, fields, seed, tmp_path)
     ids = np.random.default_rng(seed).integers(0, SMALL["vocab_size"], 64)
     with torch.no_grad():
         ref = ref_model(torch.tensor(ids[None])).logits[0].float().numpy()
-    model = moelink.Model(str(tmp_path / "config.json"), max_tokens=64, num_pages=8, backend="cpu",
+    model = moelink.Model(str(tmp_path / "config.json"), max_tokens=64, num_pages=8, backend=backend,
                           page_size=16, max_requests=4, max_pages_per_request=8,
                           bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", _free_port(), 30.0))
     model.load_checkpoint(str(tmp_path))
-    got = _teacher_forced(model, ids, [(40, False), (20, False), (2, True), (1, True), (1, True)])
+    got = _teacher_forced(model, ids, [(40, False), (20, False), (2, True), (1, True), (1, True)],
+                          torch=torch if gpu else None)
     assert np.all(np.isfinite(got))
     rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     rms = np.sqrt(np.mean(ref ** 2))
