@@ -27,22 +27,21 @@ output), so a fast wrong result cannot win.
     PYTHONPATH=build/python python3 tools/bench/attention_bench.py --json out.json
 """
 import argparse
-import datetime
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 import moelink
+from benchlib import copy_gbs, header, write_json
 
 KERNELS = {"moelink": ("decode_attention_kernel",), "flashinfer": ("BatchMLAPageAttentionHopper",)}
 
 
-def median_us(fn, iters, warmup=2):
+def wall_us(fn, iters, warmup=2):
+    """Median wall time of fn() with the GPU work it queued (the host's
+    share counted: FlashInfer's plan reads the batch on the host)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -83,15 +82,6 @@ def kernel_us(fn, iters, names):
     return total / iters if total > 0 else None
 
 
-def copy_gbs(iters):
-    n = 4 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = events_us(lambda: dst.copy_(src), iters)
-    del src, dst
-    return 2 * n / (us * 1e-6) / 1e9
-
-
 def bf16_tflops(iters, n=8192):
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -129,12 +119,7 @@ def main():
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
     heads_list, batches, q_lens, kvs = ints(a.heads), ints(a.batch), ints(a.q_len), ints(a.kv)
     rec = {
-        "tool": "tools/bench/attention_bench.py",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": a.machine, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-        "git_commit": os.environ.get("MOELINK_GIT_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        **header("tools/bench/attention_bench.py", a.machine),
         "model": "deepseek-v3 attention (D 7168, latent 512 + rotary 64, page 64, bf16 cache)",
         "peers": {"flashinfer": "FlashInfer 0.7.4 BatchMLAPageAttentionHopper via moelink "
                                 "(decode_kernel='flashinfer')",
@@ -181,7 +166,7 @@ def main():
                            "flashinfer_vs_moelink_rel_l2": diff}
                     for k, names in KERNELS.items():  # interleaved per case
                         row[f"{k}_us"] = kernel_us(step(k), a.iters, names)
-                        row[f"{k}_step_us"] = median_us(step(k), a.iters)
+                        row[f"{k}_step_us"] = wall_us(step(k), a.iters)
                     row["flashmla_us"] = None
                     byte_us = B * kv * 576 * 2 / bw * 1e6
                     flop_us = 2 * n * heads * kv * (576 + 512) / peak * 1e6
@@ -193,14 +178,9 @@ def main():
                           f"floor {row['floor_us']:.1f} us; steps {row['moelink_step_us']:.0f} / "
                           f"{row['flashinfer_step_us']:.0f} us; outputs differ {diff:.1e}",
                           file=sys.stderr)
-                del cache
+                cache = None  # freed before the next case's
     rec["results"] = rows
-    out = json.dumps(rec, indent=1)
-    if a.json == "-":
-        print(out)
-    else:
-        with open(a.json, "w") as f:
-            f.write(out + "\n")
+    write_json(rec, a.json)
 
 
 if __name__ == "__main__":

@@ -26,32 +26,16 @@ out; rounds interleaved (ours, torch, ours, torch, ...); medians.
     PYTHONPATH=build/python python3 tools/bench/experts_bench.py --json out.json
 """
 import argparse
-import datetime
-import json
 import os
 import statistics
-import subprocess
 import sys
 
 import torch
 
 import moelink
+from benchlib import copy_gbs, header, median_event_us as median_us, write_json
 
 FP8 = torch.float8_e4m3fn
-
-
-def median_us(fn, iters, warmup=3):
-    """Median time of fn() between CUDA events, one pair per call."""
-    for _ in range(warmup):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
 
 
 def graph_us(fn, iters, reps=10):
@@ -70,17 +54,6 @@ def graph_us(fn, iters, reps=10):
     us = median_us(g.replay, iters, warmup=1) / reps
     del g
     return us
-
-
-def copy_gbs(iters):
-    n = 4 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    # Eager: inside a CUDA graph a device-to-device copy becomes a memcpy
-    # node that the copy engines run, at about 2.7 TB/s here.
-    us = median_us(lambda: dst.copy_(src), iters)
-    del src, dst
-    return 2 * n / (us * 1e-6) / 1e9
 
 
 def dense_fp8_tflops(iters, n=8192):
@@ -298,12 +271,7 @@ def main():
     torch.manual_seed(0)
     H, I = a.hidden, a.intermediate
     rec = {
-        "tool": "tools/bench/experts_bench.py",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": a.machine, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-        "git_commit": os.environ.get("MOELINK_GIT_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        **header("tools/bench/experts_bench.py", a.machine),
         "shape": {"hidden": H, "intermediate": I},
         "peer": "torch._scaled_grouped_mm (fp8 e4m3, row-wise scales, bf16 out, fast accum), "
                 "GEMM1 + GEMM2 only",
@@ -407,12 +375,7 @@ def main():
         print(f"{e['kernel']:15s} {e['rows']:6d} x {e['cols']:5d}: {e['us']:8.1f} us "
               f"{e['gbs']:6.0f} GB/s = {e['fraction_of_copy']:.2f} of copy", file=sys.stderr)
     rec["quant_kernels"] = q
-    out = json.dumps(rec, indent=1)
-    if a.json == "-":
-        print(out)
-    else:
-        with open(a.json, "w") as f:
-            f.write(out + "\n")
+    write_json(rec, a.json)
 
 
 if __name__ == "__main__":

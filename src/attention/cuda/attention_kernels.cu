@@ -2,8 +2,6 @@
 // prefill attention here are plain warp-per-key online-softmax kernels: the
 // contract's correctness on the GPU, the reference the faster kernels
 // (FlashInfer's MLA, moelink's own decode kernel) are checked against.
-#include <cuda_bf16.h>
-
 #include <climits>
 #include <cstring>
 #include <string>
@@ -11,6 +9,7 @@
 #include "attention/cuda/attention_kernels.h"
 #include "attention/rope.h"
 #include "attention/step_plan.h"
+#include "nvlink/bf16_bits.cuh"
 #include "nvlink/cuda_check.h"
 
 namespace moelink::detail::attention {
@@ -23,13 +22,8 @@ constexpr int kThreads = kWarps * 32;
 // the latent (R) up to 512, the rotary dims up to 256, v_head_dim up to 256.
 constexpr int kMaxLatent = 512, kMaxRope = 256, kMaxV = 256;
 
-__device__ __forceinline__ float f32(uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
-__device__ __forceinline__ uint16_t bf16(float v) {
-  const __nv_bfloat16 b = __float2bfloat16_rn(v);
-  uint16_t u;
-  memcpy(&u, &b, 2);
-  return u;
-}
+__device__ __forceinline__ float f32(uint16_t h) { return bf16_bits_to_f32(h); }
+__device__ __forceinline__ uint16_t bf16(float v) { return f32_to_bf16_bits(v); }
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

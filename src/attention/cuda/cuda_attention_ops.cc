@@ -13,6 +13,7 @@
 #include "attention/cuda/flashinfer_mla.h"
 #include "moelink/errors.h"
 #include "nvlink/cuda_check.h"
+#include "nvlink/cuda_memory.h"
 #include "nvlink/cuda_release.h"
 
 namespace moelink::detail::attention {
@@ -27,7 +28,7 @@ struct CudaPrefillState final : AttentionOps::PrefillState {
   PrefillSoftmax softmax{};
 };
 
-class CudaAttentionOps final : public AttentionOps {
+class CudaAttentionOps final : public CudaMemory<AttentionOps> {
  public:
   CudaAttentionOps(const MLAConfig& c, int local_heads, MLADecodeKernel kernel) : kernel_(kernel) {
     const bool shapes = c.kv_lora_rank == FlashInferMLA::kLatent && c.qk_rope_head_dim == FlashInferMLA::kRope;
@@ -43,20 +44,6 @@ class CudaAttentionOps final : public AttentionOps {
   }
   ~CudaAttentionOps() override { release_device_memory(prefill_memory_); }
 
-  bool host_memory() const override { return false; }
-  void* alloc(size_t bytes) override {
-    void* p = nullptr;
-    MOELINK_CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
-    MOELINK_CUDA_CHECK(cudaMemset(p, 0, bytes > 0 ? bytes : 1));
-    return p;
-  }
-  void free(void* p) override { release_device_memory(p); }
-  void copy_in(void* dst, const void* src, size_t bytes) override {
-    MOELINK_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
-  }
-  void copy_out(void* dst, const void* src, size_t bytes) override {
-    MOELINK_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
-  }
   void sync(cudaStream_t stream) override { MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream)); }
   void set_count(int32_t* dst, int32_t value, cudaStream_t stream) override {
     launch_set_count(dst, value, stream);

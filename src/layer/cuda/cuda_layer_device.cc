@@ -12,6 +12,7 @@
 #include "moelink/errors.h"
 #include "nvlink/cublas_handles.h"
 #include "nvlink/cuda_check.h"
+#include "nvlink/cuda_memory.h"
 #include "nvlink/cuda_release.h"
 
 namespace moelink::detail::layer {
@@ -34,27 +35,12 @@ void cublas_ok(cublasStatus_t s, const char* what) {
                       std::to_string(static_cast<int>(s)));
 }
 
-class CudaLayerDevice final : public LayerDevice {
+class CudaLayerDevice final : public CudaMemory<LayerDevice> {
  public:
   ~CudaLayerDevice() override {
     RelaxedCaptureMode relaxed;  // a layer may go while someone else captures
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
     if (capture_stream_) cudaStreamDestroy(capture_stream_);
-  }
-
-  bool host_memory() const override { return false; }
-  void* alloc(size_t bytes) override {
-    void* p = nullptr;
-    MOELINK_CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
-    MOELINK_CUDA_CHECK(cudaMemset(p, 0, bytes > 0 ? bytes : 1));
-    return p;
-  }
-  void free(void* p) override { release_device_memory(p); }
-  void copy_in(void* dst, const void* src, size_t bytes) override {
-    MOELINK_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
-  }
-  void copy_out(void* dst, const void* src, size_t bytes) override {
-    MOELINK_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
   }
 
   void gate_logits(float* logits, const Tensor& x, const void* gate, DType gate_dtype,

@@ -11,6 +11,7 @@
 #include "model/model_ops.h"
 #include "nvlink/cublas_handles.h"
 #include "nvlink/cuda_check.h"
+#include "nvlink/cuda_memory.h"
 #include "nvlink/cuda_release.h"
 
 namespace moelink::detail::model {
@@ -41,22 +42,8 @@ class Scratch {
   size_t bytes_ = 0;
 };
 
-class CudaModelOps final : public ModelOps {
+class CudaModelOps final : public CudaMemory<ModelOps> {
  public:
-  bool host_memory() const override { return false; }
-  void* alloc(size_t bytes) override {
-    void* p = nullptr;
-    MOELINK_CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
-    MOELINK_CUDA_CHECK(cudaMemset(p, 0, bytes > 0 ? bytes : 1));
-    return p;
-  }
-  void free(void* p) override { release_device_memory(p); }
-  void copy_in(void* dst, const void* src, size_t bytes) override {
-    MOELINK_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
-  }
-  void copy_out(void* dst, const void* src, size_t bytes) override {
-    MOELINK_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
-  }
   void copy_async(void* dst, const void* src, size_t bytes, cudaStream_t stream) override {
     if (bytes > 0) MOELINK_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream));
   }

@@ -1,23 +1,17 @@
 // CUDA kernels of the model's own steps (model_kernels.h).
-#include <cuda_bf16.h>
-
 #include <cstring>
 
 #include "model/cuda/model_kernels.h"
 #include "model/sampling.h"
+#include "nvlink/bf16_bits.cuh"
 #include "nvlink/cuda_check.h"
 
 namespace moelink::detail::model {
 
 namespace {
 
-__device__ __forceinline__ float f32(uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
-__device__ __forceinline__ uint16_t bf16(float v) {
-  const __nv_bfloat16 b = __float2bfloat16_rn(v);
-  uint16_t u;
-  memcpy(&u, &b, 2);
-  return u;
-}
+__device__ __forceinline__ float f32(uint16_t h) { return bf16_bits_to_f32(h); }
+__device__ __forceinline__ uint16_t bf16(float v) { return f32_to_bf16_bits(v); }
 
 // The first error of a step (whichever block gets there first).
 __device__ void record(ModelErrorRecord* e, int32_t code, int32_t field, int64_t row, double value,
