@@ -31,4 +31,30 @@ class CudaMemory : public Base {
   }
 };
 
+// Device memory that grows to the largest size asked for. Growing waits
+// for the device (eager steps only), so nothing in flight still uses the
+// old memory.
+class GrowingDeviceBuffer {
+ public:
+  GrowingDeviceBuffer() = default;
+  GrowingDeviceBuffer(const GrowingDeviceBuffer&) = delete;
+  GrowingDeviceBuffer& operator=(const GrowingDeviceBuffer&) = delete;
+  ~GrowingDeviceBuffer() { release_device_memory(p_); }
+  void* get(size_t bytes) {
+    if (bytes > bytes_) {
+      MOELINK_CUDA_CHECK(cudaDeviceSynchronize());
+      release_device_memory(p_);
+      p_ = nullptr;
+      bytes_ = 0;
+      MOELINK_CUDA_CHECK(cudaMalloc(&p_, bytes));
+      bytes_ = bytes;
+    }
+    return p_;
+  }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 }  // namespace moelink::detail

@@ -42,7 +42,6 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
     if (kernel != MLADecodeKernel::kMoelink && FlashInferMLA::built() && shapes)
       flashinfer_ = FlashInferMLA::create(local_heads);
   }
-  ~CudaAttentionOps() override { release_device_memory(prefill_memory_); }
 
   void sync(cudaStream_t stream) override { MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream)); }
   void set_count(int32_t* dst, int32_t value, cudaStream_t stream) override {
@@ -123,18 +122,8 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
                                               cudaStream_t stream) override {
     const size_t stats = static_cast<size_t>(query_rows) * heads;
     const size_t bytes = (2 * stats + stats * v_dims) * sizeof(float);
-    if (bytes > prefill_bytes_) {
-      // Eager only (prefill reads the batch on the host): the previous
-      // request's work may still use the old memory.
-      MOELINK_CUDA_CHECK(cudaDeviceSynchronize());
-      release_device_memory(prefill_memory_);
-      prefill_memory_ = nullptr;
-      prefill_bytes_ = 0;
-      MOELINK_CUDA_CHECK(cudaMalloc(&prefill_memory_, bytes));
-      prefill_bytes_ = bytes;
-    }
     auto s = std::make_unique<CudaPrefillState>();
-    float* base = static_cast<float*>(prefill_memory_);
+    float* base = static_cast<float*>(prefill_memory_.get(bytes));
     s->softmax = {base, base + stats, base + 2 * stats, query_rows, heads, v_dims};
     launch_prefill_begin(s->softmax, stream);
     return s;
@@ -216,8 +205,7 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
   MLADecodeKernel kernel_;
   std::unique_ptr<FlashInferMLA> flashinfer_;
   std::vector<int32_t> q_start_, kv_len_, kv_indptr_, table_;
-  void* prefill_memory_ = nullptr;
-  size_t prefill_bytes_ = 0;
+  GrowingDeviceBuffer prefill_memory_;  // one request's running softmax at a time
 };
 
 }  // namespace

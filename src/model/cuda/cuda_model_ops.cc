@@ -20,28 +20,6 @@ namespace {
 
 uint16_t* bf16_data(const Tensor& t) { return static_cast<uint16_t*>(t.data); }
 
-// Device memory that grows to the largest size asked for (eager steps:
-// growing waits for the device, so nothing in flight still uses the old).
-class Scratch {
- public:
-  ~Scratch() { release_device_memory(p_); }
-  void* get(size_t bytes) {
-    if (bytes > bytes_) {
-      MOELINK_CUDA_CHECK(cudaDeviceSynchronize());
-      release_device_memory(p_);
-      p_ = nullptr;
-      bytes_ = 0;
-      MOELINK_CUDA_CHECK(cudaMalloc(&p_, bytes));
-      bytes_ = bytes;
-    }
-    return p_;
-  }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
-};
-
 class CudaModelOps final : public CudaMemory<ModelOps> {
  public:
   void copy_async(void* dst, const void* src, size_t bytes, cudaStream_t stream) override {
@@ -121,7 +99,7 @@ class CudaModelOps final : public CudaMemory<ModelOps> {
  private:
   static constexpr int64_t kRowsPerGemm = 256;
   PooledCublas cublas_;
-  Scratch gathered_, valid_, logits_;
+  GrowingDeviceBuffer gathered_, valid_, logits_;
 };
 
 }  // namespace
