@@ -116,6 +116,12 @@ class Model {
   // One step. Host tensors for the CPU path, device tensors otherwise.
   void step(const StepInput& in, const StepOutput& out, cudaStream_t stream = nullptr);
 
+  // One step on contiguous host tensors whatever the backend (the serving
+  // engine builds its steps on the host): on a GPU backend they are copied
+  // into the model's memory, and next_tokens (and logits) back once the
+  // step has run. The CPU path's step() itself.
+  void step_from_host(const StepInput& in, const StepOutput& out, cudaStream_t stream = nullptr);
+
   // Waits and throws what any part flagged since the last check().
   void check(cudaStream_t stream = nullptr);
 

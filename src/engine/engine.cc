@@ -189,7 +189,7 @@ std::vector<StepResult> Engine::step() {
   so.next_tokens = Tensor::contiguous(next.data(), DType::kInt32, {B});
   std::string error;
   try {
-    model_.step(in, so);
+    model_.step_from_host(in, so);
     model_.check();
   } catch (const Error& e) {
     error = e.what();

@@ -26,6 +26,7 @@ class CpuModelOps final : public HostMemory<ModelOps> {
   void copy_async(void* dst, const void* src, size_t bytes, cudaStream_t) override {
     if (bytes > 0) std::memmove(dst, src, bytes);
   }
+  void sync(cudaStream_t) override {}
 
   void step_rows(const int32_t* q_start, int num_requests, int64_t n, int32_t* rows,
                  cudaStream_t) override {

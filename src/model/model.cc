@@ -287,6 +287,50 @@ class ModelImpl {
                static_cast<const int32_t*>(in.batch.kv_len.data), B, error, stream);
   }
 
+  void step_from_host(const StepInput& in, const StepOutput& out, cudaStream_t stream) {
+    if (host_) return step(in, out, stream);
+    StepInput d = in;
+    StepOutput o = out;
+    size_t slot = 0;
+    // Each defined tensor into a buffer of the model's memory of its own
+    // (grown as needed); `back` ones are copied back after the step.
+    std::vector<std::pair<const Tensor*, Tensor*>> back;
+    auto stage = [&](const char* field, const Tensor& host, Tensor& dev, bool copy_in, bool copy_back) {
+      if (!host.defined()) return;
+      for (int64_t i = host.ndim - 1, stride = 1; i >= 0; stride *= host.shape[i], --i)
+        if (host.shape[i] > 1 && host.stride[i] != stride)
+          bad("Model.step_from_host", field, "must be contiguous (host tensors are copied as they lie)");
+      int64_t elems = 1;
+      for (int i = 0; i < host.ndim; ++i) elems *= host.shape[i];
+      const size_t bytes = static_cast<size_t>(std::max<int64_t>(elems, 1)) * dtype_size(host.dtype);
+      if (slot == staged_.size()) staged_.emplace_back();
+      ModelBuffer& buf = staged_[slot++];
+      if (buf.bytes() < bytes) buf = ModelBuffer(*ops_, bytes);
+      dev = host;  // the same shape, contiguous in the model's memory
+      dev.data = buf.get();
+      for (int64_t i = host.ndim - 1, stride = 1; i >= 0; stride *= host.shape[i], --i) dev.stride[i] = stride;
+      if (copy_in && elems > 0) ops_->copy_in(buf.get(), host.data, bytes);
+      if (copy_back) back.emplace_back(&host, &dev);
+    };
+    stage("token_ids", in.token_ids, d.token_ids, true, false);
+    stage("batch.q_start", in.batch.q_start, d.batch.q_start, true, false);
+    stage("batch.kv_len", in.batch.kv_len, d.batch.kv_len, true, false);
+    stage("batch.block_table", in.batch.block_table, d.batch.block_table, true, false);
+    stage("sampling.temperature", in.sampling.temperature, d.sampling.temperature, true, false);
+    stage("sampling.top_k", in.sampling.top_k, d.sampling.top_k, true, false);
+    stage("sampling.top_p", in.sampling.top_p, d.sampling.top_p, true, false);
+    stage("sampling.seed", in.sampling.seed, d.sampling.seed, true, false);
+    stage("next_tokens", out.next_tokens, o.next_tokens, false, true);
+    stage("logits", out.logits, o.logits, false, true);
+    step(d, o, stream);
+    ops_->sync(stream);
+    for (auto [host, dev] : back) {
+      int64_t elems = 1;
+      for (int i = 0; i < host->ndim; ++i) elems *= host->shape[i];
+      if (elems > 0) ops_->copy_out(host->data, dev->data, static_cast<size_t>(elems) * dtype_size(host->dtype));
+    }
+  }
+
   void check(cudaStream_t stream) {
     ErrorCollector errors;
     errors.take([&] { check_own(stream); });
@@ -368,6 +412,7 @@ class ModelImpl {
   ModelOptions o_;
   int layers_ = 0;
   bool host_ = true, has_weights_ = false;
+  std::vector<ModelBuffer> staged_;  // step_from_host's copies of the step's tensors
   std::unique_ptr<ModelOps> ops_;
   std::vector<Layer> layers_v_;
   std::unique_ptr<Experts> quant_;
@@ -388,6 +433,9 @@ int Model::num_layers() const { return impl_->num_layers(); }
 void Model::load_checkpoint(const std::string& directory) { impl_->load_checkpoint(directory); }
 Tensor Model::kv_cache(int layer) const { return impl_->kv_cache(layer); }
 void Model::step(const StepInput& in, const StepOutput& out, cudaStream_t stream) { impl_->step(in, out, stream); }
+void Model::step_from_host(const StepInput& in, const StepOutput& out, cudaStream_t stream) {
+  impl_->step_from_host(in, out, stream);
+}
 void Model::check(cudaStream_t stream) { impl_->check(stream); }
 
 }  // namespace moelink

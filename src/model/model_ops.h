@@ -26,6 +26,8 @@ class ModelOps : public DeviceMemory {
  public:
   // dst = src (bytes), in stream order.
   virtual void copy_async(void* dst, const void* src, size_t bytes, cudaStream_t stream) = 0;
+  // Waits for the work on `stream`.
+  virtual void sync(cudaStream_t stream) = 0;
 
   // rows[0] = q_start[B] when it lies in [0, n], else 0: the rows every
   // step of the model touches (MLAAttention reports a bad q_start itself).

@@ -261,6 +261,41 @@ TEST_P(ModelTest, BadInputIsReportedAndTheModelStaysUsable) {
   }, 120);
 }
 
+// step_from_host (the engine's call: host tensors whatever the backend)
+// gives step()'s bits; the same step run twice writes the same cache rows.
+TEST_P(ModelTest, StepFromHostEqualsStep) {
+  const std::string dir = write_tiny_model(fresh_seed());
+  run_ranks(1, [&](int, moelink::Bootstrap& boot) {
+    auto m = make_model(dir, boot, backend());
+    Step s{tokens(10, 11), {0, 10}, {10}, {3}};
+    std::vector<int32_t> next;
+    const std::vector<float> want = run(*m, gpu(), s, &next);
+    std::vector<float> logits(10 * kVocab, NAN);
+    std::vector<int32_t> out(1, -7);
+    moelink::StepInput in;
+    in.token_ids = Tensor::contiguous(s.ids.data(), DType::kInt32, {10});
+    in.batch.num_requests = 1;
+    in.batch.q_start = Tensor::contiguous(s.q_start.data(), DType::kInt32, {2});
+    in.batch.kv_len = Tensor::contiguous(s.kv_len.data(), DType::kInt32, {1});
+    in.batch.block_table = Tensor::contiguous(s.table.data(), DType::kInt32, {1, 1});
+    moelink::StepOutput so;
+    so.next_tokens = Tensor::contiguous(out.data(), DType::kInt32, {1});
+    so.logits = Tensor::contiguous(logits.data(), DType::kFloat32, {10, kVocab});
+    so.logits_every_row = true;
+    m->step_from_host(in, so);
+    m->check();
+    RANK_CHECK(logits == want) << "step_from_host's logits differ from step()'s";
+    RANK_CHECK(out[0] == next[0]) << "next token " << out[0] << " against " << next[0];
+    if (gpu()) {  // host tensors are copied as they lie: strided ones are refused
+      std::vector<int32_t> every_other(20, 1);
+      in.token_ids = Tensor::contiguous(every_other.data(), DType::kInt32, {10});
+      in.token_ids.stride[0] = 2;
+      expect_throw_naming<moelink::InvalidArgument>([&] { m->step_from_host(in, so); },
+                                                    {"token_ids", "contiguous"});
+    }
+  }, 120);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, ModelTest, ::testing::Values(moelink::Backend::kCPU, moelink::Backend::kNVLink),
                          [](const auto& info) { return on_gpu(info.param) ? "Cuda" : "Cpu"; });
 

@@ -25,6 +25,7 @@ class CudaModelOps final : public CudaMemory<ModelOps> {
   void copy_async(void* dst, const void* src, size_t bytes, cudaStream_t stream) override {
     if (bytes > 0) MOELINK_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream));
   }
+  void sync(cudaStream_t stream) override { MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream)); }
 
   void step_rows(const int32_t* q_start, int num_requests, int64_t n, int32_t* rows,
                  cudaStream_t stream) override {
