@@ -1,4 +1,5 @@
-"""moelink-serve end to end on the CPU path: the tiny random model
+"""moelink-serve end to end on the CPU path (and on the GPU, backend nvlink,
+where there is one): the tiny random model
 (moelink.serve.tiny_model: numpy weights, a word-level tokenizer) behind
 the OpenAI-compatible API; requests from the official
 openai client, streaming and not, against the model's own greedy
@@ -28,16 +29,27 @@ from moelink.serve.tiny_model import write_tiny_model  # noqa: E402
 FIELDS = {}  # the tiny model's config, once the fixture wrote it
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def _has_gpu():
+    try:
+        import torch
+    except ImportError:
+        return False
+    return moelink.with_cuda and torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module", params=["cpu", "nvlink"])
+def served(tmp_path_factory, request):
     pytest.importorskip("ml_dtypes")
+    if request.param != "cpu" and not _has_gpu():
+        pytest.skip("the GPU path needs a Hopper GPU (runs on the H200 device machine)")
     d = tmp_path_factory.mktemp("tiny-moe")
     FIELDS.update(write_tiny_model(str(d), layers=2, seed=31))
     opts = moelink.serve.ServerOptions(num_pages=24, page_size=16, max_running=4, token_budget=48,
-                                       max_model_len=96)
+                                       max_model_len=96, backend=request.param)
     server = moelink.serve.Server(str(d), opts)
     host, port = server.start("127.0.0.1", 0)
     server.directory = str(d)
+    server.backend = request.param
     yield server, f"http://{host}:{port}"
     server.stop()
 
@@ -60,7 +72,7 @@ def test_completions_match_the_models_own_greedy_output(served):
     ids = server.tokenizer.encode(prompt, add_special_tokens=False).ids
     r = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=8, temperature=0)
     text = r.choices[0].text
-    want = greedy_alone(server.directory, ids, 8)
+    want = greedy_alone(server.directory, ids, 8, backend=server.backend)
     assert text == server.tokenizer.decode(want), "the server's text is the model's own greedy output"
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens <= 8
     assert r.choices[0].finish_reason in ("length", "stop")

@@ -13,7 +13,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", required=True, help="model directory (config.json, *.safetensors, tokenizer.json)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--backend", default="cpu", help="the MoE layers' backend (cpu today)")
+    p.add_argument("--backend", default="cpu", help="the model's backend: cpu (host loops), or nvlink (the GPU path)")
     p.add_argument("--num-pages", type=int, default=256, help="KV-cache pages per layer")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-running", type=int, default=8, help="requests a step carries at most")
