@@ -146,6 +146,11 @@ struct MLABatch {
   Tensor q_start;        // [B + 1] int32: q_start[0] = 0, non-decreasing, q_start[B] <= n
   Tensor kv_len;         // [B] int32: q_len_i <= kv_len[i] <= pages in the row * P
   Tensor block_table;    // [B, max_pages] int32 (any row stride): page ids in [0, num_pages)
+  // Optional, CUDA path: host copies of q_start, kv_len and block_table
+  // holding the same values (the engine builds its steps on the host).
+  // FlashInfer's decode then plans from them instead of reading the
+  // device's back, which synchronizes the stream once a layer.
+  Tensor host_q_start, host_kv_len, host_block_table;
 };
 
 namespace detail {

@@ -400,6 +400,20 @@ class MLAAttentionImpl {
               std::to_string(o_.max_pages_per_request) +
               "] (max_pages_per_request) with contiguous rows, got dtype " +
               std::string(dtype_name(bt.dtype)) + " shape " + shape_str(bt));
+    // The optional host copies: all three or none, the device tensors' shapes.
+    if (b.host_q_start.defined() || b.host_kv_len.defined() || b.host_block_table.defined()) {
+      vector_of("batch.host_q_start", b.host_q_start, B + 1);
+      vector_of("batch.host_kv_len", b.host_kv_len, B);
+      const Tensor& h = b.host_block_table;
+      if (!h.defined() || h.ndim != 2 || h.shape[0] != B || h.shape[1] != bt.shape[1] ||
+          h.dtype != DType::kInt32 || (h.shape[1] > 1 && h.stride[1] != 1) ||
+          (h.shape[0] > 1 && h.stride[0] < h.shape[1]))
+        bad(call, "batch.host_block_table",
+            "must come with host_q_start and host_kv_len as an int32 tensor of block_table's shape " +
+                shape_str(bt) + " with contiguous rows, got " +
+                (h.defined() ? "dtype " + std::string(dtype_name(h.dtype)) + " shape " + shape_str(h)
+                             : std::string("none")));
+    }
     return static_cast<int>(bt.shape[1]);
   }
 

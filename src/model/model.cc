@@ -322,6 +322,11 @@ class ModelImpl {
     stage("sampling.seed", in.sampling.seed, d.sampling.seed, true, false);
     stage("next_tokens", out.next_tokens, o.next_tokens, false, true);
     stage("logits", out.logits, o.logits, false, true);
+    // The attention's FlashInfer decode plans from the host copies (no
+    // stream synchronization per layer).
+    d.batch.host_q_start = in.batch.q_start;
+    d.batch.host_kv_len = in.batch.kv_len;
+    d.batch.host_block_table = in.batch.block_table;
     step(d, o, stream);
     ops_->sync(stream);
     for (auto [host, dev] : back) {

@@ -83,6 +83,8 @@ class Harness {
   MLATestWeights& weights() { return w_; }
   MLAAttention& rank(int r) { return *ranks_.at(r); }
   cudaStream_t stream() const { return gpu_ ? gpu_->stream() : nullptr; }
+  // Pass MLABatch's host copies of the batch values too.
+  void give_host_copies() { host_copies_ = true; }
 
   // One forward() of rank r on host vectors (x [n, D], out [n, D], the
   // batch's values), staged into the device's memory with the cache; out
@@ -100,6 +102,12 @@ class Harness {
     b.kv_len = Tensor::contiguous(st.put(kv_len), DType::kInt32, {std::max<int64_t>(B, 1)});
     b.kv_len.shape[0] = B;
     b.block_table = Tensor::contiguous(st.put(table), DType::kInt32, {B, max_pages});
+    if (host_copies_) {  // MLABatch's optional host copies of the same values
+      b.host_q_start = Tensor::contiguous(q_start.data(), DType::kInt32, {B + 1});
+      b.host_kv_len = Tensor::contiguous(kv_len.data(), DType::kInt32, {std::max<int64_t>(B, 1)});
+      b.host_kv_len.shape[0] = B;
+      b.host_block_table = Tensor::contiguous(table.data(), DType::kInt32, {B, max_pages});
+    }
     uint16_t* cache = st.put(cache_);
     uint16_t* dout = st.put(out);
     rank(r).forward(Tensor::contiguous(dout, DType::kBFloat16, {n, D}),
@@ -223,6 +231,7 @@ class Harness {
   std::vector<int32_t> free_pages_;
   std::vector<Request> reqs_;
   std::unique_ptr<MemoryOps> gpu_;  // null: the CPU path, host memory
+  bool host_copies_ = false;
   std::vector<std::unique_ptr<MLAAttention>> ranks_;
 };
 
@@ -541,6 +550,10 @@ TEST_P(MLAAttentionTest, BadBatchValuesAreReportedAndTheObjectStaysUsable) {
   two.num_decode = 2;
   expect_throw_naming<moelink::InvalidArgument>([&] { m.forward(tout, tx, two, cache); },
                                                 {"batch.num_decode", "= 2"});
+  MLABatch half = good;  // host copies: all three or none
+  half.host_q_start = good.q_start;
+  expect_throw_naming<moelink::InvalidArgument>([&] { m.forward(tout, tx, half, cache); },
+                                                {"batch.host_kv_len", "missing"});
   MLABatch wide = good;
   std::vector<int32_t> wide_table(97, p0);
   wide.block_table = Tensor::contiguous(wide_table.data(), DType::kInt32, {1, 97});
@@ -685,12 +698,14 @@ TEST(MLAAttentionCuda, FlashInferDecodeMatchesTheOwnKernelAndTheReference) {
   const int64_t D = c.hidden_size;
   using moelink::MLADecodeKernel;
   Harness fi(AttentionDevice::kCUDA, c, seed, 40, 64, 1, true, MLADecodeKernel::kFlashInfer),
-      own(AttentionDevice::kCUDA, c, seed, 40, 64, 1, true, MLADecodeKernel::kMoelink);
+      own(AttentionDevice::kCUDA, c, seed, 40, 64, 1, true, MLADecodeKernel::kMoelink),
+      planned(AttentionDevice::kCUDA, c, seed, 40, 64, 1, true, MLADecodeKernel::kFlashInfer);
+  planned.give_host_copies();  // FlashInfer planned from MLABatch's host copies
   const std::vector<int64_t> lengths{1, 63, 64, 65, 700, 130}, q_lens{1, 2, 1, 2, 1, 2};
-  std::vector<double> dec[2];
+  std::vector<double> dec[3];
   int k = 0;
   std::vector<int> ids;
-  for (Harness* h : {&fi, &own}) {
+  for (Harness* h : {&fi, &own, &planned}) {
     ids.clear();
     for (int64_t len : lengths) ids.push_back(h->add_request(len));
     Harness::Step prefill;
@@ -699,6 +714,7 @@ TEST(MLAAttentionCuda, FlashInferDecodeMatchesTheOwnKernelAndTheReference) {
     h->run(prefill);
     dec[k++] = h->run({ids, q_lens, static_cast<int>(ids.size())});
   }
+  EXPECT_TRUE(dec[2] == dec[0]) << "planned from the host copies, FlashInfer's decode differs";
   Compare cmp;
   cmp.rows(dec[0].data(), dec[1], D);
   EXPECT_EQ(cmp.nan, 0);

@@ -161,7 +161,8 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
 
  private:
   // Plans FlashInfer's kernel for the decode requests from host copies of
-  // the batch (eager calls only: the copy waits for the stream). False, for
+  // the batch: the caller's (MLABatch.host_*), or read back from the device
+  // after waiting for the stream (eager calls only). False, for
   // moelink's kernel to run instead, inside a capture (kAuto; kFlashInfer
   // refuses) or when a request is one plan_step() skips (that kernel gives
   // its rows zeros; FlashInfer would read the pages it names).
@@ -177,22 +178,27 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
     }
     const int B = b.num_decode;
     const int64_t max_pages = b.block_table.shape[1], stride = b.block_table.stride[0];
+    const bool host = b.host_q_start.defined() && b.host_kv_len.defined() && b.host_block_table.defined();
+    const int64_t host_stride = host ? b.host_block_table.stride[0] : stride;
     q_start_.resize(B + 1);
     kv_len_.resize(B);
     kv_indptr_.resize(B);
-    table_.resize(static_cast<size_t>(B) * stride);
-    MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream));
-    MOELINK_CUDA_CHECK(cudaMemcpy(q_start_.data(), b.q_start.data, (B + 1) * 4, cudaMemcpyDefault));
-    MOELINK_CUDA_CHECK(cudaMemcpy(kv_len_.data(), b.kv_len.data, B * 4, cudaMemcpyDefault));
+    table_.resize(static_cast<size_t>(B) * host_stride);
+    if (!host) MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream));  // the values may come from the stream's work
+    MOELINK_CUDA_CHECK(cudaMemcpy(q_start_.data(), host ? b.host_q_start.data : b.q_start.data, (B + 1) * 4,
+                                  cudaMemcpyDefault));
+    MOELINK_CUDA_CHECK(cudaMemcpy(kv_len_.data(), host ? b.host_kv_len.data : b.kv_len.data, B * 4,
+                                  cudaMemcpyDefault));
     if (B > 0)
-      MOELINK_CUDA_CHECK(cudaMemcpy(table_.data(), b.block_table.data, table_.size() * 4, cudaMemcpyDefault));
+      MOELINK_CUDA_CHECK(cudaMemcpy(table_.data(), host ? b.host_block_table.data : b.block_table.data,
+                                    table_.size() * 4, cudaMemcpyDefault));
     StepErrorRecord scratch{};
     const StepBounds bounds{q_start_[B], cache.shape[0], static_cast<int32_t>(max_pages),
                             static_cast<int32_t>(cache.shape[1])};
     if (q_start_[0] != 0) return false;
     for (int i = 0; i < B; ++i) {
       if (q_start_[i + 1] < q_start_[i] || q_start_[i + 1] - q_start_[i] > 2 ||
-          !request_ok(i, q_start_.data(), kv_len_.data(), &table_[static_cast<size_t>(i) * stride], bounds,
+          !request_ok(i, q_start_.data(), kv_len_.data(), &table_[static_cast<size_t>(i) * host_stride], bounds,
                       &scratch))
         return false;
       kv_indptr_[i] = static_cast<int32_t>(i * stride);
