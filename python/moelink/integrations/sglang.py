@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from enum import Enum, auto
 from typing import NamedTuple, Optional
 
@@ -54,11 +53,11 @@ from sglang.srt.runtime_context import get_parallel
 from .. import torch_ops
 from . import SGLANG_SWITCH_ENV as SWITCH_ENV
 from .._all_to_all import AllToAll
+from ._shared import FP8_GROUP, close_all, one_row_if_empty, shared_all_to_all  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
 BACKEND_ENV = "MOELINK_SGLANG_BACKEND"
-FP8_GROUP = 128  # DeepSeek-V3's 1x128 activation groups
 REPLACED = "sglang.srt.layers.moe.token_dispatcher.pplx.PplxDispatcher"
 TBO_INIT = "sglang.srt.batch_overlap.two_batch_overlap.MaybeTboDeepEPDispatcher.__init__"
 
@@ -93,30 +92,6 @@ assert isinstance(MoelinkCombineInput, CombineInput)
 
 
 # ---------------------------------------------------------------- the shared AllToAll
-_lock = threading.Lock()
-_all_to_alls: dict = {}  # (configuration, sub-batch) -> moelink.AllToAll
-
-
-def _shared_all_to_all(key: tuple, make) -> AllToAll:
-    """Every MoE layer of one sub-batch uses the same AllToAll (its buffers
-    are the biggest allocation moelink makes); the two sub-batches of
-    two-batch overlap use two, since both are in flight at once."""
-    with _lock:
-        a2a = _all_to_alls.get(key)
-        if a2a is None or a2a.closed:
-            a2a = make()
-            _all_to_alls[key] = a2a
-        return a2a
-
-
-def close_all() -> None:
-    """Frees every shared AllToAll (tests; a server exits instead)."""
-    with _lock:
-        for a2a in _all_to_alls.values():
-            a2a.close()
-        _all_to_alls.clear()
-
-
 def _default_backend(device: torch.device) -> str:
     chosen = os.environ.get(BACKEND_ENV)
     if chosen:
@@ -196,7 +171,7 @@ class MoelinkDispatcher(BaseDispatcher):
                    in_dtype=in_dtype, out_dtype=self.params_dtype,
                    dp_size=get_parallel().attn_tp_size)
         key = (backend, tuple(sorted((k, str(v)) for k, v in cfg.items())), self.subbatch_index)
-        return _shared_all_to_all(
+        return shared_all_to_all(
             key, lambda: AllToAll(backend=backend, group=self.group, **cfg))
 
     def _advance(self, expected: _Stage, new: _Stage, call: str) -> None:
@@ -211,13 +186,6 @@ class MoelinkDispatcher(BaseDispatcher):
                 f"moelink MoelinkDispatcher.{call}: {m} tokens exceed the per-rank limit "
                 f"{self.max_tokens_per_rank}; raise SGLANG_PPLX_NUM_MAX_DISPATCH_TOKENS_PER_RANK "
                 "or lower the decode batch / chunked-prefill size")
-
-    @staticmethod
-    def _one_row_if_empty(t: torch.Tensor, fill) -> torch.Tensor:
-        # moelink's inputs have 1..max_num_tokens rows (bound_m says how many
-        # are valid): an empty batch sends one row that bound_m = 0 hides.
-        return t if t.shape[0] else torch.full((1, *t.shape[1:]), fill, dtype=t.dtype,
-                                               device=t.device)
 
     def _quantize(self, x: torch.Tensor):
         if not self.use_fp8:
@@ -242,7 +210,7 @@ class MoelinkDispatcher(BaseDispatcher):
             a2a = self._all_to_all(hidden_states.device)
             c = a2a.config
             dev = hidden_states.device
-            x, x_scale = self._quantize(self._one_row_if_empty(hidden_states, 0))
+            x, x_scale = self._quantize(one_row_if_empty(hidden_states, 0))
             L, C, H = self.num_local_experts, c.expert_capacity, self.hidden_size
             masked_m = torch.empty(L, dtype=torch.int32, device=dev)
             out_x = torch.empty((L, C, H), dtype=x.dtype, device=dev)
@@ -251,8 +219,8 @@ class MoelinkDispatcher(BaseDispatcher):
             out_scale = torch.zeros((L, C, H // FP8_GROUP), dtype=torch.float32, device=dev) \
                 if self.use_fp8 else None
             bound_m = torch.full((1,), m, dtype=torch.int32, device=dev)
-            ids = self._one_row_if_empty(topk_output.topk_ids, -1)
-            weights = self._one_row_if_empty(topk_output.topk_weights.to(torch.float32), 0)
+            ids = one_row_if_empty(topk_output.topk_ids, -1)
+            weights = one_row_if_empty(topk_output.topk_weights.to(torch.float32), 0)
             torch.ops.moelink.dispatch(torch_ops.handle(a2a), masked_m, out_x, out_scale, x,
                                        x_scale, ids, weights, bound_m)
             num_dp_groups = get_parallel().attn_dp_size
@@ -289,8 +257,8 @@ class MoelinkDispatcher(BaseDispatcher):
                               dtype=self.params_dtype, device=dev)
             bound_m = torch.full((1,), m, dtype=torch.int32, device=dev)
             torch.ops.moelink.combine(
-                torch_ops.handle(a2a), out, self._one_row_if_empty(topk_ids, -1),
-                self._one_row_if_empty(topk_weights.to(torch.float32), 0), hidden_states, bound_m)
+                torch_ops.handle(a2a), out, one_row_if_empty(topk_ids, -1),
+                one_row_if_empty(topk_weights.to(torch.float32), 0), hidden_states, bound_m)
         except BaseException:
             self._stage = _Stage.DISPATCHED
             raise
