@@ -417,8 +417,8 @@ class ModelImpl {
   ModelOptions o_;
   int layers_ = 0;
   bool host_ = true, has_weights_ = false;
-  std::vector<ModelBuffer> staged_;  // step_from_host's copies of the step's tensors
   std::unique_ptr<ModelOps> ops_;
+  std::vector<ModelBuffer> staged_;  // step_from_host's copies of the step's tensors (ops_'s memory)
   std::vector<Layer> layers_v_;
   std::unique_ptr<Experts> quant_;
   ModelBuffer h_, normed_, part_, xq_, xs_, last_logits_, error_, zero_, rows_, final_norm_, embed_,
