@@ -708,10 +708,8 @@ TEST(MLAAttentionCuda, FlashInferDecodeMatchesTheOwnKernelAndTheReference) {
   for (Harness* h : {&fi, &own, &planned}) {
     ids.clear();
     for (int64_t len : lengths) ids.push_back(h->add_request(len));
-    Harness::Step prefill;
-    for (size_t i = 0; i < ids.size(); ++i)
-      if (lengths[i] > q_lens[i]) prefill.ids.push_back(ids[i]), prefill.q_lens.push_back(lengths[i] - q_lens[i]);
-    h->run(prefill);
+    for (size_t i = 0; i < ids.size(); ++i)  // each prompt a step of its own (max_tokens 512)
+      if (lengths[i] > q_lens[i]) h->run({{ids[i]}, {lengths[i] - q_lens[i]}, 0});
     dec[k++] = h->run({ids, q_lens, static_cast<int>(ids.size())});
   }
   EXPECT_TRUE(dec[2] == dec[0]) << "planned from the host copies, FlashInfer's decode differs";

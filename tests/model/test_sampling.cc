@@ -11,7 +11,7 @@
 
 #include "experts/expert_cases.h"  // fresh_seed
 #include "model/model_ops.h"
-#include "rank_harness.h"  // probe_gpu_count
+#include "rank_harness.h"  // probe_gpu_count, run_ranks, RANK_CHECK
 #include "staging.h"
 
 namespace moelink_test {
@@ -49,10 +49,8 @@ std::vector<int32_t> sample(ModelOps& ops, MemoryOps* gpu, Requests r, int64_t V
   return out;
 }
 
-TEST(SamplingCuda, PicksTheHostLoopsToken) {
-  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+// The CUDA kernel against the host loop on 48 requests at each vocabulary size.
+void check_sampling(uint64_t seed) {
   std::mt19937_64 rng(seed);
   auto cpu = moelink::detail::model::make_cpu_model_ops();
   auto cuda = moelink::detail::model::make_cuda_model_ops();
@@ -79,23 +77,33 @@ TEST(SamplingCuda, PicksTheHostLoopsToken) {
     ModelErrorRecord e_cpu{}, e_cuda{};
     const std::vector<int32_t> want = sample(*cpu, nullptr, r, V, &e_cpu);
     const std::vector<int32_t> got = sample(*cuda, gpu.get(), r, V, &e_cuda);
-    EXPECT_EQ(e_cpu.code, 0);
-    EXPECT_EQ(e_cuda.code, 0);
+    RANK_CHECK(e_cpu.code == 0);
+    RANK_CHECK(e_cuda.code == 0);
     for (int i = 0; i < B; ++i)
-      EXPECT_EQ(got[i], want[i]) << "request " << i << " (temperature " << r.temperature[i] << ", top_k "
+      RANK_CHECK(got[i] == want[i]) << "request " << i << " (temperature " << r.temperature[i] << ", top_k "
                                  << r.top_k[i] << ", top_p " << r.top_p[i] << ")";
-    EXPECT_EQ(got[7], -1) << "the empty request";
+    RANK_CHECK(got[7] == -1) << "the empty request";
     // A bad parameter: the request gets -1 and the record names it.
     Requests bad = r;
     bad.top_p[3] = 1.5f;
     const std::vector<int32_t> b = sample(*cuda, gpu.get(), bad, V, &e_cuda);
-    EXPECT_EQ(b[3], -1);
-    EXPECT_EQ(e_cuda.code, 2);
-    EXPECT_EQ(e_cuda.field, 2);
-    EXPECT_EQ(e_cuda.row, 3);
-    EXPECT_EQ(b[4], want[4]) << "a good request beside the bad one";
+    RANK_CHECK(b[3] == -1);
+    RANK_CHECK(e_cuda.code == 2);
+    RANK_CHECK(e_cuda.field == 2);
+    RANK_CHECK(e_cuda.row == 3);
+    RANK_CHECK(b[4] == want[4]) << "a good request beside the bad one";
   }
 }
+
+TEST(SamplingCuda, PicksTheHostLoopsToken) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  // In a forked rank: the test process itself never initializes CUDA, so
+  // the model tests' forked ranks after this one can.
+  run_ranks(1, [&](int, moelink::Bootstrap&) { check_sampling(seed); }, 120);
+}
+
 
 }  // namespace
 }  // namespace moelink_test
