@@ -234,18 +234,18 @@ def make_for(moe, quant_config, all2all_manager=None) -> MoelinkPrepareAndFinali
     from vllm.platforms import current_platform
 
     ep = get_ep_group()
-    world = ep.world_size
-    dp = max(1, int(getattr(moe, "dp_size", 1)))
     use_fp8 = quant_config is not None and \
         quant_config.quant_dtype == current_platform.fp8_dtype() and \
         list(quant_config.block_shape or []) == [FP8_GROUP, FP8_GROUP]
     group = ep.device_group if torch.cuda.is_available() else ep.cpu_group
     nnodes = int(os.environ.get("MOELINK_VLLM_NNODES", "1"))
+    # As for DeepEP's low-latency kernels: every rank of the EP group
+    # dispatches its own tokens.
     return MoelinkPrepareAndFinalize(
         group, max_tokens_per_rank=moe.max_num_tokens, num_experts=moe.num_experts,
         experts_per_token=moe.experts_per_token, hidden_size=moe.hidden_dim,
-        params_dtype=moe.in_dtype, num_dispatchers=world // dp if world % dp == 0 else world,
-        dp_size=dp if world % dp == 0 else 1, use_fp8_dispatch=use_fp8, nnodes=nnodes)
+        params_dtype=moe.in_dtype, num_dispatchers=ep.world_size, use_fp8_dispatch=use_fp8,
+        nnodes=nnodes)
 
 
 def register() -> None:
