@@ -50,10 +50,10 @@ from sglang.srt.layers.moe.utils import (
 )
 from sglang.srt.runtime_context import get_parallel
 
-from .. import torch_ops
 from . import SGLANG_SWITCH_ENV as SWITCH_ENV
 from .._all_to_all import AllToAll
-from ._shared import FP8_GROUP, close_all, one_row_if_empty, shared_all_to_all  # noqa: F401
+from ._shared import (FP8_GROUP, check_token_limit, close_all, combine_batched,  # noqa: F401
+                      dispatch_batched, one_row_if_empty, shared_all_to_all)
 
 logger = logging.getLogger(__name__)
 
@@ -181,11 +181,9 @@ class MoelinkDispatcher(BaseDispatcher):
         self._stage = new
 
     def _check_tokens(self, m: int, call: str) -> None:
-        if m > self.max_tokens_per_rank:
-            raise ValueError(
-                f"moelink MoelinkDispatcher.{call}: {m} tokens exceed the per-rank limit "
-                f"{self.max_tokens_per_rank}; raise SGLANG_PPLX_NUM_MAX_DISPATCH_TOKENS_PER_RANK "
-                "or lower the decode batch / chunked-prefill size")
+        check_token_limit(m, self.max_tokens_per_rank, f"MoelinkDispatcher.{call}",
+                          "raise SGLANG_PPLX_NUM_MAX_DISPATCH_TOKENS_PER_RANK or lower the decode "
+                          "batch / chunked-prefill size")
 
     def _quantize(self, x: torch.Tensor):
         if not self.use_fp8:
@@ -208,21 +206,10 @@ class MoelinkDispatcher(BaseDispatcher):
             m = hidden_states.shape[0]
             self._check_tokens(m, "dispatch_a")
             a2a = self._all_to_all(hidden_states.device)
-            c = a2a.config
-            dev = hidden_states.device
             x, x_scale = self._quantize(one_row_if_empty(hidden_states, 0))
-            L, C, H = self.num_local_experts, c.expert_capacity, self.hidden_size
-            masked_m = torch.empty(L, dtype=torch.int32, device=dev)
-            out_x = torch.empty((L, C, H), dtype=x.dtype, device=dev)
-            # Zeros, not garbage, behind the valid rows: a GEMM that reads a
-            # whole tile must not meet NaN scales.
-            out_scale = torch.zeros((L, C, H // FP8_GROUP), dtype=torch.float32, device=dev) \
-                if self.use_fp8 else None
-            bound_m = torch.full((1,), m, dtype=torch.int32, device=dev)
-            ids = one_row_if_empty(topk_output.topk_ids, -1)
-            weights = one_row_if_empty(topk_output.topk_weights.to(torch.float32), 0)
-            torch.ops.moelink.dispatch(torch_ops.handle(a2a), masked_m, out_x, out_scale, x,
-                                       x_scale, ids, weights, bound_m)
+            masked_m, out_x, out_scale = dispatch_batched(
+                a2a, self.num_local_experts, x, x_scale, topk_output.topk_ids,
+                topk_output.topk_weights.to(torch.float32), m)
             num_dp_groups = get_parallel().attn_dp_size
             expected_m = (m * num_dp_groups * self.router_topk + self.num_experts) // \
                 self.num_experts
@@ -252,17 +239,12 @@ class MoelinkDispatcher(BaseDispatcher):
             m = topk_ids.shape[0]
             self._check_tokens(m, "combine_a")
             a2a = self._all_to_all(hidden_states.device)
-            dev = hidden_states.device
-            out = torch.empty((self.max_tokens_per_rank, self.hidden_size),
-                              dtype=self.params_dtype, device=dev)
-            bound_m = torch.full((1,), m, dtype=torch.int32, device=dev)
-            torch.ops.moelink.combine(
-                torch_ops.handle(a2a), out, one_row_if_empty(topk_ids, -1),
-                one_row_if_empty(topk_weights.to(torch.float32), 0), hidden_states, bound_m)
+            out = combine_batched(a2a, hidden_states, topk_ids, topk_weights.to(torch.float32), m,
+                                  self.max_tokens_per_rank, self.params_dtype)
         except BaseException:
             self._stage = _Stage.DISPATCHED
             raise
-        self._state = out[:m]
+        self._state = out
 
     def combine_b(self) -> torch.Tensor:
         """[m, H] in the model dtype: sum_i topk_weights[t, i] * expert output."""

@@ -34,9 +34,9 @@ import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
 
-from .. import torch_ops
 from .._all_to_all import AllToAll
-from ._shared import FP8_GROUP, one_row_if_empty, quantize_fp8_groups, shared_all_to_all
+from ._shared import (FP8_GROUP, check_token_limit, combine_batched, dispatch_batched,
+                      one_row_if_empty, quantize_fp8_groups, shared_all_to_all)
 
 BACKEND_ENV = "MOELINK_VLLM_BACKEND"
 
@@ -117,11 +117,8 @@ class MoelinkPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         return shared_all_to_all(key, lambda: AllToAll(backend=backend, group=self.group, **cfg))
 
     def _check_tokens(self, m: int, call: str) -> None:
-        if m > self.max_tokens_per_rank:
-            raise ValueError(
-                f"moelink MoelinkPrepareAndFinalize.{call}: {m} tokens exceed the per-rank limit "
-                f"max_tokens_per_rank = {self.max_tokens_per_rank} (vLLM's max_num_tokens of the "
-                "MoE config)")
+        check_token_limit(m, self.max_tokens_per_rank, f"MoelinkPrepareAndFinalize.{call}",
+                          "max_tokens_per_rank is vLLM's max_num_tokens of the MoE config")
 
     @staticmethod
     def _route_weights(topk_weights: torch.Tensor, applied_on_input: bool) -> torch.Tensor:
@@ -153,23 +150,13 @@ class MoelinkPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                                  "apply_router_weight_on_input needs top-1 routing")
             a1 = a1 * topk_weights.to(a1.dtype)
         a2a = self.all_to_all(a1.device)
-        L, C, H = self.num_local_experts, a2a.config.expert_capacity, self.hidden_size
-        dev = a1.device
         x = one_row_if_empty(a1, 0)
         x_scale = None
         if self.use_fp8_dispatch:
             x, x_scale = quantize_fp8_groups(x)
-        expert_x = torch.empty((L, C, H), dtype=x.dtype, device=dev)
-        # Zeros, not garbage, behind the valid rows: a GEMM that reads a whole
-        # tile must not meet NaN scales.
-        expert_scale = torch.zeros((L, C, H // FP8_GROUP), dtype=torch.float32, device=dev) \
-            if self.use_fp8_dispatch else None
-        rows = torch.empty(L, dtype=torch.int32, device=dev)
-        bound_m = torch.full((1,), m, dtype=torch.int32, device=dev)
-        ids = one_row_if_empty(topk_ids.to(torch.int32), -1)
-        weights = one_row_if_empty(self._route_weights(topk_weights, apply_router_weight_on_input), 0)
-        torch.ops.moelink.dispatch(torch_ops.handle(a2a), rows, expert_x, expert_scale, x, x_scale,
-                                   ids, weights, bound_m)
+        rows, expert_x, expert_scale = dispatch_batched(
+            a2a, self.num_local_experts, x, x_scale, topk_ids.to(torch.int32),
+            self._route_weights(topk_weights, apply_router_weight_on_input), m)
 
         def receiver() -> mk.PrepareResultType:
             meta = mk.ExpertTokensMetadata(expert_num_tokens=rows, expert_num_tokens_cpu=None)
@@ -199,22 +186,16 @@ class MoelinkPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         m = topk_ids.shape[0]
         self._check_tokens(m, "finalize")
         a2a = self.all_to_all(fused_expert_output.device)
-        dev = fused_expert_output.device
-        combined = torch.empty((self.max_tokens_per_rank, self.hidden_size), dtype=self.params_dtype,
-                               device=dev)
-        weights = self._route_weights(topk_weights, apply_router_weight_on_input)
-        bound_m = torch.full((1,), m, dtype=torch.int32, device=dev)
         expert_out = fused_expert_output
         C = a2a.config.expert_capacity
         if expert_out.shape[1] != C:
             expert_out = expert_out[:, :C].contiguous()
-        torch.ops.moelink.combine(torch_ops.handle(a2a), combined,
-                                  one_row_if_empty(topk_ids.to(torch.int32), -1),
-                                  one_row_if_empty(weights, 0), expert_out.to(self.params_dtype),
-                                  bound_m)
+        combined = combine_batched(a2a, expert_out.to(self.params_dtype), topk_ids.to(torch.int32),
+                                   self._route_weights(topk_weights, apply_router_weight_on_input),
+                                   m, self.max_tokens_per_rank, self.params_dtype)
 
         def receiver() -> None:
-            output.copy_(combined[:m])
+            output.copy_(combined)
 
         return (lambda: None), receiver
 

@@ -297,11 +297,6 @@ __global__ void gather_kv_kernel(uint16_t* latent, int64_t latent_stride, int R,
 
 __global__ void set_count_kernel(int32_t* dst, int32_t value) { *dst = value; }
 
-void launched(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) throw_cuda_error(e, what, __FILE__, __LINE__);
-}
-
 unsigned grid_rows(int64_t rows) { return static_cast<unsigned>(rows > 0 ? rows : 1); }
 
 }  // namespace
@@ -312,7 +307,7 @@ void launch_plan_step(const MLABatch& b, int64_t n, const StepBounds& bounds, in
       static_cast<const int32_t*>(b.q_start.data), static_cast<const int32_t*>(b.kv_len.data),
       static_cast<const int32_t*>(b.block_table.data), b.block_table.stride[0], b.num_requests,
       b.num_decode, n, bounds, local_heads, plan, error);
-  launched("plan_step_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_rms_norm(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_stride, int64_t cols,
@@ -320,14 +315,14 @@ void launch_rms_norm(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x
                      cudaStream_t stream) {
   if (max_rows == 0) return;
   rms_norm_kernel<<<grid_rows(max_rows), 256, 0, stream>>>(y, y_stride, x, x_stride, cols, weight, eps, rows);
-  launched("rms_norm_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_rope_q(uint16_t* q, int64_t q_stride, int heads, int head_dim, int rope_dims,
                    const RowPlan& plan, int64_t max_rows, const RopeArgs& rope, cudaStream_t stream) {
   if (max_rows == 0) return;
   rope_q_kernel<<<grid_rows(max_rows), 128, 0, stream>>>(q, q_stride, heads, head_dim, rope_dims, plan, rope);
-  launched("rope_q_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_append_kv(uint16_t* cache, int page_size, const uint16_t* latent, int64_t latent_stride,
@@ -338,7 +333,7 @@ void launch_append_kv(uint16_t* cache, int page_size, const uint16_t* latent, in
   append_kv_kernel<<<grid_rows(max_rows), 128, 0, stream>>>(cache, page_size, latent, latent_stride, R, kpe,
                                                             kpe_stride, Dr, block_table, block_stride,
                                                             plan, rope);
-  launched("append_kv_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_split_heads(uint16_t* dst, int64_t Nd, int64_t width, const uint16_t* src,
@@ -347,14 +342,14 @@ void launch_split_heads(uint16_t* dst, int64_t Nd, int64_t width, const uint16_t
   if (Nd == 0 || heads == 0) return;
   split_heads_kernel<<<dim3(grid_rows(Nd), heads), 128, 0, stream>>>(dst, Nd, width, src, src_stride,
                                                                      head_stride, offset, rows);
-  launched("split_heads_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_merge_heads(uint16_t* dst, int64_t dst_stride, const uint16_t* src, int64_t Nd,
                         int64_t width, int heads, const int32_t* rows, cudaStream_t stream) {
   if (Nd == 0 || heads == 0) return;
   merge_heads_kernel<<<dim3(grid_rows(Nd), heads), 128, 0, stream>>>(dst, dst_stride, src, Nd, width, rows);
-  launched("merge_heads_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_decode_attention(uint16_t* out_latent, const uint16_t* q_latent, int64_t Nd, int R,
@@ -370,13 +365,13 @@ void launch_decode_attention(uint16_t* out_latent, const uint16_t* q_latent, int
   decode_attention_kernel<<<dim3(grid_rows(Nd), heads), kThreads, 0, stream>>>(
       out_latent, q_latent, Nd, R, q, q_stride, head_dim, nope_dims, cache, page_size, Dr, block_table,
       block_stride, plan, scale);
-  launched("decode_attention_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_prefill_begin(const PrefillSoftmax& s, cudaStream_t stream) {
   if (s.rows == 0) return;
   prefill_begin_kernel<<<256, 256, 0, stream>>>(s);
-  launched("prefill_begin_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_gather_kv(uint16_t* latent, int64_t latent_stride, int R, uint16_t* k_pe, int64_t kpe_stride,
@@ -385,7 +380,7 @@ void launch_gather_kv(uint16_t* latent, int64_t latent_stride, int R, uint16_t* 
   if (count == 0) return;
   gather_kv_kernel<<<grid_rows(count), 128, 0, stream>>>(latent, latent_stride, R, k_pe, kpe_stride, Dr,
                                                          cache, block_row, page_size, first);
-  launched("gather_kv_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_prefill_chunk(const PrefillSoftmax& s, const uint16_t* q, int64_t q_stride, int64_t q_row0,
@@ -401,19 +396,19 @@ void launch_prefill_chunk(const PrefillSoftmax& s, const uint16_t* q, int64_t q_
   prefill_chunk_kernel<<<dim3(grid_rows(s.rows), s.heads), kThreads, 0, stream>>>(
       s, q, q_stride, q_row0, q_pos0, kv, kv_stride, k_pe, kpe_stride, keys, k_pos0, nope_dims, rope_dims,
       scale);
-  launched("prefill_chunk_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_prefill_finish(const PrefillSoftmax& s, uint16_t* out, int64_t out_stride, int64_t row0,
                            cudaStream_t stream) {
   if (s.rows == 0) return;
   prefill_finish_kernel<<<dim3(grid_rows(s.rows), s.heads), 128, 0, stream>>>(s, out, out_stride, row0);
-  launched("prefill_finish_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_set_count(int32_t* dst, int32_t value, cudaStream_t stream) {
   set_count_kernel<<<1, 1, 0, stream>>>(dst, value);
-  launched("set_count_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace moelink::detail::attention

@@ -203,18 +203,13 @@ __global__ void __launch_bounds__(1024) sample_kernel(SampleArgs a) {
   if (threadIdx.x == 0) tok = index_of(pick);
 }
 
-void launched(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) throw_cuda_error(e, what, __FILE__, __LINE__);
-}
-
 unsigned grid(int64_t n) { return static_cast<unsigned>(n > 0 ? n : 1); }
 
 }  // namespace
 
 void launch_step_rows(const int32_t* q_start, int num_requests, int64_t n, int32_t* rows, cudaStream_t stream) {
   step_rows_kernel<<<1, 1, 0, stream>>>(q_start, num_requests, n, rows);
-  launched("step_rows_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_embed(uint16_t* h, int64_t h_stride, int64_t D, const int32_t* ids, int64_t ids_stride,
@@ -222,7 +217,7 @@ void launch_embed(uint16_t* h, int64_t h_stride, int64_t D, const int32_t* ids, 
                   ModelErrorRecord* error, cudaStream_t stream) {
   if (max_rows == 0) return;
   embed_kernel<<<grid(max_rows), 256, 0, stream>>>(h, h_stride, D, ids, ids_stride, table, vocab, rows, error);
-  launched("embed_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_add_rms_norm(uint16_t* h, int64_t h_stride, const uint16_t* x, int64_t x_stride, uint16_t* normed,
@@ -231,27 +226,27 @@ void launch_add_rms_norm(uint16_t* h, int64_t h_stride, const uint16_t* x, int64
   if (max_rows == 0) return;
   add_rms_norm_kernel<<<grid(max_rows), 256, 0, stream>>>(h, h_stride, x, x_stride, normed, normed_stride, D,
                                                           weight, eps, rows);
-  launched("add_rms_norm_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_gather_rows(uint16_t* dst, const uint16_t* h, int64_t h_stride, int64_t D, const int32_t* rows,
                         const int32_t* q_start, int64_t first, int64_t k, int32_t* valid, cudaStream_t stream) {
   if (k == 0) return;
   gather_rows_kernel<<<grid(k), 256, 0, stream>>>(dst, h, h_stride, D, rows, q_start, first, valid);
-  launched("gather_rows_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_copy_valid_rows(float* dst, int64_t dst_stride, const float* src, int64_t V, const int32_t* valid,
                             int64_t k, cudaStream_t stream) {
   if (k == 0) return;
   copy_valid_rows_kernel<<<grid(k), 256, 0, stream>>>(dst, dst_stride, src, V, valid);
-  launched("copy_valid_rows_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_sample(const SampleArgs& a, cudaStream_t stream) {
   if (a.num_requests == 0) return;
   sample_kernel<<<a.num_requests, 1024, 0, stream>>>(a);
-  launched("sample_kernel");
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace moelink::detail::model
