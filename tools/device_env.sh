@@ -23,6 +23,16 @@ if [[ -d "$root/.deps/sysroot/usr/include/rdma" ]]; then
   sysroot="$root/.deps/sysroot"
   export LD_LIBRARY_PATH="$sysroot/usr/lib/x86_64-linux-gnu:$sysroot/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH"
   fabric_args=(-DMOELINK_LIBFABRIC_ROOT="$sysroot/usr")
+  # xxHash, for the serving engine (its .pc is relative to the sysroot).
+  export PKG_CONFIG_PATH="$sysroot/usr/lib/x86_64-linux-gnu/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+fi
+# Python packages the image lacks (the openai client), installed outside
+# the checkout once per machine.
+if compgen -G "$root/.deps/pywheels/*.whl" >/dev/null; then
+  pysite=/tmp/moelink-pysite
+  [[ -d $pysite/openai ]] || $py -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --target "$pysite" "$root"/.deps/pywheels/*.whl
+  export PYTHONPATH="$pysite${PYTHONPATH:+:$PYTHONPATH}"
 fi
 # CUTLASS (the CUDA expert kernels) from the wheel tools/prepare_device_deps.sh
 # put in .deps/wheels, unpacked outside the checkout.

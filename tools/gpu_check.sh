@@ -119,7 +119,7 @@ if has experts; then
   cmd=($py tools/bench/experts_bench.py --machine "nvidia-h200-x$ngpu" --json "$OUT/experts.json"
        ${MOELINK_EXPERTS_BENCH_ARGS:-})
   echo "${cmd[*]}"
-  PYTHONPATH="$root/build-gpu/python" "${cmd[@]}" 2>&1 | tee "$OUT/experts-bench.log" | tail -30 ||
+  PYTHONPATH="$root/build-gpu/python${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 | tee "$OUT/experts-bench.log" | tail -30 ||
     status=1
 fi
 if has layer; then
@@ -127,7 +127,7 @@ if has layer; then
   cmd=($py tools/bench/layer_bench.py --machine "nvidia-h200-x$ngpu" --json "$OUT/layer.json"
        ${MOELINK_LAYER_BENCH_ARGS:-})
   echo "${cmd[*]}"
-  PYTHONPATH="$root/build-gpu/python" "${cmd[@]}" 2>&1 | tee "$OUT/layer-bench.log" | tail -40 ||
+  PYTHONPATH="$root/build-gpu/python${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 | tee "$OUT/layer-bench.log" | tail -40 ||
     status=1
 fi
 if has fabric; then
