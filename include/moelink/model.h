@@ -32,7 +32,7 @@ struct ModelConfig {
   int first_k_dense_replace = 0;  // the first layers' MLP is dense
   int intermediate_size = 0;      // the dense MLP's width, a multiple of 128
   double rms_norm_eps = 1e-6;
-  int num_nextn_predict_layers = 0;  // MTP modules in the checkpoint (not run yet)
+  int num_nextn_predict_layers = 0;  // MTP modules in the checkpoint (ModelOptions.mtp runs the first)
   bool tie_word_embeddings = false;
 
   static ModelConfig deepseek_v3();  // also DeepSeek-R1
@@ -59,6 +59,14 @@ struct ModelOptions {
   // Pages of the KV cache the model allocates for each layer
   // ([num_pages, page_size, kv_lora_rank + qk_rope_head_dim] bf16).
   int64_t num_pages = 0;
+  // Multi-token prediction: also run the checkpoint's first MTP module
+  // (layer num_hidden_layers: enorm, hnorm, eh_proj, a decoder layer with a
+  // KV cache of its own, shared_head) on every step, so each request gets a
+  // draft of the token after its next one (StepOutput.draft_tokens), which
+  // the next step can verify (StepInput.num_drafts). Needs
+  // num_nextn_predict_layers >= 1; the same on every rank (its decoder
+  // layer is a MoE layer, a collective).
+  bool mtp = false;
 };
 
 // Per-request sampling, read where the step runs: greedy where temperature
@@ -77,14 +85,37 @@ struct StepInput {
   Tensor token_ids;  // [n] int32: the query tokens (rows of the batch); may be undefined when B = 0
   MLABatch batch;    // request i's rows, lengths and pages (shared by every layer)
   SamplingParams sampling;  // undefined tensors: greedy for every request
+  // Speculative decoding (optional, undefined: no drafts): request i's last
+  // num_drafts[i] rows are draft tokens (e.g. the previous step's
+  // draft_tokens[i]) to verify, [B] int32 in [0, min(1, q_len_i - 1)]. The
+  // step samples the row before each draft and the last row, accepts drafts
+  // while the sample before each equals it, and reports in next_tokens the
+  // sample after the accepted ones: the tokens a request gets are the ones
+  // it would get without drafts (sampling is keyed by position). The KV
+  // rows of rejected drafts are left in the cache, to be overwritten.
+  Tensor num_drafts;
+  // With ModelOptions.mtp (optional): known_next[i] >= 0 is the token that
+  // follows request i's last row when the caller knows it (a prefill chunk
+  // that does not end its prompt), -1 where not; the MTP module then embeds
+  // it instead of the sampled token. [B] int32; ignored for requests with
+  // drafts.
+  Tensor known_next;
 };
 
 struct StepOutput {
-  Tensor next_tokens;  // [B] int32: sampled from each request's last row; -1 for none (required)
+  // [B] int32 (required): sampled from each request's last row, or with
+  // drafts the row after its last accepted draft; -1 for an empty request.
+  Tensor next_tokens;
   // Optional fp32 logits: [B, V] of each request's last row, or with
   // logits_every_row [n, V] of every row (teacher forcing, scoring).
   Tensor logits;
   bool logits_every_row = false;
+  Tensor accepted;  // optional [B] int32: the drafts accepted (0 without)
+  // With ModelOptions.mtp (optional): [B] int32, the MTP module's greedy
+  // proposal for the token after next_tokens[i] (-1 for an empty request),
+  // and its logits [B, V] fp32.
+  Tensor draft_tokens;
+  Tensor draft_logits;
 };
 
 namespace detail {
@@ -110,7 +141,8 @@ class Model {
   // the tensor and the file.
   void load_checkpoint(const std::string& directory);
 
-  // The KV cache of layer `layer` ([num_pages, page_size, Dc] bf16).
+  // The KV cache of layer `layer` ([num_pages, page_size, Dc] bf16); with
+  // ModelOptions.mtp, layer num_layers() is the MTP module's.
   Tensor kv_cache(int layer) const;
 
   // One step. Host tensors for the CPU path, device tensors otherwise.

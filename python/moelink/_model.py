@@ -26,8 +26,12 @@ class Model:
 
     Model(config, *, max_tokens, num_pages, backend="nvlink", page_size=64,
           max_requests=64, max_pages_per_request=64, num_layers=0, overlap="auto",
-          dp_size=1, tp_size=1, tp_rank=0, group=None, bootstrap=None,
+          dp_size=1, tp_size=1, tp_rank=0, mtp=False, group=None, bootstrap=None,
           timeout_s=None, debug=None)
+
+    mtp=True also runs the checkpoint's MTP module on every step: step()
+    then proposes a draft token per request (draft_tokens=), which the next
+    step verifies (num_drafts=).
 
     Collective over the ranks (expert parallelism; the same bootstrap rules
     as AllToAll). Load weights with load_checkpoint(), then call step()."""
@@ -35,7 +39,8 @@ class Model:
     def __init__(self, config: Any = "deepseek-v3", *, max_tokens: int, num_pages: int,
                  backend: str = "nvlink", page_size: int = 64, max_requests: int = 64,
                  max_pages_per_request: int = 64, num_layers: int = 0, overlap: str = "auto",
-                 dp_size: int = 1, tp_size: int = 1, tp_rank: int = 0, group=None, bootstrap=None,
+                 dp_size: int = 1, tp_size: int = 1, tp_rank: int = 0, mtp: bool = False, group=None,
+                 bootstrap=None,
                  timeout_s: Optional[float] = None, debug: Optional[bool] = None):
         cfg = model_full_config(config)
         self._host = backend in _HOST_BACKENDS
@@ -46,7 +51,7 @@ class Model:
                               -1.0 if timeout_s is None else float(timeout_s),
                               -1 if debug is None else int(bool(debug)), int(num_layers),
                               int(num_pages), int(page_size), int(max_requests),
-                              int(max_pages_per_request), int(tp_size), int(tp_rank))
+                              int(max_pages_per_request), int(tp_size), int(tp_rank), bool(mtp))
 
     @property
     def config(self):
@@ -63,18 +68,28 @@ class Model:
 
     def step(self, token_ids, q_start, kv_len, block_table, next_tokens, *, num_decode: int = 0,
              logits=None, logits_every_row: bool = False, temperature=None, top_k=None,
-             top_p=None, seed=None, stream=None) -> None:
+             top_p=None, seed=None, num_drafts=None, known_next=None, accepted=None,
+             draft_tokens=None, draft_logits=None, stream=None) -> None:
         """One step over this rank's requests. token_ids [n] int32 are the
         query tokens; q_start [B + 1], kv_len [B], block_table [B, pages] int32
         as MLAAttention takes them (decode requests first, num_decode of
         them). Writes next_tokens [B] int32 (greedy unless temperature [B] > 0,
         with top_k [B] int32, top_p [B] and seed [B] int64) and, when given,
         logits: [B, V] fp32 of each request's last row, or [n, V] with
-        logits_every_row."""
+        logits_every_row.
+
+        Speculative decoding: num_drafts [B] int32 (0 or 1) says that the
+        request's last row is a draft token to verify; accepted [B] int32
+        receives how many were accepted, next_tokens the token after them.
+        With mtp=True: draft_tokens [B] int32 (and draft_logits [B, V] fp32)
+        receive the MTP module's proposal for the token after next_tokens;
+        known_next [B] int32 (-1: none) names the token that follows a
+        prefill chunk's last row when the prompt goes on."""
         num_requests = int(q_start.shape[0]) - 1
         self._impl.step(token_ids, q_start, kv_len, block_table, num_requests, int(num_decode),
                         next_tokens, logits, bool(logits_every_row), temperature, top_k, top_p,
-                        seed, 0 if self._host else stream_handle(stream, token_ids))
+                        seed, num_drafts, known_next, accepted, draft_tokens, draft_logits,
+                        0 if self._host else stream_handle(stream, token_ids))
 
     def check(self, stream=None) -> None:
         """Raises moelink.InputError for what any layer flagged since the last

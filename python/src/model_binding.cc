@@ -22,9 +22,10 @@ class PyModel {
   PyModel(const ModelConfig& config, Bootstrap& boot, int64_t max_tokens, const std::string& backend,
           const std::string& overlap, int dp_size, double timeout_s, int debug, int num_layers,
           int64_t num_pages, int page_size, int max_requests, int max_pages_per_request, int tp_size,
-          int tp_rank) {
+          int tp_rank, bool mtp) {
     ModelOptions o;
     o.num_layers = num_layers;
+    o.mtp = mtp;
     o.moe = moe_layer_options(max_tokens, backend, overlap, 32, false, dp_size, timeout_s, debug, -1);
     o.attention.page_size = page_size;
     o.attention.max_requests = max_requests;
@@ -47,7 +48,8 @@ class PyModel {
   void step(nb::handle token_ids, nb::handle q_start, nb::handle kv_len, nb::handle block_table,
             int num_requests, int num_decode, nb::handle next_tokens, nb::handle logits,
             bool logits_every_row, nb::handle temperature, nb::handle top_k, nb::handle top_p,
-            nb::handle seed, uintptr_t stream) {
+            nb::handle seed, nb::handle num_drafts, nb::handle known_next, nb::handle accepted,
+            nb::handle draft_tokens, nb::handle draft_logits, uintptr_t stream) {
     ConvertContext ctx;
     ctx.call = "Model.step";
     ctx.place = host_ ? Place::kHost : Place::kCuda;
@@ -63,7 +65,12 @@ class PyModel {
     in.sampling.top_k = to_tensor(ctx, top_k, "top_k", false, true);
     in.sampling.top_p = to_tensor(ctx, top_p, "top_p", false, true);
     in.sampling.seed = to_tensor(ctx, seed, "seed", false, true);
+    in.num_drafts = to_tensor(ctx, num_drafts, "num_drafts", false, true);
+    in.known_next = to_tensor(ctx, known_next, "known_next", false, true);
     StepOutput out;
+    out.accepted = to_tensor(ctx, accepted, "accepted", true, true);
+    out.draft_tokens = to_tensor(ctx, draft_tokens, "draft_tokens", true, true);
+    out.draft_logits = to_tensor(ctx, draft_logits, "draft_logits", true, true);
     out.next_tokens = to_tensor(ctx, next_tokens, "next_tokens", true);
     out.logits = to_tensor(ctx, logits, "logits", true, true);
     out.logits_every_row = logits_every_row;
@@ -106,15 +113,16 @@ void bind_model(nb::module_& m) {
 
   nb::class_<PyModel>(m, "Model", "A DeepSeek-V3-family model (moelink.Model wraps this).")
       .def(nb::init<const ModelConfig&, Bootstrap&, int64_t, const std::string&, const std::string&, int,
-                    double, int, int, int64_t, int, int, int, int, int>(),
+                    double, int, int, int64_t, int, int, int, int, int, bool>(),
            "config"_a, "bootstrap"_a, "max_tokens"_a, "backend"_a, "overlap"_a, "dp_size"_a,
            "timeout_s"_a, "debug"_a, "num_layers"_a, "num_pages"_a, "page_size"_a, "max_requests"_a,
-           "max_pages_per_request"_a, "tp_size"_a, "tp_rank"_a)
+           "max_pages_per_request"_a, "tp_size"_a, "tp_rank"_a, "mtp"_a)
       .def("load_checkpoint", &PyModel::load_checkpoint, "directory"_a)
       .def("step", &PyModel::step, "token_ids"_a, "q_start"_a, "kv_len"_a.none(),
            "block_table"_a.none(), "num_requests"_a, "num_decode"_a, "next_tokens"_a,
            "logits"_a.none(), "logits_every_row"_a, "temperature"_a.none(), "top_k"_a.none(),
-           "top_p"_a.none(), "seed"_a.none(), "stream"_a)
+           "top_p"_a.none(), "seed"_a.none(), "num_drafts"_a.none(), "known_next"_a.none(),
+           "accepted"_a.none(), "draft_tokens"_a.none(), "draft_logits"_a.none(), "stream"_a)
       .def("check", &PyModel::check, "stream"_a)
       .def_prop_ro("num_layers", [](PyModel& p) { return p.impl().num_layers(); })
       .def_prop_ro("config", [](PyModel& p) { return p.impl().config(); });

@@ -8,6 +8,7 @@
 
 #include "core/float_convert.h"
 #include "core/device_memory.h"
+#include "model/draft_rules.h"
 #include "model/model_ops.h"
 #include "model/sampling.h"
 #include "moelink/errors.h"
@@ -16,6 +17,12 @@ namespace moelink::detail::model {
 namespace {
 
 uint16_t* row_of(const Tensor& t, int64_t r) { return static_cast<uint16_t*>(t.data) + r * t.stride[0]; }
+
+float dot_bf16(const std::vector<float>& x, const uint16_t* w) {
+  float acc = 0.0f;
+  for (size_t d = 0; d < x.size(); ++d) acc += x[d] * bf16_to_f32(w[d]);
+  return acc;
+}
 
 void record(ModelErrorRecord* e, int32_t code, int32_t field, int64_t row, double value, int64_t limit) {
   if (e->code == 0) *e = {code, field, row, value, limit};
@@ -74,43 +81,56 @@ class CpuModelOps final : public HostMemory<ModelOps> {
     }
   }
 
-  void lm_head(const Tensor& logits, const Tensor& h, const uint16_t* weight, int64_t vocab,
-               const int32_t* rows, const int32_t* q_start, int num_requests, cudaStream_t) override {
-    const int64_t D = h.shape[1];
-    const int64_t k = q_start ? num_requests : *rows;
-    std::vector<float> hv(D);
-    for (int64_t j = 0; j < k; ++j) {
-      int64_t r = j;
-      if (q_start) {
-        if (q_start[j + 1] <= q_start[j] || q_start[j + 1] > *rows) continue;
-        r = q_start[j + 1] - 1;
-      }
-      const uint16_t* hr = row_of(h, r);
-      for (int64_t d = 0; d < D; ++d) hv[d] = bf16_to_f32(hr[d]);
-      float* out = static_cast<float*>(logits.data) + j * logits.stride[0];
-      for (int64_t v = 0; v < vocab; ++v) {
-        const uint16_t* w = weight + v * D;
-        float acc = 0.0f;
-        for (int64_t d = 0; d < D; ++d) acc += hv[d] * bf16_to_f32(w[d]);
-        out[v] = acc;
-      }
+  void linear(const Tensor& out, const Tensor& x, const uint16_t* weight, const int32_t* rows,
+              cudaStream_t) override {
+    const int64_t N = out.shape[1], K = x.shape[1];
+    std::vector<float> xv(K);
+    for (int64_t r = 0; r < *rows; ++r) {
+      for (int64_t k = 0; k < K; ++k) xv[k] = bf16_to_f32(row_of(x, r)[k]);
+      uint16_t* o = row_of(out, r);
+      for (int64_t n = 0; n < N; ++n) o[n] = f32_to_bf16(dot_bf16(xv, weight + n * K));
     }
   }
 
-  void sample(const Tensor& next_tokens, const Tensor& logits, const Tensor& temperature,
-              const Tensor& top_k, const Tensor& top_p, const Tensor& seed, const int32_t* q_start,
-              const int32_t* kv_len, int num_requests, ModelErrorRecord* error, cudaStream_t) override {
+  void lm_head(const Tensor& logits, const Tensor& h, const uint16_t* weight, int64_t vocab,
+               const int32_t* rows, const int32_t* row_index, cudaStream_t) override {
+    const int64_t D = h.shape[1];
+    const int64_t k = row_index ? logits.shape[0] : *rows;
+    std::vector<float> hv(D);
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t r = row_index ? row_index[j] : j;
+      if (r < 0 || r >= *rows) continue;
+      const uint16_t* hr = row_of(h, r);
+      for (int64_t d = 0; d < D; ++d) hv[d] = bf16_to_f32(hr[d]);
+      float* out = static_cast<float*>(logits.data) + j * logits.stride[0];
+      for (int64_t v = 0; v < vocab; ++v) out[v] = dot_bf16(hv, weight + v * D);
+    }
+  }
+
+  void plan_samples(const int32_t* q_start, const int32_t* kv_len, const int32_t* num_drafts, int num_requests,
+                    int slots, const int32_t* rows, int32_t* row_index, int32_t* position, ModelErrorRecord* error,
+                    cudaStream_t) override {
+    for (int i = 0; i < num_requests; ++i)
+      if (plan_request_samples(q_start, kv_len, num_drafts, i, slots, *rows, row_index, position).bad_drafts)
+        record(error, 3, 0, i, num_drafts[i],
+               std::max(0, std::min(slots - 1, q_start[i + 1] - q_start[i] - 1)));
+  }
+
+  void sample(const Tensor& tokens, const Tensor& logits, const Tensor& temperature, const Tensor& top_k,
+              const Tensor& top_p, const Tensor& seed, const int32_t* row_index, const int32_t* position,
+              int slots, ModelErrorRecord* error, cudaStream_t) override {
     const int64_t V = logits.shape[1];
-    auto* out = static_cast<int32_t*>(next_tokens.data);
+    auto* out = static_cast<int32_t*>(tokens.data);
     std::vector<int32_t> order(V);
     std::vector<double> p(V);
-    for (int i = 0; i < num_requests; ++i) {
-      int32_t& tok = out[i * next_tokens.stride[0]];
-      if (q_start[i + 1] <= q_start[i]) {
+    for (int64_t j = 0; j < tokens.shape[0]; ++j) {
+      const int64_t i = j / slots;  // the request
+      int32_t& tok = out[j * tokens.stride[0]];
+      if (row_index[j] < 0) {
         tok = -1;
         continue;
       }
-      const float* l = static_cast<const float*>(logits.data) + i * logits.stride[0];
+      const float* l = static_cast<const float*>(logits.data) + j * logits.stride[0];
       const float t = temperature.defined() ? static_cast<const float*>(temperature.data)[i] : 0.0f;
       const int32_t k = top_k.defined() ? static_cast<const int32_t*>(top_k.data)[i] : 0;
       const float tp = top_p.defined() ? static_cast<const float*>(top_p.data)[i] : 1.0f;
@@ -129,30 +149,51 @@ class CpuModelOps final : public HostMemory<ModelOps> {
       std::partial_sort(order.begin(), order.begin() + keep, order.end(),
                         [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
       double sum = 0.0;
-      for (int64_t j = 0; j < keep; ++j) sum += (p[j] = std::exp((l[order[j]] - l[order[0]]) / t));
+      for (int64_t q = 0; q < keep; ++q) sum += (p[q] = std::exp((l[order[q]] - l[order[0]]) / t));
       int64_t cut = keep;  // the smallest prefix whose mass reaches top_p
       double mass = 0.0;
-      for (int64_t j = 0; j < keep; ++j) {
-        mass += p[j] / sum;
+      for (int64_t q = 0; q < keep; ++q) {
+        mass += p[q] / sum;
         if (mass >= tp) {
-          cut = j + 1;
+          cut = q + 1;
           break;
         }
       }
       double total = 0.0;
-      for (int64_t j = 0; j < cut; ++j) total += p[j];
-      const int64_t position = kv_len[i] - 1;
-      const double u = sample_uniform(seed.defined() ? static_cast<const int64_t*>(seed.data)[i] : 0,
-                                      position) * total;
+      for (int64_t q = 0; q < cut; ++q) total += p[q];
+      const double u =
+          sample_uniform(seed.defined() ? static_cast<const int64_t*>(seed.data)[i] : 0, position[j]) * total;
       double acc = 0.0;
       tok = order[cut - 1];
-      for (int64_t j = 0; j < cut; ++j) {
-        acc += p[j];
+      for (int64_t q = 0; q < cut; ++q) {
+        acc += p[q];
         if (u < acc) {
-          tok = order[j];
+          tok = order[q];
           break;
         }
       }
+    }
+  }
+
+  void accept_drafts(const int32_t* samples, const int32_t* row_index, int slots, const Tensor& token_ids,
+                     const int32_t* q_start, const int32_t* known_next, int num_requests,
+                     int32_t* next_tokens, int64_t next_stride,
+                     int32_t* accepted, int32_t* mtp_tokens, int32_t* draft_row, cudaStream_t) override {
+    const auto* ids = static_cast<const int32_t*>(token_ids.data);
+    const int64_t ids_stride = token_ids.defined() ? token_ids.stride[0] : 1;
+    for (int i = 0; i < num_requests; ++i) {
+      const int32_t* slot_rows = row_index + i * slots;
+      const int32_t* slot_tokens = samples + i * slots;
+      const int32_t a = accepted_drafts(slot_tokens, slot_rows, slots, ids, ids_stride);
+      next_tokens[i * next_stride] = slot_rows[0] < 0 ? -1 : slot_tokens[a];
+      if (accepted) accepted[i] = a;
+      if (!mtp_tokens) continue;
+      const int32_t first = slot_rows[0], last = q_start[i + 1] - 1;
+      draft_row[i] = first < 0 ? -1 : first + a;
+      if (first < 0) continue;  // plan_samples kept its rows below rows
+      const int32_t known = known_next && last == first ? known_next[i] : -1;
+      for (int64_t r = q_start[i]; r <= last; ++r)
+        mtp_tokens[r] = mtp_input_token(r, first, last, ids, ids_stride, slot_tokens, known);
     }
   }
 

@@ -6,7 +6,12 @@
 //               h += a; hn = post_attention_layernorm(h)
 //               m = dense_mlp(hn) | moe(hn);  h += m (in the next layer's
 //               add_rms_norm, or the final norm's)
-//   logits = lm_head(norm(h)) of the rows asked for; next tokens sampled
+//   logits = lm_head(norm(h)) of the rows sampled; next tokens sampled,
+//            drafts verified (draft_rules.h)
+//   MTP (ModelOptions.mtp): x = eh_proj([enorm(embed(token after each
+//            row)), hnorm(norm(h))]); x through the MTP decoder layer;
+//            draft = argmax shared_head(shared_head.norm(x)) of the row
+//            after the last accepted token
 //
 // Every rank runs every MoE layer's collective calls, also with no tokens
 // (a one-row view with m = 0).
@@ -21,6 +26,7 @@
 #include "core/tensor_views.h"
 #include "layer/checkpoint.h"
 #include "layer/safetensors.h"
+#include "model/draft_rules.h"
 #include "model/model_ops.h"
 #include "moelink/errors.h"
 #include "moelink/experts.h"
@@ -87,6 +93,8 @@ namespace detail {
 
 using model::ModelErrorRecord;
 using model::ModelOps;
+using model::kMaxDrafts;
+using model::kSampleSlots;
 
 namespace {
 
@@ -126,13 +134,18 @@ class ModelImpl {
     MLAOptions ao = o_.attention;
     ao.device = host_ ? AttentionDevice::kCPU : AttentionDevice::kCUDA;
     ao.max_tokens = T;
-    for (int l = 0; l < layers_; ++l) {
+    if (o_.mtp && c_.num_nextn_predict_layers < 1)
+      throw InvalidArgument("moelink: ModelOptions.mtp needs an MTP module, but ModelConfig."
+                            "num_nextn_predict_layers = " + std::to_string(c_.num_nextn_predict_layers));
+    // The MTP module's decoder layer (a MoE layer: it follows the dense
+    // ones) sits after the layers run, with a KV cache of its own.
+    for (int l = 0; l < layers_ + (o_.mtp ? 1 : 0); ++l) {
       Layer layer;
       layer.attention = MLAAttention::create(c_.attention, ao);
       const int64_t cache_bytes = o_.num_pages * ao.page_size * c_.attention.cache_row() * 2;
       layer.cache = ModelBuffer(*ops_, static_cast<size_t>(cache_bytes));
       layer.post_norm = ModelBuffer(*ops_, D * 4);
-      if (l < c_.first_k_dense_replace) {
+      if (l < c_.first_k_dense_replace && l < layers_) {
         ExpertConfig ec;
         ec.num_experts = 1;
         ec.max_rows = T;
@@ -155,7 +168,23 @@ class ModelImpl {
     part_ = ModelBuffer(*ops_, rows * D * 2);
     xq_ = ModelBuffer(*ops_, rows * D);
     xs_ = ModelBuffer(*ops_, rows * (D / 128) * 4);
-    last_logits_ = ModelBuffer(*ops_, static_cast<size_t>(ao.max_requests) * V * 4);
+    const int64_t slots = static_cast<int64_t>(ao.max_requests) * kSampleSlots;
+    sample_logits_ = ModelBuffer(*ops_, static_cast<size_t>(slots) * V * 4);
+    sample_rows_ = ModelBuffer(*ops_, slots * 4);
+    sample_pos_ = ModelBuffer(*ops_, slots * 4);
+    samples_ = ModelBuffer(*ops_, slots * 4);
+    last_rows_ = ModelBuffer(*ops_, slots * 4);
+    if (o_.mtp) {
+      mtp_ = std::make_unique<Mtp>();
+      mtp_->enorm = ModelBuffer(*ops_, D * 4);
+      mtp_->hnorm = ModelBuffer(*ops_, D * 4);
+      mtp_->shared_norm = ModelBuffer(*ops_, D * 4);
+      mtp_->joined = ModelBuffer(*ops_, rows * 2 * D * 2);
+      mtp_->tokens = ModelBuffer(*ops_, rows * 4);
+      mtp_->draft_row = ModelBuffer(*ops_, static_cast<size_t>(ao.max_requests) * 4);
+      mtp_->drafts = ModelBuffer(*ops_, static_cast<size_t>(ao.max_requests) * 4);
+      mtp_->logits = ModelBuffer(*ops_, static_cast<size_t>(ao.max_requests) * V * 4);
+    }
     error_ = ModelBuffer(*ops_, sizeof(ModelErrorRecord));
     zero_ = ModelBuffer(*ops_, 4);
     rows_ = ModelBuffer(*ops_, 4);
@@ -176,8 +205,9 @@ class ModelImpl {
     const char* call = "Model.load_checkpoint";
     const layer::SafetensorsDir dir(directory);
     const int64_t D = c_.attention.hidden_size, V = c_.vocab_size;
-    auto bf16_matrix = [&](const std::string& name) {
-      const std::vector<uint16_t> b = to_bf16(layer::read_float_tensor(dir, name, {V, D}, call));
+    auto bf16_matrix = [&](const std::string& name, std::vector<int64_t> shape = {}) {
+      if (shape.empty()) shape = {V, D};
+      const std::vector<uint16_t> b = to_bf16(layer::read_float_tensor(dir, name, shape, call));
       ModelBuffer m(*ops_, b.size() * 2);
       ops_->copy_in(m.as(), b.data(), b.size() * 2);
       return m;
@@ -189,13 +219,24 @@ class ModelImpl {
     embed_ = bf16_matrix("model.embed_tokens.weight");
     lm_head_ = c_.tie_word_embeddings ? bf16_matrix("model.embed_tokens.weight") : bf16_matrix("lm_head.weight");
     vector("model.norm.weight", final_norm_);
-    for (int l = 0; l < layers_; ++l) {
+    for (int l = 0; l < static_cast<int>(layers_v_.size()); ++l) {
       Layer& layer = layers_v_[l];
-      const std::string prefix = "model.layers." + std::to_string(l) + ".";
-      layer.attention->load_checkpoint(directory, l);
+      // The MTP module's weights follow the model's last layer's index.
+      const int index = l < layers_ ? l : c_.num_hidden_layers;
+      const std::string prefix = "model.layers." + std::to_string(index) + ".";
+      if (l == layers_) {
+        // DeepSeek-V3 ships the embedding again in the module
+        // (embed_tokens): the same table as the model's, which it uses.
+        vector(prefix + "enorm.weight", mtp_->enorm);
+        vector(prefix + "hnorm.weight", mtp_->hnorm);
+        vector(prefix + "shared_head.norm.weight", mtp_->shared_norm);
+        mtp_->eh_proj = bf16_matrix(prefix + "eh_proj.weight", {D, 2 * D});
+        mtp_->head = bf16_matrix(prefix + "shared_head.head.weight");
+      }
+      layer.attention->load_checkpoint(directory, index);
       vector(prefix + "post_attention_layernorm.weight", layer.post_norm);
       if (layer.moe) {
-        layer.moe->load_checkpoint(directory, l);
+        layer.moe->load_checkpoint(directory, index);
         continue;
       }
       const layer::HostMlpWeights w =
@@ -214,9 +255,10 @@ class ModelImpl {
   }
 
   Tensor kv_cache(int l) const {
-    if (l < 0 || l >= layers_)
+    const int caches = static_cast<int>(layers_v_.size());
+    if (l < 0 || l >= caches)
       throw InvalidArgument("moelink: Model.kv_cache: layer = " + std::to_string(l) + " must be in [0, " +
-                            std::to_string(layers_) + ")");
+                            std::to_string(caches) + ")" + (mtp_ ? " (the last: the MTP module's)" : ""));
     return Tensor::contiguous(layers_v_[l].cache.as(), DType::kBFloat16,
                               {o_.num_pages, o_.attention.page_size, c_.attention.cache_row()});
   }
@@ -237,6 +279,7 @@ class ModelImpl {
       bad(call, "batch.num_requests", "= " + std::to_string(B) + " must be in [0, " +
                                           std::to_string(o_.attention.max_requests) + "] (max_requests)");
     check_outputs(call, out, n, B, V);
+    check_step_vectors(call, in, out, B, V);
     check_sampling(call, in.sampling, B);
     // Rows of this rank's step: q_start[B], read where the step runs and
     // kept within the rows of token_ids (0 without requests: the MoE layers
@@ -254,37 +297,11 @@ class ModelImpl {
     ModelOps& ops = *ops_;
     auto* error = error_.as<ModelErrorRecord>();
     if (n > 0) ops.embed(h, in.token_ids, embed_.as<uint16_t>(), V, rows, error, stream);
-    for (int l = 0; l < layers_; ++l) {
-      Layer& layer = layers_v_[l];
-      if (n > 0 && B > 0) {
-        const Tensor hv = Tensor::contiguous(h.data, DType::kBFloat16, {n, D}),
-                     pv = Tensor::contiguous(part.data, DType::kBFloat16, {n, D});
-        layer.attention->forward(pv, hv, in.batch, kv_cache(l), stream);
-      }
-      // h += attention; hn = post_attention_layernorm(h).
-      ops.add_rms_norm(h, part, normed, layer.post_norm.as<float>(), eps(), rows, stream);
-      if (layer.moe) {
-        layer.moe->forward(part, normed, bound, stream);
-      } else {
-        dense_mlp(*layer.dense, part, normed, bound, stream);
-      }
-      // h += mlp, alone: the next layer's attention norms its own input.
-      ops.add_rms_norm(h, part, Tensor{}, nullptr, eps(), rows, stream);
-    }
+    for (int l = 0; l < layers_; ++l)
+      decoder_layer(layers_v_[l], l, h, normed, part, in.batch, n, rows, bound, stream);
     ops.add_rms_norm(h, Tensor{}, normed, final_norm_.as<float>(), eps(), rows, stream);
-    if (B == 0) return;
-    const auto* q_start = static_cast<const int32_t*>(in.batch.q_start.data);
-    const Tensor last = Tensor::contiguous(last_logits_.as(), DType::kFloat32, {B, V});
-    ops.lm_head(last, normed, lm_head_.as<uint16_t>(), V, rows, q_start, B, stream);
-    if (out.logits.defined()) {
-      if (out.logits_every_row)
-        ops.lm_head(out.logits, normed, lm_head_.as<uint16_t>(), V, rows, nullptr, 0, stream);
-      else
-        ops.copy_async(out.logits.data, last.data, static_cast<size_t>(B) * V * 4, stream);
-    }
-    const SamplingParams& sp = in.sampling;
-    ops.sample(out.next_tokens, last, sp.temperature, sp.top_k, sp.top_p, sp.seed, q_start,
-               static_cast<const int32_t*>(in.batch.kv_len.data), B, error, stream);
+    if (B > 0) sample_and_verify(in, out, normed, rows, stream);
+    if (mtp_) mtp_step(in, out, h, normed, part, n, rows, bound, stream);
   }
 
   void step_from_host(const StepInput& in, const StepOutput& out, cudaStream_t stream) {
@@ -320,8 +337,13 @@ class ModelImpl {
     stage("sampling.top_k", in.sampling.top_k, d.sampling.top_k, true, false);
     stage("sampling.top_p", in.sampling.top_p, d.sampling.top_p, true, false);
     stage("sampling.seed", in.sampling.seed, d.sampling.seed, true, false);
+    stage("num_drafts", in.num_drafts, d.num_drafts, true, false);
+    stage("known_next", in.known_next, d.known_next, true, false);
     stage("next_tokens", out.next_tokens, o.next_tokens, false, true);
     stage("logits", out.logits, o.logits, false, true);
+    stage("accepted", out.accepted, o.accepted, false, true);
+    stage("draft_tokens", out.draft_tokens, o.draft_tokens, false, true);
+    stage("draft_logits", out.draft_logits, o.draft_logits, false, true);
     // The attention's FlashInfer decode plans from the host copies (no
     // stream synchronization per layer).
     d.batch.host_q_start = in.batch.q_start;
@@ -370,6 +392,107 @@ class ModelImpl {
                        Tensor::contiguous(m.w2_scale.as(), DType::kFloat32, {1, D / 128, I / 128}), stream);
   }
 
+  // Attention (its input norm inside), h += it, post-attention norm, the
+  // dense MLP or the MoE layer into `part`, h += part.
+  void decoder_layer(Layer& layer, int cache, const Tensor& h, const Tensor& normed, const Tensor& part,
+                     const MLABatch& batch, int64_t n, const int32_t* rows, const Tensor& bound,
+                     cudaStream_t stream) {
+    ModelOps& ops = *ops_;
+    const int64_t D = c_.attention.hidden_size;
+    if (n > 0 && batch.num_requests > 0) {
+      const Tensor hv = Tensor::contiguous(h.data, DType::kBFloat16, {n, D}),
+                   pv = Tensor::contiguous(part.data, DType::kBFloat16, {n, D});
+      layer.attention->forward(pv, hv, batch, kv_cache(cache), stream);
+    }
+    // h += attention; hn = post_attention_layernorm(h).
+    ops.add_rms_norm(h, part, normed, layer.post_norm.as<float>(), eps(), rows, stream);
+    if (layer.moe) {
+      layer.moe->forward(part, normed, bound, stream);
+    } else {
+      dense_mlp(*layer.dense, part, normed, bound, stream);
+    }
+    // h += mlp, alone: the next layer's attention norms its own input.
+    ops.add_rms_norm(h, part, Tensor{}, nullptr, eps(), rows, stream);
+  }
+
+  // lm_head on the rows sampled (each request's last row, and the row
+  // before each draft), the samples, the drafts' verdict; the logits asked for.
+  void sample_and_verify(const StepInput& in, const StepOutput& out, const Tensor& normed, const int32_t* rows,
+                         cudaStream_t stream) {
+    ModelOps& ops = *ops_;
+    const int B = in.batch.num_requests;
+    const int64_t V = c_.vocab_size;
+    const auto* q_start = static_cast<const int32_t*>(in.batch.q_start.data);
+    const auto* kv_len = static_cast<const int32_t*>(in.batch.kv_len.data);
+    const bool drafts = in.num_drafts.defined();
+    const int slots = drafts ? kSampleSlots : 1;
+    auto* sample_rows = sample_rows_.as<int32_t>();
+    auto* error = error_.as<ModelErrorRecord>();
+    ops.plan_samples(q_start, kv_len, drafts ? static_cast<const int32_t*>(in.num_drafts.data) : nullptr, B,
+                     slots, rows, sample_rows, sample_pos_.as<int32_t>(), error, stream);
+    const Tensor logits = Tensor::contiguous(sample_logits_.as(), DType::kFloat32, {B * slots, V});
+    ops.lm_head(logits, normed, lm_head_.as<uint16_t>(), V, rows, sample_rows, stream);
+    if (out.logits.defined()) {
+      if (out.logits_every_row) {
+        ops.lm_head(out.logits, normed, lm_head_.as<uint16_t>(), V, rows, nullptr, stream);
+      } else if (!drafts) {  // the slots are the last rows
+        ops.copy_async(out.logits.data, logits.data, static_cast<size_t>(B) * V * 4, stream);
+      } else {
+        auto* last = last_rows_.as<int32_t>();
+        ops.plan_samples(q_start, kv_len, nullptr, B, 1, rows, last, last + B, error, stream);
+        ops.lm_head(out.logits, normed, lm_head_.as<uint16_t>(), V, rows, last, stream);
+      }
+    }
+    const Tensor samples = Tensor::contiguous(samples_.as(), DType::kInt32, {B * slots});
+    const SamplingParams& sp = in.sampling;
+    ops.sample(samples, logits, sp.temperature, sp.top_k, sp.top_p, sp.seed, sample_rows,
+               sample_pos_.as<int32_t>(), slots, error, stream);
+    ops.accept_drafts(samples_.as<int32_t>(), sample_rows, slots, in.token_ids, q_start,
+                      in.known_next.defined() ? static_cast<const int32_t*>(in.known_next.data) : nullptr, B,
+                      static_cast<int32_t*>(out.next_tokens.data), out.next_tokens.ndim ? out.next_tokens.stride[0] : 1,
+                      out.accepted.defined() ? static_cast<int32_t*>(out.accepted.data) : nullptr,
+                      mtp_ ? mtp_->tokens.as<int32_t>() : nullptr, mtp_ ? mtp_->draft_row.as<int32_t>() : nullptr,
+                      stream);
+  }
+
+  // The MTP module over every row (its KV cache stays whole), on the final
+  // norm's output in `normed` and the tokens accept_drafts chose; the
+  // draft of each request from the row after its last accepted token.
+  // Every rank runs it (its MoE layer is a collective), with or without rows.
+  void mtp_step(const StepInput& in, const StepOutput& out, const Tensor& h, const Tensor& normed,
+                const Tensor& part, int64_t n, const int32_t* rows, const Tensor& bound, cudaStream_t stream) {
+    ModelOps& ops = *ops_;
+    Mtp& m = *mtp_;
+    const int B = in.batch.num_requests;
+    const int64_t D = c_.attention.hidden_size, V = c_.vocab_size, nr = h.shape[0];
+    auto* error = error_.as<ModelErrorRecord>();
+    if (n > 0 && B > 0) {
+      // joined = [enorm(embed(next tokens)), hnorm(normed)]; h = eh_proj(joined).
+      Tensor left = Tensor::contiguous(m.joined.as(), DType::kBFloat16, {nr, D});
+      Tensor right = left;
+      left.stride[0] = right.stride[0] = 2 * D;
+      right.data = m.joined.as<uint16_t>() + D;
+      ops.embed(part, Tensor::contiguous(m.tokens.as(), DType::kInt32, {n}), embed_.as<uint16_t>(), V, rows, error,
+                stream);
+      ops.add_rms_norm(part, Tensor{}, left, m.enorm.as<float>(), eps(), rows, stream);
+      ops.add_rms_norm(normed, Tensor{}, right, m.hnorm.as<float>(), eps(), rows, stream);
+      ops.linear(Tensor::contiguous(h.data, DType::kBFloat16, {n, D}),
+                 Tensor::contiguous(m.joined.as(), DType::kBFloat16, {n, 2 * D}), m.eh_proj.as<uint16_t>(), rows,
+                 stream);
+    }
+    decoder_layer(layers_v_[layers_], layers_, h, normed, part, in.batch, n, rows, bound, stream);
+    if (B == 0) return;
+    ops.add_rms_norm(h, Tensor{}, normed, m.shared_norm.as<float>(), eps(), rows, stream);
+    const Tensor logits = Tensor::contiguous(m.logits.as(), DType::kFloat32, {B, V});
+    const auto* draft_row = m.draft_row.as<int32_t>();
+    ops.lm_head(logits, normed, m.head.as<uint16_t>(), V, rows, draft_row, stream);
+    const Tensor drafts = out.draft_tokens.defined() ? out.draft_tokens
+                                                     : Tensor::contiguous(m.drafts.as(), DType::kInt32, {B});
+    ops.sample(drafts, logits, Tensor{}, Tensor{}, Tensor{}, Tensor{}, draft_row, draft_row, 1, error, stream);
+    if (out.draft_logits.defined())
+      ops.copy_async(out.draft_logits.data, logits.data, static_cast<size_t>(B) * V * 4, stream);
+  }
+
   void check_own(cudaStream_t stream) {
     const ModelErrorRecord e = ops_->take_error(error_.as<ModelErrorRecord>(), stream);
     if (e.code == 1)
@@ -383,6 +506,11 @@ class ModelImpl {
                        std::to_string(e.row) + "] = " + std::to_string(e.value) + " must be " +
                        rules[e.field] + "; request " + std::to_string(e.row) + " got next token -1");
     }
+    if (e.code == 3)
+      throw InputError("moelink: Model.step: num_drafts[" + std::to_string(e.row) + "] = " +
+                       std::to_string(static_cast<int64_t>(e.value)) + " must be in [0, " +
+                       std::to_string(e.limit) + "] (at most " + std::to_string(kMaxDrafts) +
+                       " and fewer than the request's rows); it was read as 0");
   }
 
   void check_outputs(const char* call, const StepOutput& out, int64_t n, int B, int64_t V) const {
@@ -397,6 +525,31 @@ class ModelImpl {
       bad(call, "logits", "has shape " + shape_str(out.logits) + ", expected a contiguous [" +
                               std::to_string(want) + ", " + std::to_string(V) + "] (" +
                               (out.logits_every_row ? "every row" : "each request's last row") + ")");
+  }
+
+  // num_drafts, known_next and the draft outputs: [B] int32 (or [B, V]
+  // fp32), contiguous; the MTP ones only with ModelOptions.mtp.
+  void check_step_vectors(const char* call, const StepInput& in, const StepOutput& out, int B, int64_t V) const {
+    auto vec = [&](const char* field, const Tensor& t) {
+      if (!t.defined()) return;
+      if (t.ndim != 1 || t.shape[0] != B || t.dtype != DType::kInt32 || (B > 1 && t.stride[0] != 1))
+        bad(call, field, "must be a contiguous int32 tensor of shape [" + std::to_string(B) + "], got dtype " +
+                             std::string(dtype_name(t.dtype)) + " shape " + shape_str(t));
+    };
+    vec("num_drafts", in.num_drafts);
+    vec("known_next", in.known_next);
+    vec("accepted", out.accepted);
+    vec("draft_tokens", out.draft_tokens);
+    if (!mtp_) {
+      for (auto [field, t] : {std::pair{"known_next", &in.known_next}, std::pair{"draft_tokens", &out.draft_tokens},
+                              std::pair{"draft_logits", &out.draft_logits}})
+        if (t->defined()) bad(call, field, "needs ModelOptions.mtp (the model runs no MTP module)");
+    }
+    if (out.draft_logits.defined() &&
+        (check_tensor(call, "draft_logits", out.draft_logits, {DType::kFloat32}, {V}, true) != B ||
+         out.draft_logits.stride[0] != V))
+      bad(call, "draft_logits", "has shape " + shape_str(out.draft_logits) + ", expected a contiguous [" +
+                                    std::to_string(B) + ", " + std::to_string(V) + "]");
   }
 
   static void check_sampling(const char* call, const SamplingParams& s, int B) {
@@ -420,9 +573,22 @@ class ModelImpl {
   std::unique_ptr<ModelOps> ops_;
   std::vector<ModelBuffer> staged_;  // step_from_host's copies of the step's tensors (ops_'s memory)
   std::vector<Layer> layers_v_;
+  // The MTP module's own weights and buffers (ModelOptions.mtp); its
+  // decoder layer is layers_v_[layers_].
+  struct Mtp {
+    ModelBuffer enorm, hnorm, shared_norm, eh_proj, head;  // norms fp32; eh_proj [D, 2D], head [V, D] bf16
+    ModelBuffer joined;     // [T, 2D] bf16: its input before eh_proj
+    ModelBuffer tokens;     // [T] int32: the token after each row
+    ModelBuffer draft_row;  // [max_requests] int32
+    ModelBuffer drafts;     // [max_requests] int32, when the caller takes none
+    ModelBuffer logits;     // [max_requests, V] fp32
+  };
   std::unique_ptr<Experts> quant_;
-  ModelBuffer h_, normed_, part_, xq_, xs_, last_logits_, error_, zero_, rows_, final_norm_, embed_,
-      lm_head_;
+  std::unique_ptr<Mtp> mtp_;
+  // Sampling: lm_head's rows (kSampleSlots per request), their positions,
+  // the tokens drawn, each request's last row (logits with drafts).
+  ModelBuffer sample_logits_, sample_rows_, sample_pos_, samples_, last_rows_;
+  ModelBuffer h_, normed_, part_, xq_, xs_, error_, zero_, rows_, final_norm_, embed_, lm_head_;
 };
 
 }  // namespace detail

@@ -15,7 +15,9 @@ namespace moelink::detail::model {
 // What the model's steps saw wrong in their input (a token id outside the
 // vocabulary, sampling parameters out of range); the first one is kept.
 struct ModelErrorRecord {
-  int32_t code;  // 1: token_ids[row] = value outside [0, limit); 2: sampling field of request row
+  // 1: token_ids[row] = value outside [0, limit); 2: sampling field of
+  // request row; 3: num_drafts[row] = value outside [0, limit].
+  int32_t code;
   int32_t field;  // code 2: 0 temperature, 1 top_k, 2 top_p
   int64_t row;
   double value;
@@ -41,20 +43,45 @@ class ModelOps : public DeviceMemory {
   // x undefined: the norm alone; weight null: the add alone.
   virtual void add_rms_norm(const Tensor& h, const Tensor& x, const Tensor& normed, const float* weight,
                             float eps, const int32_t* rows, cudaStream_t stream) = 0;
-  // logits [k, V] fp32 = h[row_of(j)] . W^T (W [V, D] bf16, fp32
-  // accumulation): every row r < rows (row_of = identity) when last_rows is
-  // null, else each request's last row (q_start[j + 1] - 1; none for an
-  // empty request: its logits row is left as it was).
+  // out [*, N] bf16 = x [*, K] bf16 . W^T (W [N, K] bf16, fp32
+  // accumulation, rounded once) for rows r < rows (the MTP module's eh_proj).
+  virtual void linear(const Tensor& out, const Tensor& x, const uint16_t* weight, const int32_t* rows,
+                      cudaStream_t stream) = 0;
+  // logits [k, V] fp32 = h[row_index[j]] . W^T (W [V, D] bf16, fp32
+  // accumulation); row_index null: every row r < rows (k = logits' rows).
+  // A row_index[j] outside [0, rows) leaves logits row j as it was.
   virtual void lm_head(const Tensor& logits, const Tensor& h, const uint16_t* weight, int64_t vocab,
-                       const int32_t* rows, const int32_t* q_start, int num_requests,
-                       cudaStream_t stream) = 0;
-  // next_tokens [B] int32 from logits [B, V] (sampling.h's rule; -1 for an
-  // empty request); params may be undefined (greedy); positions: each
-  // request's last position (kv_len - 1).
-  virtual void sample(const Tensor& next_tokens, const Tensor& logits, const Tensor& temperature,
-                      const Tensor& top_k, const Tensor& top_p, const Tensor& seed,
-                      const int32_t* q_start, const int32_t* kv_len, int num_requests,
-                      ModelErrorRecord* error, cudaStream_t stream) = 0;
+                       const int32_t* rows, const int32_t* row_index, cudaStream_t stream) = 0;
+
+  // The rows a step samples: request i's last num_drafts[i] + 1 rows
+  // (num_drafts null: 0), slots_per_request slots each (slot s of request i
+  // at j = i * slots_per_request + s): row_index[j] (-1 past them, for an
+  // empty request or one whose rows pass `rows`) and position[j] (the row's position in its sequence,
+  // kv_len[i] - q_end + row). A num_drafts[i] outside [0, min(slots - 1,
+  // q_len - 1)] is recorded (code 3) and read as 0.
+  virtual void plan_samples(const int32_t* q_start, const int32_t* kv_len, const int32_t* num_drafts,
+                            int num_requests, int slots_per_request, const int32_t* rows, int32_t* row_index,
+                            int32_t* position, ModelErrorRecord* error, cudaStream_t stream) = 0;
+  // tokens [k] int32 from logits [k, V] (sampling.h's rule at position[j];
+  // -1 where row_index[j] < 0); slot j belongs to request j /
+  // slots_per_request, whose params apply (undefined: greedy).
+  virtual void sample(const Tensor& tokens, const Tensor& logits, const Tensor& temperature,
+                      const Tensor& top_k, const Tensor& top_p, const Tensor& seed, const int32_t* row_index,
+                      const int32_t* position, int slots_per_request, ModelErrorRecord* error,
+                      cudaStream_t stream) = 0;
+  // Draft verification (plan_samples' slots, with their sampled tokens):
+  // request i accepts its drafts while the token sampled before each equals
+  // it (token_ids of its draft rows); next_tokens[i] = the sample after the
+  // last accepted one; accepted[i] = how many (null: not written). With
+  // mtp_tokens: the token that follows each row r < rows, the MTP module's
+  // input (the next row's token id within a request's rows before its
+  // samples, the sampled ones from there, known_next[i] >= 0 in place of
+  // the last row's sample where given), and draft_row[i] = the row whose
+  // MTP output proposes request i's next draft (-1 for an empty request).
+  virtual void accept_drafts(const int32_t* samples, const int32_t* row_index, int slots_per_request,
+                             const Tensor& token_ids, const int32_t* q_start, const int32_t* known_next,
+                             int num_requests, int32_t* next_tokens, int64_t next_stride, int32_t* accepted, int32_t* mtp_tokens,
+                             int32_t* draft_row, cudaStream_t stream) = 0;
   virtual ModelErrorRecord take_error(ModelErrorRecord* record, cudaStream_t stream) = 0;
 };
 

@@ -43,7 +43,10 @@ def words(vocab_size: int):
 
 def write_checkpoint(directory, fields, seed):
     """A random DeepSeek-V3-layout checkpoint (bf16, transformers' names)
-    written with numpy alone (no torch), and its config.json."""
+    written with numpy alone (no torch), and its config.json. With
+    num_nextn_predict_layers = 1, also the MTP module (layer
+    num_hidden_layers: enorm, hnorm, eh_proj, a MoE decoder layer,
+    shared_head) in DeepSeek-V3's names."""
     import ml_dtypes
     rng = np.random.default_rng(seed)
     D, V, I, Im = (fields[k] for k in ("hidden_size", "vocab_size", "intermediate_size",
@@ -59,8 +62,18 @@ def write_checkpoint(directory, fields, seed):
     w("model.embed_tokens.weight", V, D, scale=1.0)
     w("lm_head.weight", V, D)
     t["model.norm.weight"] = rng.uniform(0.5, 1.5, D)
-    for l in range(fields["num_hidden_layers"]):
+    L = fields["num_hidden_layers"]
+    mtp = fields.get("num_nextn_predict_layers", 0)
+    if mtp not in (0, 1):
+        raise ValueError(f"num_nextn_predict_layers = {mtp}: the tiny model writes 0 or 1 MTP modules")
+    for l in range(L + mtp):
         p = f"model.layers.{l}."
+        if l == L:  # the MTP module's own parts, then its decoder layer
+            t[p + "enorm.weight"] = rng.uniform(0.5, 1.5, D)
+            t[p + "hnorm.weight"] = rng.uniform(0.5, 1.5, D)
+            w(p + "eh_proj.weight", D, 2 * D)
+            t[p + "shared_head.norm.weight"] = rng.uniform(0.5, 1.5, D)
+            w(p + "shared_head.head.weight", V, D)
         t[p + "input_layernorm.weight"] = rng.uniform(0.5, 1.5, D)
         t[p + "post_attention_layernorm.weight"] = rng.uniform(0.5, 1.5, D)
         a = p + "self_attn."
@@ -128,10 +141,11 @@ def main(argv=None) -> int:
     p.add_argument("directory")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (the first is dense)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mtp", action="store_true", help="also an MTP module (speculative decoding)")
     a = p.parse_args(argv)
     import os
     os.makedirs(a.directory, exist_ok=True)
-    write_tiny_model(a.directory, layers=a.layers, seed=a.seed)
+    write_tiny_model(a.directory, layers=a.layers, seed=a.seed, num_nextn_predict_layers=int(a.mtp))
     print(f"moelink: a tiny random model in {a.directory}", flush=True)
     return 0
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <string>
 
 #include "model/cuda/model_kernels.h"
 #include "model/model_ops.h"
@@ -47,38 +48,46 @@ class CudaModelOps final : public CudaMemory<ModelOps> {
                         stream);
   }
 
+  void linear(const Tensor& out, const Tensor& x, const uint16_t* weight, const int32_t*,
+              cudaStream_t stream) override {
+    // Every row the tensors hold (the device-read bound only trims work
+    // the rows past it would waste): out^T [N, m] = W [N, K] . x^T [K, m].
+    const int64_t m = x.shape[0], N = out.shape[1], K = x.shape[1];
+    if (m == 0) return;
+    gemm(stream, N, m, K, weight, K, x.data, x.stride[0], out.data, CUDA_R_16BF, out.stride[0], "linear");
+  }
+
   void lm_head(const Tensor& logits, const Tensor& h, const uint16_t* weight, int64_t vocab,
-               const int32_t* rows, const int32_t* q_start, int num_requests, cudaStream_t stream) override {
+               const int32_t* rows, const int32_t* row_index, cudaStream_t stream) override {
     const int64_t D = h.shape[1];
-    // Each request's last row, or every row in chunks (scoring): gathered,
-    // one GEMM, and only the rows that exist copied out.
-    const int64_t total = q_start ? num_requests : logits.shape[0];
-    const int64_t chunk = q_start ? std::max<int64_t>(total, 1) : kRowsPerGemm;
+    // The rows asked for, or every row in chunks (scoring): gathered, one
+    // GEMM, and only the rows that exist copied out.
+    const int64_t total = logits.shape[0];
+    const int64_t chunk = row_index ? std::max<int64_t>(total, 1) : kRowsPerGemm;
     for (int64_t first = 0; first < total; first += chunk) {
       const int64_t k = std::min(chunk, total - first);
       auto* hs = static_cast<uint16_t*>(gathered_.get(static_cast<size_t>(k) * D * 2));
       auto* valid = static_cast<int32_t*>(valid_.get(static_cast<size_t>(k) * 4));
       auto* out = static_cast<float*>(logits_.get(static_cast<size_t>(k) * vocab * 4));
-      launch_gather_rows(hs, bf16_data(h), h.stride[0], D, rows, q_start, first, k, valid, stream);
-      // Column-major: out^T [V, k] = W [V, D] (W^T column-major) . hs^T [D, k].
-      const float one = 1.0f, zero = 0.0f;
-      PooledCublas::ok(cublasSetStream(cublas_.get(), stream), "cublasSetStream");
-      PooledCublas::ok(cublasGemmEx(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(vocab),
-                                    static_cast<int>(k), static_cast<int>(D), &one, weight, CUDA_R_16BF,
-                                    static_cast<int>(D), hs, CUDA_R_16BF, static_cast<int>(D), &zero, out,
-                                    CUDA_R_32F, static_cast<int>(vocab), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                       "cublasGemmEx (lm_head)");
+      launch_gather_rows(hs, bf16_data(h), h.stride[0], D, rows, row_index, first, k, valid, stream);
+      gemm(stream, vocab, k, D, weight, D, hs, D, out, CUDA_R_32F, vocab, "lm_head");
       launch_copy_valid_rows(static_cast<float*>(logits.data) + first * logits.stride[0], logits.stride[0], out,
                              vocab, valid, k, stream);
     }
   }
 
-  void sample(const Tensor& next_tokens, const Tensor& logits, const Tensor& temperature, const Tensor& top_k,
-              const Tensor& top_p, const Tensor& seed, const int32_t* q_start, const int32_t* kv_len,
-              int num_requests, ModelErrorRecord* error, cudaStream_t stream) override {
+  void plan_samples(const int32_t* q_start, const int32_t* kv_len, const int32_t* num_drafts, int num_requests,
+                    int slots, const int32_t* rows, int32_t* row_index, int32_t* position, ModelErrorRecord* error,
+                    cudaStream_t stream) override {
+    launch_plan_samples(q_start, kv_len, num_drafts, num_requests, slots, rows, row_index, position, error, stream);
+  }
+
+  void sample(const Tensor& tokens, const Tensor& logits, const Tensor& temperature, const Tensor& top_k,
+              const Tensor& top_p, const Tensor& seed, const int32_t* row_index, const int32_t* position,
+              int slots, ModelErrorRecord* error, cudaStream_t stream) override {
     SampleArgs a{};
-    a.next_tokens = static_cast<int32_t*>(next_tokens.data);
-    a.next_stride = next_tokens.ndim > 0 ? next_tokens.stride[0] : 1;
+    a.tokens = static_cast<int32_t*>(tokens.data);
+    a.tokens_stride = tokens.ndim > 0 ? tokens.stride[0] : 1;
     a.logits = static_cast<const float*>(logits.data);
     a.logits_stride = logits.stride[0];
     a.vocab = logits.shape[1];
@@ -86,11 +95,33 @@ class CudaModelOps final : public CudaMemory<ModelOps> {
     a.top_k = top_k.defined() ? static_cast<const int32_t*>(top_k.data) : nullptr;
     a.top_p = top_p.defined() ? static_cast<const float*>(top_p.data) : nullptr;
     a.seed = seed.defined() ? static_cast<const int64_t*>(seed.data) : nullptr;
-    a.q_start = q_start;
-    a.kv_len = kv_len;
-    a.num_requests = num_requests;
+    a.row_index = row_index;
+    a.position = position;
+    a.slots = tokens.shape[0];
+    a.slots_per_request = slots;
     a.error = error;
     launch_sample(a, stream);
+  }
+
+  void accept_drafts(const int32_t* samples, const int32_t* row_index, int slots, const Tensor& token_ids,
+                     const int32_t* q_start, const int32_t* known_next, int num_requests, int32_t* next_tokens,
+                     int64_t next_stride, int32_t* accepted, int32_t* mtp_tokens, int32_t* draft_row,
+                     cudaStream_t stream) override {
+    AcceptArgs a{};
+    a.samples = samples;
+    a.row_index = row_index;
+    a.slots = slots;
+    a.ids = static_cast<const int32_t*>(token_ids.data);
+    a.ids_stride = token_ids.defined() ? token_ids.stride[0] : 1;
+    a.q_start = q_start;
+    a.known_next = known_next;
+    a.num_requests = num_requests;
+    a.next_tokens = next_tokens;
+    a.next_stride = next_stride;
+    a.accepted = accepted;
+    a.mtp_tokens = mtp_tokens;
+    a.draft_row = draft_row;
+    launch_accept_drafts(a, stream);
   }
 
   ModelErrorRecord take_error(ModelErrorRecord* record, cudaStream_t stream) override {
@@ -98,6 +129,20 @@ class CudaModelOps final : public CudaMemory<ModelOps> {
   }
 
  private:
+  // Column-major C [M, N] = A^T . B with A [K, M] (the weight, row-major
+  // [M, K]) and B [K, N] (rows of activations): bf16 inputs, fp32
+  // accumulation, C in c_type.
+  void gemm(cudaStream_t stream, int64_t M, int64_t N, int64_t K, const void* a, int64_t lda, const void* b,
+            int64_t ldb, void* c, cudaDataType_t c_type, int64_t ldc, const char* what) {
+    const float one = 1.0f, zero = 0.0f;
+    PooledCublas::ok(cublasSetStream(cublas_.get(), stream), "cublasSetStream");
+    PooledCublas::ok(cublasGemmEx(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(M), static_cast<int>(N),
+                                  static_cast<int>(K), &one, a, CUDA_R_16BF, static_cast<int>(lda), b, CUDA_R_16BF,
+                                  static_cast<int>(ldb), &zero, c, c_type, static_cast<int>(ldc), CUBLAS_COMPUTE_32F,
+                                  CUBLAS_GEMM_DEFAULT),
+                     (std::string("cublasGemmEx (") + what + ")").c_str());
+  }
+
   static constexpr int64_t kRowsPerGemm = 256;
   PooledCublas cublas_;
   GrowingDeviceBuffer gathered_, valid_, logits_;

@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "model/cuda/model_kernels.h"
+#include "model/draft_rules.h"
 #include "model/sampling.h"
 #include "nvlink/bf16_bits.cuh"
 #include "nvlink/cuda_check.h"
@@ -91,14 +92,10 @@ __global__ void add_rms_norm_kernel(uint16_t* h, int64_t h_stride, const uint16_
 }
 
 __global__ void gather_rows_kernel(uint16_t* dst, const uint16_t* h, int64_t h_stride, int64_t D,
-                                   const int32_t* rows, const int32_t* q_start, int64_t first, int32_t* valid) {
+                                   const int32_t* rows, const int32_t* row_index, int64_t first, int32_t* valid) {
   const int64_t j = blockIdx.x;
-  int64_t r = first + j;
-  bool ok = r < *rows;
-  if (q_start != nullptr) {
-    ok = q_start[j + 1] > q_start[j] && q_start[j + 1] <= *rows;
-    r = q_start[j + 1] - 1;
-  }
+  const int64_t r = row_index != nullptr ? row_index[j] : first + j;
+  const bool ok = r >= 0 && r < *rows;
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) dst[j * D + d] = ok ? h[r * h_stride + d] : 0;
   if (threadIdx.x == 0) valid[j] = ok;
 }
@@ -138,12 +135,21 @@ __device__ Key largest_key(Pred pred) {
   return t;
 }
 
-// One block per request: the top_k set (keys >= kth), its weights, the
-// top_p cut (keys >= cut), the draw; each a block-wide bisection over keys.
+__global__ void plan_samples_kernel(const int32_t* q_start, const int32_t* kv_len, const int32_t* num_drafts,
+                                    int num_requests, int slots, const int32_t* rows, int32_t* row_index,
+                                    int32_t* position, ModelErrorRecord* error) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= num_requests) return;
+  if (plan_request_samples(q_start, kv_len, num_drafts, i, slots, *rows, row_index, position).bad_drafts)
+    record(error, 3, 0, i, num_drafts[i], max(0, min(slots - 1, q_start[i + 1] - q_start[i] - 1)));
+}
+
+// One block per slot: the top_k set (keys >= kth), its weights, the top_p
+// cut (keys >= cut), the draw; each a block-wide bisection over keys.
 __global__ void __launch_bounds__(1024) sample_kernel(SampleArgs a) {
-  const int i = blockIdx.x;
-  int32_t& tok = a.next_tokens[i * a.next_stride];
-  if (a.q_start[i + 1] <= a.q_start[i]) {
+  const int64_t j = blockIdx.x, i = j / a.slots_per_request;
+  int32_t& tok = a.tokens[j * a.tokens_stride];
+  if (a.row_index[j] < 0) {
     if (threadIdx.x == 0) tok = -1;
     return;
   }
@@ -158,7 +164,7 @@ __global__ void __launch_bounds__(1024) sample_kernel(SampleArgs a) {
     }
     return;
   }
-  const float* l = a.logits + i * a.logits_stride;
+  const float* l = a.logits + j * a.logits_stride;
   const int64_t V = a.vocab;
   __shared__ Key shared_keys[32];
   __shared__ double shared_sums[32];
@@ -187,8 +193,7 @@ __global__ void __launch_bounds__(1024) sample_kernel(SampleArgs a) {
   const Key cut = tp < 1.0f ? largest_key([&](Key c) { return mass_from(Max{}(c, kth)) / sum >= tp; })
                                  : kth;
   const double total = mass_from(cut);
-  const int64_t position = a.kv_len[i] - 1;
-  const double u = sample_uniform(a.seed ? a.seed[i] : 0, position) * total;
+  const double u = sample_uniform(a.seed ? a.seed[i] : 0, a.position[j]) * total;
   Key pick;
   if (total > u) {
     pick = largest_key([&](Key c) { return mass_from(Max{}(c, cut)) > u; });
@@ -201,6 +206,23 @@ __global__ void __launch_bounds__(1024) sample_kernel(SampleArgs a) {
     pick = block_reduce(low, Min{}, shared_keys);
   }
   if (threadIdx.x == 0) tok = index_of(pick);
+}
+
+__global__ void accept_drafts_kernel(AcceptArgs a) {
+  const int i = blockIdx.x;
+  const int32_t* slot_rows = a.row_index + i * a.slots;
+  const int32_t* slot_tokens = a.samples + i * a.slots;
+  const int32_t acc = accepted_drafts(slot_tokens, slot_rows, a.slots, a.ids, a.ids_stride);
+  const int32_t first = slot_rows[0], last = a.q_start[i + 1] - 1;
+  if (threadIdx.x == 0) {
+    a.next_tokens[i * a.next_stride] = first < 0 ? -1 : slot_tokens[acc];
+    if (a.accepted) a.accepted[i] = acc;
+    if (a.mtp_tokens) a.draft_row[i] = first < 0 ? -1 : first + acc;
+  }
+  if (!a.mtp_tokens || first < 0) return;  // plan_samples kept its rows below rows
+  const int32_t known = a.known_next && last == first ? a.known_next[i] : -1;
+  for (int64_t r = a.q_start[i] + threadIdx.x; r <= last; r += blockDim.x)
+    a.mtp_tokens[r] = mtp_input_token(r, first, last, a.ids, a.ids_stride, slot_tokens, known);
 }
 
 unsigned grid(int64_t n) { return static_cast<unsigned>(n > 0 ? n : 1); }
@@ -230,9 +252,9 @@ void launch_add_rms_norm(uint16_t* h, int64_t h_stride, const uint16_t* x, int64
 }
 
 void launch_gather_rows(uint16_t* dst, const uint16_t* h, int64_t h_stride, int64_t D, const int32_t* rows,
-                        const int32_t* q_start, int64_t first, int64_t k, int32_t* valid, cudaStream_t stream) {
+                        const int32_t* row_index, int64_t first, int64_t k, int32_t* valid, cudaStream_t stream) {
   if (k == 0) return;
-  gather_rows_kernel<<<grid(k), 256, 0, stream>>>(dst, h, h_stride, D, rows, q_start, first, valid);
+  gather_rows_kernel<<<grid(k), 256, 0, stream>>>(dst, h, h_stride, D, rows, row_index, first, valid);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -243,9 +265,24 @@ void launch_copy_valid_rows(float* dst, int64_t dst_stride, const float* src, in
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
+void launch_plan_samples(const int32_t* q_start, const int32_t* kv_len, const int32_t* num_drafts,
+                         int num_requests, int slots, const int32_t* rows, int32_t* row_index,
+                         int32_t* position, ModelErrorRecord* error, cudaStream_t stream) {
+  if (num_requests == 0) return;
+  plan_samples_kernel<<<(num_requests + 127) / 128, 128, 0, stream>>>(q_start, kv_len, num_drafts, num_requests,
+                                                                      slots, rows, row_index, position, error);
+  MOELINK_CUDA_CHECK(cudaGetLastError());
+}
+
 void launch_sample(const SampleArgs& a, cudaStream_t stream) {
+  if (a.slots == 0) return;
+  sample_kernel<<<static_cast<unsigned>(a.slots), 1024, 0, stream>>>(a);
+  MOELINK_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_accept_drafts(const AcceptArgs& a, cudaStream_t stream) {
   if (a.num_requests == 0) return;
-  sample_kernel<<<a.num_requests, 1024, 0, stream>>>(a);
+  accept_drafts_kernel<<<a.num_requests, 256, 0, stream>>>(a);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
