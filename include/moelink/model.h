@@ -133,6 +133,7 @@ class Model {
 
   const ModelConfig& config() const;
   int num_layers() const;  // the layers run (options.num_layers or all)
+  bool mtp() const;        // ModelOptions.mtp: steps propose drafts
 
   // A Hugging Face checkpoint directory (config.json's model): embedding,
   // every layer's norms, attention, dense MLP or MoE layer (this rank's

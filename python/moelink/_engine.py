@@ -13,7 +13,7 @@ from . import _C
 @dataclass
 class StepResult:
     id: int
-    tokens: List[int]     # new output tokens this step (0 or 1)
+    tokens: List[int]     # new output tokens this step (0, 1, or 2 with an accepted draft)
     finished: str         # "", "stop", "length", "cancelled" or "error"
     cached_tokens: int    # prompt tokens found in the prefix cache (first step)
     error: str = ""
@@ -30,18 +30,20 @@ class Generation:
 
 class Engine:
     """Engine(model, *, num_pages, page_size, token_budget, max_running,
-    max_pages_per_request) over a moelink.Model (the page size and
-    capacities its attention was created with). add() queues a request,
-    step() runs one round; run() steps until every request finished."""
+    max_pages_per_request, speculative=False) over a moelink.Model (the
+    page size and capacities its attention was created with). add() queues
+    a request, step() runs one round; run() steps until every request
+    finished. speculative=True (a Model(mtp=True)) sends each decode's MTP
+    draft along for verification: the same tokens, up to two a step."""
 
     def __init__(self, model, *, num_pages: int, page_size: int, token_budget: int,
-                 max_running: int, max_pages_per_request: int):
+                 max_running: int, max_pages_per_request: int, speculative: bool = False):
         if not _C.with_engine:
             raise RuntimeError("moelink: this build has no serving engine (it needs xxHash: "
                                "apt-get install libxxhash-dev, and rebuild)")
         self._model = model  # the engine runs it: kept alive as long as the engine
         self._impl = _C.Engine(model._impl, int(num_pages), int(page_size), int(token_budget),
-                               int(max_running), int(max_pages_per_request))
+                               int(max_running), int(max_pages_per_request), bool(speculative))
 
     def add(self, prompt: Sequence[int], *, max_tokens: int = 16, temperature: float = 0.0,
             top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -91,6 +93,15 @@ class Engine:
     @property
     def preemptions(self) -> int:
         return self._impl.preemptions
+
+    @property
+    def drafts_proposed(self) -> int:
+        """Drafts sent for verification so far (speculative)."""
+        return self._impl.drafts_proposed
+
+    @property
+    def drafts_accepted(self) -> int:
+        return self._impl.drafts_accepted
 
     @property
     def available_pages(self) -> int:

@@ -24,9 +24,10 @@ namespace {
 class PyEngine {
  public:
   PyEngine(nb::handle model, int64_t num_pages, int page_size, int64_t token_budget,
-           int max_running, int max_pages_per_request)
+           int max_running, int max_pages_per_request, bool speculative)
       : kv_(num_pages, page_size) {
     engine::EngineOptions o;
+    o.speculative = speculative;
     o.token_budget = token_budget;
     o.max_running = max_running;
     o.max_pages_per_request = max_pages_per_request;
@@ -91,8 +92,8 @@ class PyEngine {
 
 void bind_engine(nb::module_& m) {
   nb::class_<PyEngine>(m, "Engine", "The serving engine's step loop (moelink.Engine wraps this).")
-      .def(nb::init<nb::handle, int64_t, int, int64_t, int, int>(), "model"_a, "num_pages"_a,
-           "page_size"_a, "token_budget"_a, "max_running"_a, "max_pages_per_request"_a)
+      .def(nb::init<nb::handle, int64_t, int, int64_t, int, int, bool>(), "model"_a, "num_pages"_a,
+           "page_size"_a, "token_budget"_a, "max_running"_a, "max_pages_per_request"_a, "speculative"_a)
       .def("add", &PyEngine::add, "prompt"_a, "max_tokens"_a, "temperature"_a, "top_k"_a,
            "top_p"_a, "seed"_a, "stop_tokens"_a)
       .def("cancel", [](PyEngine& e, uint64_t id) { e.engine().cancel(id); }, "id"_a)
@@ -102,6 +103,8 @@ void bind_engine(nb::module_& m) {
       .def_prop_ro("waiting", [](PyEngine& e) { return e.engine().waiting(); })
       .def_prop_ro("running", [](PyEngine& e) { return e.engine().running(); })
       .def_prop_ro("preemptions", [](PyEngine& e) { return e.engine().preemptions(); })
+      .def_prop_ro("drafts_proposed", [](PyEngine& e) { return e.engine().drafts_proposed(); })
+      .def_prop_ro("drafts_accepted", [](PyEngine& e) { return e.engine().drafts_accepted(); })
       .def_prop_ro("available_pages", [](PyEngine& e) { return e.kv().available_pages(); })
       .def_prop_ro("cached_pages", [](PyEngine& e) { return e.kv().cached_pages(); });
 }

@@ -28,6 +28,9 @@ Engine::Engine(Model& model, KvCacheManager& kv, const EngineOptions& options)
   if (o_.token_budget < 1) bad("token_budget", o_.token_budget, "must be >= 1");
   if (o_.max_running < 1) bad("max_running", o_.max_running, "must be >= 1");
   if (o_.max_pages_per_request < 1) bad("max_pages_per_request", o_.max_pages_per_request, "must be >= 1");
+  if (o_.speculative && !model_.mtp())
+    throw std::invalid_argument("moelink: EngineOptions.speculative needs a model created with ModelOptions.mtp "
+                                "(its MTP module proposes the drafts)");
 }
 
 uint64_t Engine::add(const GenerateParams& p) {
@@ -70,6 +73,7 @@ void Engine::preempt(Request& r) {
   kv_.release(r.id);
   r.computed = 0;
   r.started = false;
+  r.draft = -1;
   r.prompt_len = static_cast<int64_t>(r.tokens.size());
   running_.erase(std::find(running_.begin(), running_.end(), &r));
   waiting_.push_front(&r);
@@ -84,6 +88,22 @@ void Engine::finish(Request& r, FinishReason why, std::vector<StepResult>& out) 
   if (it == out.end()) it = out.insert(out.end(), StepResult{r.id, {}, FinishReason::kNone, 0, {}});
   it->finished = why;
   requests_.erase(r.id);
+}
+
+bool Engine::emit(Request& r, uint32_t t, StepResult& result, std::vector<StepResult>& out) {
+  r.tokens.push_back(t);
+  ++r.output;
+  result.tokens.push_back(t);
+  const auto& stops = r.params.stop_tokens;
+  if (std::find(stops.begin(), stops.end(), t) != stops.end()) {
+    finish(r, FinishReason::kStop, out);
+    return true;
+  }
+  if (r.output >= static_cast<size_t>(r.params.max_tokens)) {
+    finish(r, FinishReason::kLength, out);
+    return true;
+  }
+  return false;
 }
 
 std::vector<StepResult> Engine::step() {
@@ -103,8 +123,14 @@ std::vector<StepResult> Engine::step() {
       ++i;
       continue;
     }
+    // A draft rides along when it fits the budget and max_tokens (an
+    // accepted draft and the token after it are two outputs).
+    const int64_t q_len = o_.speculative && r.draft >= 0 && budget >= 2 &&
+                                  r.output + 2 <= static_cast<size_t>(r.params.max_tokens)
+                              ? 2
+                              : 1;
     bool preempted_self = false;
-    while (!kv_.reserve(r.id, r.computed + 1)) {
+    while (!kv_.reserve(r.id, r.computed + q_len)) {
       Request& victim = *running_.back();  // the most recently started
       preempt(victim);
       if (&victim == &r) {
@@ -113,8 +139,8 @@ std::vector<StepResult> Engine::step() {
       }
     }
     if (preempted_self) break;
-    decodes.push_back({&r, 1});
-    --budget;
+    decodes.push_back({&r, q_len});
+    budget -= q_len;
     ++i;
   }
   auto batch_full = [&] { return decodes.size() + prefills.size() >= static_cast<size_t>(o_.max_running); };
@@ -150,13 +176,23 @@ std::vector<StepResult> Engine::step() {
   std::vector<Planned> batch = decodes;
   batch.insert(batch.end(), prefills.begin(), prefills.end());
   const int B = static_cast<int>(batch.size());
-  std::vector<int32_t> token_ids, q_start{0}, kv_len, top_k;
+  std::vector<int32_t> token_ids, q_start{0}, kv_len, top_k, num_drafts, known_next;
   std::vector<float> temperature, top_p;
   std::vector<int64_t> seed;
   int64_t columns = 1;
   for (const Planned& p : batch) {
     const Request& r = *p.r;
-    for (int64_t t = r.computed; t < r.computed + p.q_len; ++t) token_ids.push_back(static_cast<int32_t>(r.tokens[t]));
+    const bool drafted = r.computed + p.q_len > static_cast<int64_t>(r.tokens.size());  // its last row: the draft
+    for (int64_t t = r.computed; t < r.computed + p.q_len - (drafted ? 1 : 0); ++t)
+      token_ids.push_back(static_cast<int32_t>(r.tokens[t]));
+    if (drafted) token_ids.push_back(r.draft);
+    num_drafts.push_back(drafted ? 1 : 0);
+    // The token after a prefill chunk that does not end the prompt (the MTP
+    // module's input there).
+    const int64_t after = r.computed + p.q_len;
+    known_next.push_back(!drafted && after < static_cast<int64_t>(r.tokens.size())
+                             ? static_cast<int32_t>(r.tokens[after])
+                             : -1);
     q_start.push_back(q_start.back() + static_cast<int32_t>(p.q_len));
     kv_len.push_back(static_cast<int32_t>(r.computed + p.q_len));
     temperature.push_back(r.params.temperature);
@@ -170,7 +206,7 @@ std::vector<StepResult> Engine::step() {
     const std::vector<int32_t>& pages = kv_.pages(batch[i].r->id);
     std::copy(pages.begin(), pages.end(), table.begin() + i * columns);
   }
-  std::vector<int32_t> next(std::max(B, 1), -1);
+  std::vector<int32_t> next(std::max(B, 1), -1), accepted(std::max(B, 1), 0), drafts(std::max(B, 1), -1);
   StepInput in;
   const int64_t n = static_cast<int64_t>(token_ids.size());
   in.token_ids = Tensor::contiguous(token_ids.data(), DType::kInt32, {n});
@@ -184,9 +220,17 @@ std::vector<StepResult> Engine::step() {
     in.sampling.top_k = Tensor::contiguous(top_k.data(), DType::kInt32, {B});
     in.sampling.top_p = Tensor::contiguous(top_p.data(), DType::kFloat32, {B});
     in.sampling.seed = Tensor::contiguous(seed.data(), DType::kInt64, {B});
+    if (o_.speculative) {
+      in.num_drafts = Tensor::contiguous(num_drafts.data(), DType::kInt32, {B});
+      in.known_next = Tensor::contiguous(known_next.data(), DType::kInt32, {B});
+    }
   }
   StepOutput so;
   so.next_tokens = Tensor::contiguous(next.data(), DType::kInt32, {B});
+  if (o_.speculative) {
+    so.accepted = Tensor::contiguous(accepted.data(), DType::kInt32, {B});
+    so.draft_tokens = Tensor::contiguous(drafts.data(), DType::kInt32, {B});
+  }
   std::string error;
   try {
     model_.step_from_host(in, so);
@@ -209,18 +253,24 @@ std::vector<StepResult> Engine::step() {
       finish(r, FinishReason::kError, out);
       continue;
     }
+    if (num_drafts[i] > 0) {
+      // The draft's row holds valid KV only when it was accepted; a
+      // rejected one is overwritten by the next step.
+      ++drafts_proposed_;
+      drafts_accepted_ += accepted[i];
+      r.computed += 1 + accepted[i];
+      const uint32_t draft = static_cast<uint32_t>(r.draft);
+      r.draft = drafts[i];
+      if (accepted[i] > 0 && emit(r, draft, *it, out)) continue;
+      kv_.commit(r.id, r.tokens, r.computed);
+      emit(r, static_cast<uint32_t>(next[i]), *it, out);
+      continue;
+    }
     r.computed += batch[i].q_len;
     kv_.commit(r.id, r.tokens, r.computed);
     if (r.computed < static_cast<int64_t>(r.tokens.size())) continue;  // a prefill chunk mid-prompt
-    const uint32_t t = static_cast<uint32_t>(next[i]);
-    r.tokens.push_back(t);
-    ++r.output;
-    it->tokens.push_back(t);
-    const auto& stops = r.params.stop_tokens;
-    if (std::find(stops.begin(), stops.end(), t) != stops.end())
-      finish(r, FinishReason::kStop, out);
-    else if (r.output >= static_cast<size_t>(r.params.max_tokens))
-      finish(r, FinishReason::kLength, out);
+    r.draft = o_.speculative ? drafts[i] : -1;
+    emit(r, static_cast<uint32_t>(next[i]), *it, out);
   }
   return out;
 }

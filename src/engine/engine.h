@@ -9,8 +9,14 @@
 //             (prefix-cached pages are skipped);
 //   run       Model::step over the batch (decodes first, as MLABatch wants);
 //   process   the computed pages committed to the cache, each request's new
-//             token appended, stop conditions (a stop token, max_tokens)
+//             tokens appended, stop conditions (a stop token, max_tokens)
 //             applied, finished and cancelled requests released.
+//
+// Speculative decoding (EngineOptions.speculative, a model with MTP): a
+// decode carries the draft the model proposed at its last step as a second
+// row; the step accepts it when it is the token the model picks anyway, so
+// a request then gains two tokens in one step and its output is the same
+// as without drafts.
 //
 // Every rank of an expert-parallel model runs an Engine over its own
 // requests and calls step() in lock step with the others (a step without
@@ -33,6 +39,7 @@ struct EngineOptions {
   int64_t token_budget = 0;  // query tokens a step may carry (<= the model's max_tokens)
   int max_running = 0;       // requests a step may carry (<= the attention's max_requests)
   int max_pages_per_request = 0;  // the block table's columns (the attention's option)
+  bool speculative = false;       // verify the model's MTP drafts (needs ModelOptions.mtp)
 };
 
 struct GenerateParams {
@@ -51,7 +58,7 @@ const char* finish_reason_name(FinishReason r);  // "", "stop", "length", "cance
 // What one step produced for one request.
 struct StepResult {
   uint64_t id = 0;
-  std::vector<uint32_t> tokens;  // new output tokens (0 or 1)
+  std::vector<uint32_t> tokens;  // new output tokens (0, 1, or 2 with an accepted draft)
   FinishReason finished = FinishReason::kNone;
   int64_t cached_tokens = 0;     // prompt tokens the prefix cache held (on its first step)
   std::string error;             // kError: why
@@ -76,6 +83,9 @@ class Engine {
   size_t waiting() const { return waiting_.size(); }
   size_t running() const { return running_.size(); }
   int64_t preemptions() const { return preemptions_; }
+  // Drafts sent for verification and those accepted (speculative).
+  int64_t drafts_proposed() const { return drafts_proposed_; }
+  int64_t drafts_accepted() const { return drafts_accepted_; }
 
  private:
   struct Request {
@@ -87,14 +97,17 @@ class Engine {
     size_t output = 0;             // output tokens made
     bool started = false, cancelled = false, reported_cache = false;
     int64_t cached = 0;
+    int32_t draft = -1;            // the model's proposal for the token after the last one
   };
   struct Planned {
     Request* r;
-    int64_t q_len;
+    int64_t q_len;  // a decode with a draft: 2
   };
 
   void preempt(Request& r);
   void finish(Request& r, FinishReason why, std::vector<StepResult>& out);
+  // Appends a new output token; true when it ends the request.
+  bool emit(Request& r, uint32_t t, StepResult& result, std::vector<StepResult>& out);
 
   Model& model_;
   KvCacheManager& kv_;
@@ -103,7 +116,7 @@ class Engine {
   std::unordered_map<uint64_t, std::unique_ptr<Request>> requests_;
   std::deque<Request*> waiting_;   // FIFO; preempted ones go to the front
   std::vector<Request*> running_;  // in admission order
-  int64_t preemptions_ = 0;
+  int64_t preemptions_ = 0, drafts_proposed_ = 0, drafts_accepted_ = 0;
 };
 
 }  // namespace moelink::engine

@@ -200,6 +200,7 @@ class ModelImpl {
 
   const ModelConfig& config() const { return c_; }
   int num_layers() const { return layers_; }
+  bool mtp() const { return mtp_ != nullptr; }
 
   void load_checkpoint(const std::string& directory) {
     const char* call = "Model.load_checkpoint";
@@ -601,6 +602,7 @@ Model::Model(std::unique_ptr<detail::ModelImpl> impl) : impl_(std::move(impl)) {
 Model::~Model() = default;
 const ModelConfig& Model::config() const { return impl_->config(); }
 int Model::num_layers() const { return impl_->num_layers(); }
+bool Model::mtp() const { return impl_->mtp(); }
 void Model::load_checkpoint(const std::string& directory) { impl_->load_checkpoint(directory); }
 Tensor Model::kv_cache(int layer) const { return impl_->kv_cache(layer); }
 void Model::step(const StepInput& in, const StepOutput& out, cudaStream_t stream) { impl_->step(in, out, stream); }

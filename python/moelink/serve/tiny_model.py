@@ -41,12 +41,16 @@ def words(vocab_size: int):
     return SPECIAL + [f"w{i}" for i in range(vocab_size - len(SPECIAL))]
 
 
-def write_checkpoint(directory, fields, seed):
+def write_checkpoint(directory, fields, seed, echo=False):
     """A random DeepSeek-V3-layout checkpoint (bf16, transformers' names)
     written with numpy alone (no torch), and its config.json. With
     num_nextn_predict_layers = 1, also the MTP module (layer
     num_hidden_layers: enorm, hnorm, eh_proj, a MoE decoder layer,
-    shared_head) in DeepSeek-V3's names."""
+    shared_head) in DeepSeek-V3's names. echo=True writes a model that
+    mostly repeats its input token, and an MTP module that drafts the token
+    it is given: its drafts are then often right (speculative decoding's
+    tests): both heads are the embedding table, every layer's output
+    projections are scaled by 0.1, eh_proj passes the embedding half."""
     import ml_dtypes
     rng = np.random.default_rng(seed)
     D, V, I, Im = (fields[k] for k in ("hidden_size", "vocab_size", "intermediate_size",
@@ -100,6 +104,15 @@ def write_checkpoint(directory, fields, seed):
             w(m + "shared_experts.gate_proj.weight", Is, D)
             w(m + "shared_experts.up_proj.weight", Is, D)
             w(m + "shared_experts.down_proj.weight", D, Is)
+    if echo:
+        t["lm_head.weight"] = t["model.embed_tokens.weight"]
+        for name in t:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                t[name] = t[name] * 0.1
+            elif name.endswith("shared_head.head.weight"):
+                t[name] = t["model.embed_tokens.weight"]
+            elif name.endswith("eh_proj.weight"):
+                t[name] = np.concatenate([np.eye(D), np.zeros((D, D))], axis=1)
     # safetensors: an 8-byte header length, a JSON header, the raw bytes.
     header, blobs, offset = {}, [], 0
     for name, v in t.items():
@@ -127,10 +140,10 @@ def write_tokenizer(directory, vocab_size: int) -> None:
         json.dump({"chat_template": CHAT_TEMPLATE}, f)
 
 
-def write_tiny_model(directory, *, layers: int = 2, seed: int = 0, **overrides) -> dict:
+def write_tiny_model(directory, *, layers: int = 2, seed: int = 0, echo: bool = False, **overrides) -> dict:
     """Writes the whole directory; returns the config's fields."""
     fields = dict(TINY, rope_scaling=None, num_hidden_layers=layers, eos_token_id=1, **overrides)
-    write_checkpoint(directory, fields, seed)
+    write_checkpoint(directory, fields, seed, echo)
     write_tokenizer(directory, fields["vocab_size"])
     return fields
 
