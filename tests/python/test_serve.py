@@ -222,3 +222,36 @@ def test_a_bounded_load_loses_nothing(served):
         time.sleep(0.05)
     assert server.kv_pages_free() == server.options.num_pages
     print(f"1000 requests in {time.time() - t0:.1f} s")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "nvlink"])
+def test_speculative_serving_gives_the_models_own_tokens(tmp_path, backend):
+    """--speculative on a model whose MTP drafts are often right (the tiny
+    model's echo variant): the same text as the model's own greedy output,
+    concurrent streams intact, the acceptance counters in /metrics."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("ml_dtypes")
+    if backend != "cpu" and not _has_gpu():
+        pytest.skip("the GPU path needs a Hopper GPU (runs on the H200 device machine)")
+    write_tiny_model(str(tmp_path), layers=2, seed=5, num_nextn_predict_layers=1, echo=True)
+    opts = moelink.serve.ServerOptions(num_pages=24, page_size=16, max_running=4, token_budget=48,
+                                       max_model_len=96, backend=backend, speculative=True)
+    server = moelink.serve.Server(str(tmp_path), opts)
+    host, port = server.start("127.0.0.1", 0)
+    try:
+        client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="none")
+        prompts = ["w7 w8 w9", "w1 w30 w31 w32 w33", "w100"]
+        for p in prompts:
+            ids = server.tokenizer.encode(p, add_special_tokens=False).ids
+            want = server.tokenizer.decode(greedy_alone(str(tmp_path), ids, 9, backend=backend))
+            r = client.completions.create(model=server.model_name, prompt=p, max_tokens=9, temperature=0)
+            assert r.choices[0].text == want and r.usage.completion_tokens == 9
+            chunks = client.completions.create(model=server.model_name, prompt=p, max_tokens=9, temperature=0,
+                                               stream=True)
+            assert "".join(c.choices[0].text for c in chunks) == want
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30) as m:
+            metrics = dict(line.split() for line in m.read().decode().splitlines() if not line.startswith("#"))
+        proposed, accepted = (int(metrics[f"moelink_spec_drafts_{k}_total"]) for k in ("proposed", "accepted"))
+        assert proposed > 0 and accepted > 0, metrics
+    finally:
+        server.stop()

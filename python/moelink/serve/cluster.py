@@ -56,7 +56,9 @@ class LocalServing:
                 "--scheduler", self.scheduler.target, "--engine-id", self.engine_id(i),
                 "--dp-rank", str(i), "--num-pages", str(o.num_pages), "--page-size", str(o.page_size),
                 "--max-running", str(o.max_running), "--token-budget", str(o.token_budget),
-                "--max-model-len", str(o.max_model_len), "--ready-file", ready]
+                "--max-model-len", str(o.max_model_len), "--backend", o.backend, "--ready-file", ready]
+        if o.speculative:
+            args.append("--speculative")
         # The worker imports this very moelink package, wherever it was found.
         import moelink
         env = dict(os.environ)

@@ -30,6 +30,7 @@ class ServerOptions:
     backend: str = "cpu"
     served_model_name: Optional[str] = None
     max_n: int = 1              # choices a request may ask for
+    speculative: bool = False   # MTP drafts, verified each step (needs a checkpoint with an MTP module)
 
 
 class RequestError(Exception):
@@ -61,7 +62,7 @@ class _Metrics:
         self.requests = self.finished = self.errors = self.tokens = self.cached_tokens = 0
         self.ttft_sum = self.ttft_count = self.itl_sum = self.itl_count = 0.0
 
-    def text(self, running, waiting, kv_usage) -> str:
+    def text(self, running, waiting, kv_usage, drafts=(0, 0)) -> str:
         with self.lock:
             rows = [
                 ("moelink_requests_total", "counter", "requests accepted", self.requests),
@@ -76,6 +77,9 @@ class _Metrics:
                 ("moelink_time_to_first_token_seconds_count", "counter", "time to first token", self.ttft_count),
                 ("moelink_inter_token_latency_seconds_sum", "counter", "time between tokens", self.itl_sum),
                 ("moelink_inter_token_latency_seconds_count", "counter", "time between tokens", self.itl_count),
+                ("moelink_spec_drafts_proposed_total", "counter", "MTP drafts sent for verification", drafts[0]),
+                ("moelink_spec_drafts_accepted_total", "counter",
+                 "MTP drafts accepted (acceptance rate: accepted / proposed)", drafts[1]),
             ]
         out = []
         for name, kind, help_, value in rows:
@@ -90,11 +94,12 @@ def load_engine(model_dir: str, o: ServerOptions):
     model = moelink.Model(str(d / "config.json"), backend=o.backend, max_tokens=o.token_budget,
                           num_pages=o.num_pages, page_size=o.page_size, max_requests=o.max_running,
                           max_pages_per_request=pages_per_request, num_layers=o.num_layers,
+                          mtp=o.speculative,
                           bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", _free_port(), 30.0))
     model.load_checkpoint(str(d))
     return moelink.Engine(model, num_pages=o.num_pages, page_size=o.page_size,
                           token_budget=o.token_budget, max_running=o.max_running,
-                          max_pages_per_request=pages_per_request)
+                          max_pages_per_request=pages_per_request, speculative=o.speculative)
 
 
 class Server:
@@ -125,6 +130,7 @@ class Server:
         # The engine's counts as the engine thread last saw them: only that
         # thread touches the engine (its step runs without the GIL).
         self._engine_state = (0, 0, o.num_pages)  # running, waiting, available pages
+        self._drafts = (0, 0)  # MTP drafts proposed, accepted
         self.metrics = _Metrics()
         self._submit: "queue.Queue[_Job]" = queue.Queue()
         self._jobs = {}  # engine id -> _Job (the engine thread's)
@@ -166,6 +172,10 @@ class Server:
         """(running, waiting, available pages) as of the engine's last step."""
         return self._engine_state
 
+    def draft_counts(self):
+        """(MTP drafts proposed, accepted) as of the engine's last step."""
+        return self._drafts
+
     # ------------------------------------------------------------ engine thread
 
     def submit(self, job: _Job) -> None:
@@ -193,6 +203,7 @@ class Server:
                     self.engine.cancel(jid)
             e = self.engine
             self._engine_state = (e.running, e.waiting, e.available_pages)
+            self._drafts = (e.drafts_proposed, e.drafts_accepted)
             if e.idle:
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -424,7 +435,7 @@ class _Handler(BaseHTTPRequestHandler):
                 used = 1.0 - free / s.options.num_pages
             else:  # the engines report theirs to the scheduler
                 running = waiting = used = 0
-            body = s.metrics.text(running, waiting, used).encode()
+            body = s.metrics.text(running, waiting, used, s.draft_counts()).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(body)))

@@ -138,10 +138,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-running", type=int, default=8)
     p.add_argument("--token-budget", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--backend", default="cpu", help="the model's backend: cpu, or nvlink (the GPU path)")
+    p.add_argument("--speculative", action="store_true", help="verify the model's MTP drafts")
     p.add_argument("--ready-file", default=None, help="written once registered")
     a = p.parse_args(argv)
     opts = ServerOptions(num_pages=a.num_pages, page_size=a.page_size, max_running=a.max_running,
-                         token_budget=a.token_budget, max_model_len=a.max_model_len)
+                         token_budget=a.token_budget, max_model_len=a.max_model_len, backend=a.backend,
+                         speculative=a.speculative)
     w = EngineWorker(a.model, a.scheduler, a.engine_id, opts, a.dp_rank).start()
     signal.signal(signal.SIGTERM, lambda *_: w._stop.set())
     if a.ready_file:
