@@ -145,6 +145,12 @@ class Model {
   // The KV cache of layer `layer` ([num_pages, page_size, Dc] bf16); with
   // ModelOptions.mtp, layer num_layers() is the MTP module's.
   Tensor kv_cache(int layer) const;
+  // Every cache in one region ([caches * num_pages * page_size * Dc * 2]
+  // uint8, cache l from byte l * num_pages * page_size * Dc * 2; caches:
+  // num_layers(), plus one with mtp), for registering it once with a
+  // TransferEngine (P/D disaggregation): page p of cache l is a
+  // layer-major KvCacheLayout's page (bytes_per_token Dc * 2).
+  Tensor kv_cache_region() const;
 
   // One step. Host tensors for the CPU path, device tensors otherwise.
   void step(const StepInput& in, const StepOutput& out, cudaStream_t stream = nullptr);

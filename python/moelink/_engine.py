@@ -47,9 +47,36 @@ class Engine:
 
     def add(self, prompt: Sequence[int], *, max_tokens: int = 16, temperature: float = 0.0,
             top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-            stop_tokens: Sequence[int] = ()) -> int:
+            stop_tokens: Sequence[int] = (), hand_off: bool = False) -> int:
+        """Queues a request; returns its id. hand_off=True (P/D, prefill
+        side): it stops after its first token, finishing "handed_off" with
+        its pages held for a decode engine until release(id)."""
         return self._impl.add([int(t) for t in prompt], int(max_tokens), float(temperature),
-                              int(top_k), float(top_p), int(seed), [int(t) for t in stop_tokens])
+                              int(top_k), float(top_p), int(seed), [int(t) for t in stop_tokens],
+                              bool(hand_off))
+
+    def receive(self, prompt: Sequence[int], *, max_tokens: int = 16, temperature: float = 0.0,
+                top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] = ()):
+        """P/D, decode side: a request whose prompt a prefill engine computed.
+        Returns (id, cached_tokens, pages): the prompt's pages in token order,
+        the first cached_tokens of which the prefix cache already holds (no
+        transfer needed); None when the pages do not suffice now. Move the
+        prompt's KV rows into the other pages, then resume(id, first_token)."""
+        return self._impl.receive([int(t) for t in prompt], int(max_tokens), float(temperature),
+                                  int(top_k), float(top_p), int(seed), [int(t) for t in stop_tokens])
+
+    def resume(self, request_id: int, first_token: int) -> None:
+        """The received request's KV rows are in: it decodes on after
+        first_token (reported by the prefill engine, not again here)."""
+        self._impl.resume(int(request_id), int(first_token))
+
+    def release(self, request_id: int) -> None:
+        """P/D, prefill side: frees a handed-off request's pages."""
+        self._impl.release(int(request_id))
+
+    def pages(self, request_id: int) -> List[int]:
+        """The KV-cache pages a request holds, in token order ([] if none)."""
+        return list(self._impl.pages(int(request_id)))
 
     def cancel(self, request_id: int) -> None:
         self._impl.cancel(int(request_id))

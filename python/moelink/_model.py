@@ -44,6 +44,7 @@ class Model:
                  timeout_s: Optional[float] = None, debug: Optional[bool] = None):
         cfg = model_full_config(config)
         self._host = backend in _HOST_BACKENDS
+        self.page_size, self.num_pages, self.mtp = int(page_size), int(num_pages), bool(mtp)
         if not self._host:
             sync_cuda_device()
         self._bootstrap = _resolve_bootstrap(group, bootstrap, timeout_s)
@@ -60,6 +61,14 @@ class Model:
     @property
     def num_layers(self) -> int:
         return self._impl.num_layers
+
+    def kv_cache_region(self):
+        """Every layer's KV cache as one uint8 array (numpy on a host backend,
+        a torch tensor on a GPU one), layer after layer: register it once with
+        a TransferEngine to move a request's pages (P/D disaggregation).
+        Layout: moelink.KvCacheLayout.layer_major(caches, Dc * 2, page_size,
+        num_pages), caches = num_layers (+ 1 with mtp)."""
+        return self._impl.kv_cache_region()
 
     def load_checkpoint(self, directory: str) -> None:
         """A Hugging Face checkpoint directory (safetensors; fp8 with

@@ -38,8 +38,9 @@ class PyEngine {
     }
   }
 
-  uint64_t add(const std::vector<uint32_t>& prompt, int max_tokens, float temperature, int top_k,
-               float top_p, int64_t seed, const std::vector<uint32_t>& stop_tokens) {
+  static engine::GenerateParams params(const std::vector<uint32_t>& prompt, int max_tokens, float temperature,
+                                       int top_k, float top_p, int64_t seed,
+                                       const std::vector<uint32_t>& stop_tokens, bool hand_off) {
     engine::GenerateParams p;
     p.prompt = prompt;
     p.max_tokens = max_tokens;
@@ -48,8 +49,35 @@ class PyEngine {
     p.top_p = top_p;
     p.seed = seed;
     p.stop_tokens = stop_tokens;
+    p.hand_off = hand_off;
+    return p;
+  }
+
+  uint64_t add(const std::vector<uint32_t>& prompt, int max_tokens, float temperature, int top_k,
+               float top_p, int64_t seed, const std::vector<uint32_t>& stop_tokens, bool hand_off) {
     try {
-      return engine_->add(p);
+      return engine_->add(params(prompt, max_tokens, temperature, top_k, top_p, seed, stop_tokens, hand_off));
+    } catch (const std::invalid_argument& e) {
+      throw InvalidArgument(e.what());
+    }
+  }
+
+  // (id, cached prompt tokens, pages) or None when the pages do not suffice now.
+  nb::object receive(const std::vector<uint32_t>& prompt, int max_tokens, float temperature, int top_k,
+                     float top_p, int64_t seed, const std::vector<uint32_t>& stop_tokens) {
+    std::optional<engine::Engine::Received> r;
+    try {
+      r = engine_->receive(params(prompt, max_tokens, temperature, top_k, top_p, seed, stop_tokens, false));
+    } catch (const std::invalid_argument& e) {
+      throw InvalidArgument(e.what());
+    }
+    if (!r) return nb::none();
+    return nb::make_tuple(r->id, r->cached_tokens, r->pages);
+  }
+
+  void resume(uint64_t id, uint32_t first_token) {
+    try {
+      engine_->resume(id, first_token);
     } catch (const std::invalid_argument& e) {
       throw InvalidArgument(e.what());
     }
@@ -95,7 +123,12 @@ void bind_engine(nb::module_& m) {
       .def(nb::init<nb::handle, int64_t, int, int64_t, int, int, bool>(), "model"_a, "num_pages"_a,
            "page_size"_a, "token_budget"_a, "max_running"_a, "max_pages_per_request"_a, "speculative"_a)
       .def("add", &PyEngine::add, "prompt"_a, "max_tokens"_a, "temperature"_a, "top_k"_a,
+           "top_p"_a, "seed"_a, "stop_tokens"_a, "hand_off"_a)
+      .def("receive", &PyEngine::receive, "prompt"_a, "max_tokens"_a, "temperature"_a, "top_k"_a,
            "top_p"_a, "seed"_a, "stop_tokens"_a)
+      .def("resume", &PyEngine::resume, "id"_a, "first_token"_a)
+      .def("release", [](PyEngine& e, uint64_t id) { e.engine().release(id); }, "id"_a)
+      .def("pages", [](PyEngine& e, uint64_t id) { return e.kv().pages(id); }, "id"_a)
       .def("cancel", [](PyEngine& e, uint64_t id) { e.engine().cancel(id); }, "id"_a)
       .def("step", &PyEngine::step)
       .def("take_kv_events", &PyEngine::take_kv_events)

@@ -84,6 +84,8 @@ class PyModel {
   }
 
   Model& impl() { return *impl_; }
+  bool on_host() const { return host_; }
+  int device() const { return device_; }
 
  private:
   std::unique_ptr<Model> impl_;
@@ -124,6 +126,17 @@ void bind_model(nb::module_& m) {
            "top_p"_a.none(), "seed"_a.none(), "num_drafts"_a.none(), "known_next"_a.none(),
            "accepted"_a.none(), "draft_tokens"_a.none(), "draft_logits"_a.none(), "stream"_a)
       .def("check", &PyModel::check, "stream"_a)
+      .def(
+          "kv_cache_region",
+          [](nb::handle self) -> nb::object {
+            PyModel& p = nb::cast<PyModel&>(self);
+            const Tensor t = p.impl().kv_cache_region();
+            const size_t n = static_cast<size_t>(t.shape[0]);
+            // A view kept alive by the model: numpy on the host, torch on a GPU.
+            if (p.on_host()) return nb::cast(nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(t.data, {n}, self));
+            return nb::cast(nb::ndarray<nb::pytorch, uint8_t, nb::ndim<1>>(
+                t.data, {n}, self, {}, nb::dtype<uint8_t>(), nb::device::cuda::value, p.device()));
+          })
       .def_prop_ro("num_layers", [](PyModel& p) { return p.impl().num_layers(); })
       .def_prop_ro("config", [](PyModel& p) { return p.impl().config(); });
 }

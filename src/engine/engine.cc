@@ -15,6 +15,7 @@ const char* finish_reason_name(FinishReason r) {
     case FinishReason::kLength: return "length";
     case FinishReason::kCancelled: return "cancelled";
     case FinishReason::kError: return "error";
+    case FinishReason::kHandedOff: return "handed_off";
   }
   return "";
 }
@@ -33,7 +34,7 @@ Engine::Engine(Model& model, KvCacheManager& kv, const EngineOptions& options)
                                 "(its MTP module proposes the drafts)");
 }
 
-uint64_t Engine::add(const GenerateParams& p) {
+void Engine::check_params(const GenerateParams& p) const {
   auto bad = [](const char* field, const std::string& what) {
     throw std::invalid_argument("moelink: Engine.add: " + std::string(field) + " " + what);
   };
@@ -52,6 +53,10 @@ uint64_t Engine::add(const GenerateParams& p) {
   if (!(p.temperature >= 0.0f)) bad("temperature", "= " + std::to_string(p.temperature) + " must be >= 0");
   if (p.top_k < 0) bad("top_k", "= " + std::to_string(p.top_k) + " must be >= 0");
   if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) bad("top_p", "= " + std::to_string(p.top_p) + " must be in (0, 1]");
+}
+
+uint64_t Engine::add(const GenerateParams& p) {
+  check_params(p);
   auto r = std::make_unique<Request>();
   r->id = next_id_++;
   r->params = p;
@@ -61,6 +66,46 @@ uint64_t Engine::add(const GenerateParams& p) {
   const uint64_t id = r->id;
   requests_[id] = std::move(r);
   return id;
+}
+
+void Engine::release(uint64_t id) {
+  auto it = requests_.find(id);
+  if (it == requests_.end() || !it->second->handed_off) return;
+  kv_.release(id);
+  requests_.erase(it);
+}
+
+std::optional<Engine::Received> Engine::receive(const GenerateParams& p) {
+  check_params(p);
+  auto r = std::make_unique<Request>();
+  r->id = next_id_++;
+  r->params = p;
+  r->params.hand_off = false;
+  r->tokens = p.prompt;
+  r->prompt_len = static_cast<int64_t>(p.prompt.size());
+  r->cached = kv_.admit(r->id, p.prompt);
+  if (!kv_.reserve(r->id, r->prompt_len)) {
+    kv_.release(r->id);
+    return std::nullopt;
+  }
+  r->started = r->awaiting_kv = r->reported_cache = true;
+  Received out{r->id, r->cached, kv_.pages(r->id)};
+  requests_[r->id] = std::move(r);
+  return out;
+}
+
+void Engine::resume(uint64_t id, uint32_t first_token) {
+  auto it = requests_.find(id);
+  if (it == requests_.end() || !it->second->awaiting_kv)
+    throw std::invalid_argument("moelink: Engine.resume: request " + std::to_string(id) +
+                                " is not waiting for its KV rows (receive() it first)");
+  Request& r = *it->second;
+  r.awaiting_kv = false;
+  r.computed = r.prompt_len;
+  kv_.commit(r.id, r.tokens, r.computed);
+  r.tokens.push_back(first_token);
+  r.output = 1;
+  resumed_.push_back(&r);
 }
 
 void Engine::cancel(uint64_t id) {
@@ -84,6 +129,7 @@ void Engine::finish(Request& r, FinishReason why, std::vector<StepResult>& out) 
   kv_.release(r.id);
   running_.erase(std::remove(running_.begin(), running_.end(), &r), running_.end());
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), &r), waiting_.end());
+  resumed_.erase(std::remove(resumed_.begin(), resumed_.end(), &r), resumed_.end());
   auto it = std::find_if(out.begin(), out.end(), [&](const StepResult& s) { return s.id == r.id; });
   if (it == out.end()) it = out.insert(out.end(), StepResult{r.id, {}, FinishReason::kNone, 0, {}});
   it->finished = why;
@@ -113,6 +159,21 @@ std::vector<StepResult> Engine::step() {
   for (auto& [id, r] : requests_)
     if (r->cancelled) gone.push_back(r.get());
   for (Request* r : gone) finish(*r, FinishReason::kCancelled, out);
+
+  // Resumed requests (their prompt's KV came from a prefill engine) join
+  // the running decodes as room allows; one whose first token already
+  // ends it (a stop token, max_tokens 1) ends here.
+  while (!resumed_.empty() && running_.size() < static_cast<size_t>(o_.max_running)) {
+    Request& r = *resumed_.front();
+    resumed_.pop_front();
+    const auto& stops = r.params.stop_tokens;
+    if (std::find(stops.begin(), stops.end(), r.tokens.back()) != stops.end())
+      finish(r, FinishReason::kStop, out);
+    else if (r.output >= static_cast<size_t>(r.params.max_tokens))
+      finish(r, FinishReason::kLength, out);
+    else
+      running_.push_back(&r);
+  }
 
   // ---- schedule
   std::vector<Planned> decodes, prefills;
@@ -270,7 +331,11 @@ std::vector<StepResult> Engine::step() {
     kv_.commit(r.id, r.tokens, r.computed);
     if (r.computed < static_cast<int64_t>(r.tokens.size())) continue;  // a prefill chunk mid-prompt
     r.draft = o_.speculative ? drafts[i] : -1;
-    emit(r, static_cast<uint32_t>(next[i]), *it, out);
+    if (emit(r, static_cast<uint32_t>(next[i]), *it, out) || !r.params.hand_off) continue;
+    // P/D prefill side: the pages stay held for the decode engine.
+    r.handed_off = true;
+    running_.erase(std::find(running_.begin(), running_.end(), &r));
+    it->finished = FinishReason::kHandedOff;
   }
   return out;
 }

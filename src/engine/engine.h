@@ -18,6 +18,13 @@
 // a request then gains two tokens in one step and its output is the same
 // as without drafts.
 //
+// Prefill/decode disaggregation: a prefill engine runs a request with
+// hand_off set up to its first token, then holds its pages (finish reason
+// "handed_off") until release(); a decode engine receive()s the request
+// (pages reserved for its prompt, prefix-cached ones shared), the caller
+// moves the prompt's KV rows into those pages (the TransferEngine), and
+// resume() continues decoding after the first token.
+//
 // Every rank of an expert-parallel model runs an Engine over its own
 // requests and calls step() in lock step with the others (a step without
 // requests still takes part in the MoE layers' exchanges).
@@ -26,6 +33,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -50,10 +58,14 @@ struct GenerateParams {
   float top_p = 1.0f;
   int64_t seed = 0;
   std::vector<uint32_t> stop_tokens;  // e.g. EOS; the stop token is part of the output
+  // Prefill side of P/D disaggregation: stop after the first token and hold
+  // the pages for a decode engine to fetch (FinishReason::kHandedOff).
+  bool hand_off = false;
 };
 
-enum class FinishReason { kNone, kStop, kLength, kCancelled, kError };
-const char* finish_reason_name(FinishReason r);  // "", "stop", "length", "cancelled", "error"
+enum class FinishReason { kNone, kStop, kLength, kCancelled, kError, kHandedOff };
+// "", "stop", "length", "cancelled", "error", "handed_off"
+const char* finish_reason_name(FinishReason r);
 
 // What one step produced for one request.
 struct StepResult {
@@ -76,10 +88,33 @@ class Engine {
   // are ignored.
   void cancel(uint64_t id);
 
+  // P/D, prefill side: frees the pages of a request that finished with
+  // kHandedOff (its KV rows were read); unknown ids are ignored.
+  void release(uint64_t id);
+
+  // P/D, decode side: a request whose prompt a prefill engine computed.
+  // Admits it (prefix-cached pages shared) and reserves pages for its
+  // prompt; returns its id, the prompt tokens the cache already holds
+  // (their pages need no transfer: a multiple of page_size) and its pages
+  // in token order. Nullopt when the pages do not suffice now (nothing
+  // taken). The request waits until resume() (or cancel()). Checks params
+  // as add() does.
+  struct Received {
+    uint64_t id = 0;
+    int64_t cached_tokens = 0;
+    std::vector<int32_t> pages;
+  };
+  std::optional<Received> receive(const GenerateParams& params);
+  // The prompt's KV rows are in the pages: decoding continues after
+  // `first_token` (the prefill engine's, already reported there; not
+  // reported again). Throws std::invalid_argument for an id not waiting
+  // for its KV.
+  void resume(uint64_t id, uint32_t first_token);
+
   // One schedule-run-process round. Returns what changed per request.
   std::vector<StepResult> step();
 
-  bool idle() const { return waiting_.empty() && running_.empty(); }
+  bool idle() const { return waiting_.empty() && running_.empty() && resumed_.empty(); }
   size_t waiting() const { return waiting_.size(); }
   size_t running() const { return running_.size(); }
   int64_t preemptions() const { return preemptions_; }
@@ -96,6 +131,8 @@ class Engine {
     int64_t prompt_len = 0;        // the prompt (grows on preemption: recompute)
     size_t output = 0;             // output tokens made
     bool started = false, cancelled = false, reported_cache = false;
+    bool awaiting_kv = false;      // received, its KV rows not yet in (P/D decode side)
+    bool handed_off = false;       // prefilled and held for a decode engine (P/D prefill side)
     int64_t cached = 0;
     int32_t draft = -1;            // the model's proposal for the token after the last one
   };
@@ -105,6 +142,7 @@ class Engine {
   };
 
   void preempt(Request& r);
+  void check_params(const GenerateParams& p) const;
   void finish(Request& r, FinishReason why, std::vector<StepResult>& out);
   // Appends a new output token; true when it ends the request.
   bool emit(Request& r, uint32_t t, StepResult& result, std::vector<StepResult>& out);
@@ -116,6 +154,7 @@ class Engine {
   std::unordered_map<uint64_t, std::unique_ptr<Request>> requests_;
   std::deque<Request*> waiting_;   // FIFO; preempted ones go to the front
   std::vector<Request*> running_;  // in admission order
+  std::deque<Request*> resumed_;   // received and resumed, until running_ has room
   int64_t preemptions_ = 0, drafts_proposed_ = 0, drafts_accepted_ = 0;
 };
 

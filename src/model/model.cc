@@ -139,11 +139,14 @@ class ModelImpl {
                             "num_nextn_predict_layers = " + std::to_string(c_.num_nextn_predict_layers));
     // The MTP module's decoder layer (a MoE layer: it follows the dense
     // ones) sits after the layers run, with a KV cache of its own.
-    for (int l = 0; l < layers_ + (o_.mtp ? 1 : 0); ++l) {
+    // Every layer's KV cache in one region, layer after layer (one
+    // registration moves a request's pages of all of them: P/D hand-off).
+    const int caches = layers_ + (o_.mtp ? 1 : 0);
+    cache_bytes_ = o_.num_pages * ao.page_size * c_.attention.cache_row() * 2;
+    kv_region_ = ModelBuffer(*ops_, static_cast<size_t>(cache_bytes_ * caches));
+    for (int l = 0; l < caches; ++l) {
       Layer layer;
       layer.attention = MLAAttention::create(c_.attention, ao);
-      const int64_t cache_bytes = o_.num_pages * ao.page_size * c_.attention.cache_row() * 2;
-      layer.cache = ModelBuffer(*ops_, static_cast<size_t>(cache_bytes));
       layer.post_norm = ModelBuffer(*ops_, D * 4);
       if (l < c_.first_k_dense_replace && l < layers_) {
         ExpertConfig ec;
@@ -255,12 +258,16 @@ class ModelImpl {
     has_weights_ = true;
   }
 
+  Tensor kv_cache_region() const {
+    return Tensor::contiguous(kv_region_.as(), DType::kUInt8, {cache_bytes_ * static_cast<int64_t>(layers_v_.size())});
+  }
+
   Tensor kv_cache(int l) const {
     const int caches = static_cast<int>(layers_v_.size());
     if (l < 0 || l >= caches)
       throw InvalidArgument("moelink: Model.kv_cache: layer = " + std::to_string(l) + " must be in [0, " +
                             std::to_string(caches) + ")" + (mtp_ ? " (the last: the MTP module's)" : ""));
-    return Tensor::contiguous(layers_v_[l].cache.as(), DType::kBFloat16,
+    return Tensor::contiguous(kv_region_.as<uint8_t>() + l * cache_bytes_, DType::kBFloat16,
                               {o_.num_pages, o_.attention.page_size, c_.attention.cache_row()});
   }
 
@@ -376,7 +383,7 @@ class ModelImpl {
     std::unique_ptr<MLAAttention> attention;
     std::unique_ptr<MoELayer> moe;
     std::unique_ptr<DenseMlp> dense;
-    ModelBuffer cache, post_norm;
+    ModelBuffer post_norm;
   };
 
   float eps() const { return static_cast<float>(c_.rms_norm_eps); }
@@ -590,6 +597,8 @@ class ModelImpl {
   // the tokens drawn, each request's last row (logits with drafts).
   ModelBuffer sample_logits_, sample_rows_, sample_pos_, samples_, last_rows_;
   ModelBuffer h_, normed_, part_, xq_, xs_, error_, zero_, rows_, final_norm_, embed_, lm_head_;
+  ModelBuffer kv_region_;  // every cache, cache_bytes_ each
+  int64_t cache_bytes_ = 0;
 };
 
 }  // namespace detail
@@ -605,6 +614,7 @@ int Model::num_layers() const { return impl_->num_layers(); }
 bool Model::mtp() const { return impl_->mtp(); }
 void Model::load_checkpoint(const std::string& directory) { impl_->load_checkpoint(directory); }
 Tensor Model::kv_cache(int layer) const { return impl_->kv_cache(layer); }
+Tensor Model::kv_cache_region() const { return impl_->kv_cache_region(); }
 void Model::step(const StepInput& in, const StepOutput& out, cudaStream_t stream) { impl_->step(in, out, stream); }
 void Model::step_from_host(const StepInput& in, const StepOutput& out, cudaStream_t stream) {
   impl_->step_from_host(in, out, stream);
