@@ -10,6 +10,7 @@
 #include "attention/attention_ops.h"
 #include "core/float_convert.h"
 #include "core/device_memory.h"
+#include "core/rms_norm.h"
 
 namespace moelink::detail::attention {
 
@@ -59,15 +60,8 @@ class CpuAttentionOps final : public HostMemory<AttentionOps> {
 
   void rms_norm(const Tensor& y, const Tensor& x, const float* weight, float eps, const int32_t* rows,
                 cudaStream_t) override {
-    const int64_t cols = x.shape[1];
-    for (int64_t r = 0; r < *rows; ++r) {
-      const uint16_t* in = bf16_row(x, r);
-      uint16_t* out = bf16_row(y, r);
-      float ss = 0.0f;
-      for (int64_t c = 0; c < cols; ++c) ss += f(in[c]) * f(in[c]);
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(cols) + eps);
-      for (int64_t c = 0; c < cols; ++c) out[c] = bf(f(in[c]) * inv * weight[c]);
-    }
+    residual_rms_norm_rows(static_cast<const uint16_t*>(x.data), x.stride[0], nullptr, 0, nullptr, 0,
+                           static_cast<uint16_t*>(y.data), y.stride[0], x.shape[1], weight, eps, *rows);
   }
 
   void rope_q(const Tensor& q, int heads, int head_dim, int rope_dims, const RowPlan& plan,

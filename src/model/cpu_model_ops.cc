@@ -8,6 +8,7 @@
 
 #include "core/float_convert.h"
 #include "core/device_memory.h"
+#include "core/rms_norm.h"
 #include "model/draft_rules.h"
 #include "model/model_ops.h"
 #include "model/sampling.h"
@@ -59,26 +60,11 @@ class CpuModelOps final : public HostMemory<ModelOps> {
 
   void add_rms_norm(const Tensor& h, const Tensor& x, const Tensor& normed, const float* weight,
                     float eps, const int32_t* rows, cudaStream_t) override {
-    const int64_t D = h.shape[1];
-    std::vector<float> v(D);
-    for (int64_t r = 0; r < *rows; ++r) {
-      uint16_t* hr = row_of(h, r);
-      float ss = 0.0f;
-      for (int64_t d = 0; d < D; ++d) {
-        float s = bf16_to_f32(hr[d]);
-        if (x.defined()) {
-          s += bf16_to_f32(row_of(x, r)[d]);
-          hr[d] = f32_to_bf16(s);
-          s = bf16_to_f32(hr[d]);  // the residual stream is bf16, as in HF's bf16 model
-        }
-        v[d] = s;
-        ss += s * s;
-      }
-      if (weight == nullptr) continue;
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
-      uint16_t* out = row_of(normed, r);
-      for (int64_t d = 0; d < D; ++d) out[d] = f32_to_bf16(v[d] * inv * weight[d]);
-    }
+    auto* hd = static_cast<uint16_t*>(h.data);
+    residual_rms_norm_rows(hd, h.stride[0], x.defined() ? static_cast<const uint16_t*>(x.data) : nullptr,
+                           x.defined() ? x.stride[0] : 0, hd, h.stride[0],
+                           normed.defined() ? static_cast<uint16_t*>(normed.data) : nullptr,
+                           normed.defined() ? normed.stride[0] : 0, h.shape[1], weight, eps, *rows);
   }
 
   void linear(const Tensor& out, const Tensor& x, const uint16_t* weight, const int32_t* rows,

@@ -756,6 +756,25 @@ TEST(MLAAttentionCuda, FlashInferDecodeMatchesTheOwnKernelAndTheReference) {
     (void)cudaGetLastError();
     cudaStreamDestroy(s2);
     EXPECT_TRUE(refused) << "a capture with decode_kernel = flashinfer was not refused";
+    // The object stays usable: the same step eagerly, against moelink's
+    // kernel on the same weights (the harnesses share the seed) and cache.
+    fi.rank(0).forward(tout, tx, b, tcache, nullptr);
+    fi.rank(0).check();
+    const Tensor own_cache = fi.cache_tensor(st.put(cache));
+    std::vector<uint16_t> own_out(D);
+    const Tensor tout2 = Tensor::contiguous(st.put(own_out), DType::kBFloat16, {1, D});
+    own.rank(0).forward(tout2, tx, b, own_cache, nullptr);
+    own.rank(0).check();
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<double> after(D), want(D);
+    std::vector<uint16_t> got_bits(D), want_bits(D);
+    CUDA_OK(cudaMemcpy(got_bits.data(), tout.data, D * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(want_bits.data(), tout2.data, D * 2, cudaMemcpyDeviceToHost));
+    for (int64_t d = 0; d < D; ++d) after[d] = bf16_to_double(got_bits[d]), want[d] = bf16_to_double(want_bits[d]);
+    Compare again;
+    again.rows(want.data(), after, D);
+    EXPECT_EQ(again.nan, 0);
+    EXPECT_LT(again.rel(), 3e-2) << "FlashInfer's decode after a refused capture";
   }
   // And a shape FlashInfer's instantiation lacks.
   MLAOptions o = probe;

@@ -293,6 +293,12 @@ TEST_P(ModelTest, StepFromHostEqualsStep) {
       in.token_ids.stride[0] = 2;
       expect_throw_naming<moelink::InvalidArgument>([&] { m->step_from_host(in, so); },
                                                     {"token_ids", "contiguous"});
+      // and the model stays usable: the same step again gives the same logits.
+      in.token_ids = Tensor::contiguous(s.ids.data(), DType::kInt32, {10});
+      std::fill(logits.begin(), logits.end(), std::nanf(""));
+      m->step_from_host(in, so);
+      m->check();
+      RANK_CHECK(logits == want) << "step_from_host after a refused call differs";
     }
   }, 120);
 }

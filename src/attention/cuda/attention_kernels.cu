@@ -11,6 +11,7 @@
 #include "attention/step_plan.h"
 #include "nvlink/bf16_bits.cuh"
 #include "nvlink/cuda_check.h"
+#include "nvlink/reductions.cuh"
 
 namespace moelink::detail::attention {
 
@@ -24,10 +25,6 @@ constexpr int kMaxLatent = 512, kMaxRope = 256, kMaxV = 256;
 
 __device__ __forceinline__ float f32(uint16_t h) { return bf16_bits_to_f32(h); }
 __device__ __forceinline__ uint16_t bf16(float v) { return f32_to_bf16_bits(v); }
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 // ------------------------------------------------------------------ plan
 
@@ -68,28 +65,6 @@ __global__ void plan_step_kernel(const int32_t* q_start, const int32_t* kv_len,
 }
 
 // ------------------------------------------------------------------ norms, RoPE, cache rows
-
-__global__ void rms_norm_kernel(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_stride,
-                                int64_t cols, const float* weight, float eps, const int32_t* rows) {
-  const int64_t r = blockIdx.x;
-  if (r >= *rows) return;
-  const uint16_t* in = x + r * x_stride;
-  float ss = 0.0f;
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) ss += f32(in[c]) * f32(in[c]);
-  __shared__ float partial[32];
-  ss = warp_sum(ss);
-  if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = ss;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float v = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0.0f;
-    v = warp_sum(v);
-    if (threadIdx.x == 0) partial[0] = v;
-  }
-  __syncthreads();
-  const float inv = 1.0f / sqrtf(partial[0] / static_cast<float>(cols) + eps);
-  uint16_t* out = y + r * y_stride;
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) out[c] = bf16(f32(in[c]) * inv * weight[c]);
-}
 
 // Rotates `dims` bf16 values in place (rope.h's rotation).
 __device__ void rope_bf16(uint16_t* p, int dims, int32_t pos, const RopeArgs& rope) {
@@ -307,14 +282,6 @@ void launch_plan_step(const MLABatch& b, int64_t n, const StepBounds& bounds, in
       static_cast<const int32_t*>(b.q_start.data), static_cast<const int32_t*>(b.kv_len.data),
       static_cast<const int32_t*>(b.block_table.data), b.block_table.stride[0], b.num_requests,
       b.num_decode, n, bounds, local_heads, plan, error);
-  MOELINK_CUDA_CHECK(cudaGetLastError());
-}
-
-void launch_rms_norm(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_stride, int64_t cols,
-                     const float* weight, float eps, const int32_t* rows, int64_t max_rows,
-                     cudaStream_t stream) {
-  if (max_rows == 0) return;
-  rms_norm_kernel<<<grid_rows(max_rows), 256, 0, stream>>>(y, y_stride, x, x_stride, cols, weight, eps, rows);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -24,10 +24,6 @@ struct RopeArgs {
 void launch_plan_step(const MLABatch& b, int64_t n, const StepBounds& bounds, int local_heads,
                       const RowPlan& plan, StepErrorRecord* error, cudaStream_t stream);
 
-void launch_rms_norm(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_stride,
-                     int64_t cols, const float* weight, float eps, const int32_t* rows,
-                     int64_t max_rows, cudaStream_t stream);
-
 void launch_rope_q(uint16_t* q, int64_t q_stride, int heads, int head_dim, int rope_dims,
                    const RowPlan& plan, int64_t max_rows, const RopeArgs& rope, cudaStream_t stream);
 

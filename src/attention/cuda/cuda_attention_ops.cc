@@ -15,6 +15,7 @@
 #include "nvlink/cuda_check.h"
 #include "nvlink/cuda_memory.h"
 #include "nvlink/cuda_release.h"
+#include "nvlink/rms_norm.h"
 
 namespace moelink::detail::attention {
 
@@ -55,8 +56,8 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
 
   void rms_norm(const Tensor& y, const Tensor& x, const float* weight, float eps, const int32_t* rows,
                 cudaStream_t stream) override {
-    launch_rms_norm(bf16_data(y), y.stride[0], bf16_data(x), x.stride[0], x.shape[1], weight, eps, rows,
-                    x.shape[0], stream);
+    launch_residual_rms_norm(bf16_data(x), x.stride[0], nullptr, 0, nullptr, 0, bf16_data(y), y.stride[0],
+                             x.shape[1], weight, eps, rows, x.shape[0], stream);
   }
 
   void rope_q(const Tensor& q, int heads, int head_dim, int rope_dims, const RowPlan& plan,

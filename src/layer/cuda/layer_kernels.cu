@@ -5,6 +5,7 @@
 
 #include "layer/cuda/layer_kernels.h"
 #include "nvlink/cuda_check.h"
+#include "nvlink/reductions.cuh"
 
 namespace moelink::detail::layer {
 namespace {
@@ -28,17 +29,6 @@ __device__ inline Candidate warp_best(Candidate c) {
   }
   return c;
 }
-__device__ inline float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-__device__ inline float warp_max(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-
 // Lane l holds experts l, l + 32, ..., kSlots of them (E <= 32 kSlots): the
 // loops below are unrolled over the slots, so kSlots is the smallest power of
 // two that holds E (a warp working through 32 slots for DeepSeek-V3's 256

@@ -14,6 +14,7 @@
 #include "nvlink/cuda_check.h"
 #include "nvlink/cuda_memory.h"
 #include "nvlink/cuda_release.h"
+#include "nvlink/rms_norm.h"
 
 namespace moelink::detail::model {
 
@@ -42,10 +43,10 @@ class CudaModelOps final : public CudaMemory<ModelOps> {
 
   void add_rms_norm(const Tensor& h, const Tensor& x, const Tensor& normed, const float* weight, float eps,
                     const int32_t* rows, cudaStream_t stream) override {
-    launch_add_rms_norm(bf16_data(h), h.stride[0], x.defined() ? bf16_data(x) : nullptr,
-                        x.defined() ? x.stride[0] : 0, normed.defined() ? bf16_data(normed) : nullptr,
-                        normed.defined() ? normed.stride[0] : 0, h.shape[1], weight, eps, rows, h.shape[0],
-                        stream);
+    launch_residual_rms_norm(bf16_data(h), h.stride[0], x.defined() ? bf16_data(x) : nullptr,
+                             x.defined() ? x.stride[0] : 0, bf16_data(h), h.stride[0],
+                             normed.defined() ? bf16_data(normed) : nullptr, normed.defined() ? normed.stride[0] : 0,
+                             h.shape[1], weight, eps, rows, h.shape[0], stream);
   }
 
   void linear(const Tensor& out, const Tensor& x, const uint16_t* weight, const int32_t*,

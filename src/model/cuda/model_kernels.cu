@@ -4,15 +4,12 @@
 #include "model/cuda/model_kernels.h"
 #include "model/draft_rules.h"
 #include "model/sampling.h"
-#include "nvlink/bf16_bits.cuh"
 #include "nvlink/cuda_check.h"
+#include "nvlink/reductions.cuh"
 
 namespace moelink::detail::model {
 
 namespace {
-
-__device__ __forceinline__ float f32(uint16_t h) { return bf16_bits_to_f32(h); }
-__device__ __forceinline__ uint16_t bf16(float v) { return f32_to_bf16_bits(v); }
 
 // The first error of a step (whichever block gets there first).
 __device__ void record(ModelErrorRecord* e, int32_t code, int32_t field, int64_t row, double value,
@@ -24,33 +21,6 @@ __device__ void record(ModelErrorRecord* e, int32_t code, int32_t field, int64_t
     e->limit = limit;
   }
 }
-
-// A block-wide reduction every thread gets the result of (shared: 32
-// slots; blockDim.x a multiple of 32).
-template <class T, class Op>
-__device__ T block_reduce(T v, Op op, T* shared) {
-  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, warps = blockDim.x / 32;
-  __syncthreads();  // shared may still be read by the previous call
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  v = shared[0];
-  for (int w = 1; w < warps; ++w) v = op(v, shared[w]);
-  return v;
-}
-
-struct Sum {
-  template <class T>
-  __device__ T operator()(T a, T b) const { return a + b; }
-};
-struct Max {
-  template <class T>
-  __device__ T operator()(T a, T b) const { return a > b ? a : b; }
-};
-struct Min {
-  template <class T>
-  __device__ T operator()(T a, T b) const { return a < b ? a : b; }
-};
 
 __global__ void step_rows_kernel(const int32_t* q_start, int num_requests, int64_t n, int32_t* rows) {
   const int32_t last = q_start[num_requests];
@@ -66,29 +36,6 @@ __global__ void embed_kernel(uint16_t* h, int64_t h_stride, int64_t D, const int
   const bool bad = id < 0 || id >= vocab;
   if (bad && threadIdx.x == 0) record(error, 1, 0, r, id, vocab);
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) out[d] = bad ? 0 : table[static_cast<int64_t>(id) * D + d];
-}
-
-__global__ void add_rms_norm_kernel(uint16_t* h, int64_t h_stride, const uint16_t* x, int64_t x_stride,
-                                    uint16_t* normed, int64_t normed_stride, int64_t D, const float* weight,
-                                    float eps, const int32_t* rows) {
-  const int64_t r = blockIdx.x;
-  if (r >= *rows) return;
-  uint16_t* hr = h + r * h_stride;
-  float ss = 0.0f;
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-    float s = f32(hr[d]);
-    if (x != nullptr) {
-      hr[d] = bf16(s + f32(x[r * x_stride + d]));  // the residual stream is bf16
-      s = f32(hr[d]);
-    }
-    ss += s * s;
-  }
-  if (weight == nullptr) return;
-  __shared__ float shared[32];
-  ss = block_reduce(ss, Sum{}, shared);
-  const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
-  uint16_t* out = normed + r * normed_stride;
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) out[d] = bf16(f32(hr[d]) * inv * weight[d]);
 }
 
 __global__ void gather_rows_kernel(uint16_t* dst, const uint16_t* h, int64_t h_stride, int64_t D,
@@ -239,15 +186,6 @@ void launch_embed(uint16_t* h, int64_t h_stride, int64_t D, const int32_t* ids, 
                   ModelErrorRecord* error, cudaStream_t stream) {
   if (max_rows == 0) return;
   embed_kernel<<<grid(max_rows), 256, 0, stream>>>(h, h_stride, D, ids, ids_stride, table, vocab, rows, error);
-  MOELINK_CUDA_CHECK(cudaGetLastError());
-}
-
-void launch_add_rms_norm(uint16_t* h, int64_t h_stride, const uint16_t* x, int64_t x_stride, uint16_t* normed,
-                         int64_t normed_stride, int64_t D, const float* weight, float eps, const int32_t* rows,
-                         int64_t max_rows, cudaStream_t stream) {
-  if (max_rows == 0) return;
-  add_rms_norm_kernel<<<grid(max_rows), 256, 0, stream>>>(h, h_stride, x, x_stride, normed, normed_stride, D,
-                                                          weight, eps, rows);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 

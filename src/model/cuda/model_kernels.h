@@ -16,10 +16,6 @@ void launch_step_rows(const int32_t* q_start, int num_requests, int64_t n, int32
 void launch_embed(uint16_t* h, int64_t h_stride, int64_t D, const int32_t* ids, int64_t ids_stride,
                   const uint16_t* table, int64_t vocab, const int32_t* rows, int64_t max_rows,
                   ModelErrorRecord* error, cudaStream_t stream);
-// x, normed, weight may be null (model_ops.h's add_rms_norm).
-void launch_add_rms_norm(uint16_t* h, int64_t h_stride, const uint16_t* x, int64_t x_stride,
-                         uint16_t* normed, int64_t normed_stride, int64_t D, const float* weight,
-                         float eps, const int32_t* rows, int64_t max_rows, cudaStream_t stream);
 // dst [k, D] = h rows row_index[j] (null: first + j) that lie below rows;
 // zero rows where there is none, and valid[j] says which.
 void launch_gather_rows(uint16_t* dst, const uint16_t* h, int64_t h_stride, int64_t D,
