@@ -130,19 +130,19 @@ def test_model_matches_hf_deepseek_v3_for_causal_lm(tmp_path, shape, backend):
     assert agree >= 0.99, f"seed {seed}: top-1 agreement {agree:.3f}"
 
 
-def _ep_rank(rank, world, port, directory, batches, out):
+def _ep_rank(rank, world, port, directory, batches, out, overlap="auto"):
     """One rank of an expert-parallel run: its own requests (DP attention),
     every rank calling step() for every step. Puts (rank, results) or
     (rank, the error's text) on `out`."""
     try:
-        out.put((rank, _ep_steps(rank, world, port, directory, batches)))
+        out.put((rank, _ep_steps(rank, world, port, directory, batches, overlap)))
     except Exception as e:  # reported by the parent, which would otherwise wait
         out.put((rank, f"{type(e).__name__}: {e}"))
 
 
-def _ep_steps(rank, world, port, directory, batches):
+def _ep_steps(rank, world, port, directory, batches, overlap="auto"):
     model = moelink.Model(f"{directory}/config.json", max_tokens=32, num_pages=16, backend="cpu",
-                          page_size=16, max_requests=4, max_pages_per_request=4,
+                          page_size=16, max_requests=4, max_pages_per_request=4, overlap=overlap,
                           bootstrap=moelink.TcpBootstrap(rank, world, "127.0.0.1", port, 60.0))
     model.load_checkpoint(directory)
     results = []
@@ -158,12 +158,13 @@ def _ep_steps(rank, world, port, directory, batches):
     return results
 
 
-def _run_world(directory, batches):
+def _run_world(directory, batches, overlap="auto"):
     world = len(batches)
     port = _free_port()
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_ep_rank, args=(r, world, port, directory, batches, q)) for r in range(world)]
+    procs = [ctx.Process(target=_ep_rank, args=(r, world, port, directory, batches, q, overlap))
+             for r in range(world)]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=120) for _ in procs)
@@ -209,6 +210,29 @@ def test_two_expert_parallel_ranks_equal_one(tmp_path):
         if top2[1] - top2[0] > 0.3 * np.sqrt(np.mean(logit ** 2)):
             assert got_tok == [want_tok]
     assert tok_none == [] and logits_none.shape == (0, fields["vocab_size"])
+
+
+def test_every_overlap_mode_gives_mode_nones_tokens(tmp_path):
+    """The MoE layers' overlap modes reorder sends, receives and the shared
+    expert, and micro-batch splits the tokens over two AllToAlls: the same
+    sums, in the same order per token, so mode none's logits and tokens."""
+    pytest.importorskip("ml_dtypes")
+    fields = dict(SMALL, rope_scaling=None)
+    _random_checkpoint(str(tmp_path), fields, seed=int(np.random.default_rng().integers(1 << 30)))
+    rng = np.random.default_rng()
+    a, b, c = (rng.integers(0, 512, k).tolist() for k in (13, 6, 9))
+    # Two ranks: prefill steps of 13 and 6 + 9 rows (three requests), then
+    # decodes of one and two requests; micro-batch splits each rank's rows.
+    two = [[(a, [0, 13], [13], [[0]], 0), ([a[0]], [0, 1], [14], [[0]], 1)],
+           [(b + c, [0, 6, 15], [6, 9], [[1], [2]], 0), ([b[0], c[0]], [0, 1, 2], [7, 10], [[1], [2]], 2)]]
+    runs = {mode: _run_world(str(tmp_path), two, mode) for mode in ("none", "dispatch-overlap", "micro-batch")}
+    for mode in ("dispatch-overlap", "micro-batch"):
+        for rank in range(2):
+            for step in range(2):
+                (tok, logits), (want_tok, want) = runs[mode][rank][step], runs["none"][rank][step]
+                rel = np.linalg.norm(logits - want) / np.linalg.norm(want)
+                assert rel < 1e-6, f"{mode}, rank {rank}, step {step}: logits relative L2 {rel:.2e}"
+                assert tok == want_tok, f"{mode}, rank {rank}, step {step}"
 
 
 def test_sampling_and_bad_input(tmp_path):
