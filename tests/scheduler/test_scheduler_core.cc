@@ -66,8 +66,10 @@ class CoreTest : public ::testing::Test {
   }
 
   TestEngine add(const std::string& id, uint64_t blocks = 4096, const std::string& address = "",
-                 std::vector<v1::HeldRequest> held = {}) {
+                 std::vector<v1::HeldRequest> held = {}, v1::EngineRole role = v1::ROLE_MIXED) {
     v1::RegisterRequest req = registration(id, blocks, 8, address);
+    req.mutable_engine()->set_role(role);
+    if (role == v1::ROLE_DECODE) req.mutable_engine()->set_handoff_address("127.0.0.1:7" + id.substr(1));
     for (auto& h : held) *req.add_held() = h;
     v1::RegisterResponse resp;
     Status s = core->register_engine(req, &resp, now);
@@ -600,6 +602,78 @@ TEST_F(CoreTest, LeaveWithAndWithoutDrain) {
   EXPECT_TRUE(b.sink->closed());
   expect_status(s2->status(), StatusCode::UNAVAILABLE, {"'b'", "left"});
   expect_status(report(b), StatusCode::FAILED_PRECONDITION, {"left"});
+}
+
+// ------------------------------------------------------------------ P/D disaggregation
+
+TEST_F(CoreTest, DisaggregatedRequestsPrefillOnePlaceAndDecodeAnother) {
+  TestEngine p = add("p1", 4096, "", {}, v1::ROLE_PREFILL);
+  // No decode engine yet: the prefill engine runs a request whole.
+  auto alone = submit(generate_request(random_tokens(40, rng), 2, "alone"));
+  ASSERT_EQ(p.runs(), std::vector<std::string>{"alone"});
+  EXPECT_TRUE(p.sink->messages().back().run().decode_engine_id().empty());
+  TestEngine d = add("d1", 4096, "", {}, v1::ROLE_DECODE);
+  TestEngine d2 = add("d2", 4096, "", {}, v1::ROLE_DECODE);
+  auto s = submit(generate_request(random_tokens(40, rng), 4, "pd"));
+  ASSERT_EQ(p.runs(), (std::vector<std::string>{"alone", "pd"}));  // never to a decode engine directly
+  EXPECT_TRUE(d.runs().empty() && d2.runs().empty());
+  const v1::RunRequest run = p.sink->messages().back().run();
+  TestEngine& dec = run.decode_engine_id() == "d1" ? d : d2;
+  ASSERT_EQ(run.decode_engine_id(), dec.id);
+  EXPECT_EQ(run.decode_handoff_address(), "127.0.0.1:7" + dec.id.substr(1));
+  ASSERT_TRUE(report(p, {progress("pd", P::STARTED, {}, 0, 16)}).ok());
+  P h = progress("pd", P::HANDED_OFF, {5}, 0);
+  h.set_handed_to(dec.id);
+  ASSERT_TRUE(report(p, {h}).ok());
+  // From now the decode engine's reports count, the prefill engine's are revoked.
+  v1::ReportResponse resp;
+  ASSERT_TRUE(report(p, {progress("pd", P::RUNNING, {9}, 1)}, {}, &resp).ok());
+  ASSERT_EQ(resp.revoked_size(), 1);
+  ASSERT_TRUE(report(dec, {progress("pd", P::RUNNING, {6, 7}, 1)}).ok());
+  ASSERT_TRUE(report(dec, {progress("pd", P::FINISHED, {8}, 3)}).ok());
+  ASSERT_TRUE(s->closed());
+  EXPECT_TRUE(s->status().ok()) << s->status().error_message();
+  EXPECT_EQ(tokens_of(*s), (std::vector<uint32_t>{5, 6, 7, 8}));
+  EXPECT_EQ(s->messages().back().finished().engine_id(), dec.id);
+  const v1::Stats st = stats();
+  EXPECT_EQ(st.handed_off(), 1u);
+  for (const auto& e : st.engines()) {
+    if (e.engine_id() == "p1") {
+      EXPECT_EQ(e.outstanding(), 1u);  // "alone" still runs there
+    } else if (e.engine_id() == dec.id) {
+      EXPECT_EQ(e.outstanding(), 0u);
+      EXPECT_EQ(e.role(), v1::ROLE_DECODE);
+    }
+  }
+  // A decode engine lost after the hand-off fails the request, naming it.
+  auto s2 = submit(generate_request(random_tokens(40, rng), 4, "pd2"));
+  const std::string to = p.sink->messages().back().run().decode_engine_id();
+  ASSERT_FALSE(to.empty());
+  P h2 = progress("pd2", P::HANDED_OFF, {5}, 0);
+  h2.set_handed_to(to);
+  ASSERT_TRUE(report(p, {progress("pd2", P::STARTED), h2}).ok());
+  v1::LeaveRequest l;
+  l.set_engine_id(to);
+  l.set_incarnation(to == d.id ? d.incarnation : d2.incarnation);
+  v1::LeaveResponse lr;
+  ASSERT_TRUE(core->leave(l, &lr, now).ok());
+  const std::string quoted = "'" + to + "'";
+  expect_status(s2->status(), StatusCode::UNAVAILABLE, {quoted.c_str(), "pd2"});
+  // A hand-off to an engine that is not a live decode engine fails the request.
+  auto s3 = submit(generate_request(random_tokens(40, rng), 4, "pd3"));
+  P h3 = progress("pd3", P::HANDED_OFF, {5}, 0);
+  h3.set_handed_to("p1");
+  ASSERT_TRUE(report(p, {progress("pd3", P::STARTED), h3}).ok());
+  expect_status(s3->status(), StatusCode::UNAVAILABLE, {"'p1'", "not a live decode engine"});
+  // HANDED_OFF without handed_to is refused whole.
+  auto s4 = submit(generate_request(random_tokens(40, rng), 4, "pd4"));
+  expect_status(report(p, {progress("pd4", P::HANDED_OFF, {5}, 0)}), StatusCode::INVALID_ARGUMENT,
+                {"handed_to is empty"});
+  // A decode engine must say where its hand-off service is.
+  v1::RegisterRequest bad = registration("d9");
+  bad.mutable_engine()->set_role(v1::ROLE_DECODE);
+  v1::RegisterResponse rr;
+  expect_status(core->register_engine(bad, &rr, now), StatusCode::INVALID_ARGUMENT, {"handoff_address"});
 }
 
 TEST_F(CoreTest, RecoversLoggedRequestsAfterARestart) {

@@ -25,6 +25,7 @@ from ._client import AsyncSchedulerClient, Completion, SchedulerClient, Schedule
 from ._engine_client import (
     FAILED,
     FINISHED,
+    HANDED_OFF,
     REJECTED,
     RUNNING,
     STARTED,
@@ -40,7 +41,7 @@ from ._tokenizer import CodepointTokenizer
 
 __all__ = [
     "AsyncSchedulerClient", "CodepointTokenizer", "Completion", "EngineClient", "FAILED",
-    "FINISHED", "REJECTED", "ROOT_BLOCK_HASH", "RUNNING", "ReportResult", "STARTED",
+    "FINISHED", "HANDED_OFF", "REJECTED", "ROOT_BLOCK_HASH", "RUNNING", "ReportResult", "STARTED",
     "SchedulerClient", "SchedulerError", "block_hash", "cleared_event", "load", "make_request",
     "pb", "progress", "prompt_block_hashes", "removed_event", "stored_event",
 ]

@@ -35,6 +35,8 @@ RUNNING = pb.RequestProgress.RUNNING
 FINISHED = pb.RequestProgress.FINISHED
 FAILED = pb.RequestProgress.FAILED
 REJECTED = pb.RequestProgress.REJECTED
+HANDED_OFF = pb.RequestProgress.HANDED_OFF
+ROLES = {"mixed": pb.ROLE_MIXED, "prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
 
 _MAX_MESSAGE = 256 << 20
 CHANNEL_OPTIONS = [
@@ -77,10 +79,10 @@ def cleared_event() -> pb.KvEvent:
 
 
 def progress(request_id: str, phase: int, new_tokens: Sequence[int] = (), token_offset: int = 0,
-             cached_tokens: int = 0, finish_reason: str = "") -> pb.RequestProgress:
+             cached_tokens: int = 0, finish_reason: str = "", handed_to: str = "") -> pb.RequestProgress:
     return pb.RequestProgress(request_id=request_id, phase=phase, new_tokens=list(new_tokens),
                               token_offset=token_offset, cached_tokens=cached_tokens,
-                              finish_reason=finish_reason)
+                              finish_reason=finish_reason, handed_to=handed_to)
 
 
 @dataclass
@@ -99,14 +101,16 @@ class EngineClient:
                  on_released: Optional[Callable[[List[str]], None]] = None,
                  load: Optional[Callable[[], pb.EngineLoad]] = None,
                  dp_rank: int = 0, address: str = "", prefill_us_per_token: float = 0.0,
-                 decode_step_us: float = 0.0, engine_token: Optional[str] = None,
+                 decode_step_us: float = 0.0, role: str = "mixed", handoff_address: str = "",
+                 engine_token: Optional[str] = None,
                  credentials: Optional[grpc.ChannelCredentials] = None,
                  rpc_timeout: float = 5.0, max_backoff: float = 1.0):
         self.info = pb.EngineInfo(engine_id=engine_id, dp_rank=dp_rank,
                                   kv_capacity_blocks=kv_capacity_blocks, block_size=block_size,
                                   max_batch=max_batch, address=address,
                                   prefill_us_per_token=prefill_us_per_token,
-                                  decode_step_us=decode_step_us)
+                                  decode_step_us=decode_step_us, role=ROLES[role],
+                                  handoff_address=handoff_address)
         self._on_run, self._on_cancel = on_run, on_cancel
         self._held, self._on_released, self._load = held, on_released, load
         self._metadata = (("authorization", f"Bearer {engine_token}"),) if engine_token else ()

@@ -26,6 +26,9 @@ def main(argv=None) -> int:
     p.add_argument("--engines", type=int, default=0,
                    help="start moelink-scheduler and this many engine workers behind the front "
                         "(0: one engine in this process)")
+    p.add_argument("--pd", action="store_true",
+                   help="with --engines N: prefill/decode disaggregation (the first half prefill workers, "
+                        "the rest decode workers; KV moved over the TransferEngine)")
     p.add_argument("--scheduler", default=None,
                    help="send requests to a running moelink-scheduler at HOST:PORT instead")
     a = p.parse_args(argv)
@@ -35,7 +38,7 @@ def main(argv=None) -> int:
                          served_model_name=a.served_model_name, speculative=a.speculative)
     if a.engines > 0:
         from .cluster import LocalServing
-        server = LocalServing(a.model, a.engines, opts)
+        server = LocalServing(a.model, a.engines, opts, pd=a.pd)
         host, port = server.start(a.host, a.port)
         waiter = server.front
         print(f"moelink-serve: {a.engines} engines behind moelink-scheduler at {server.scheduler.target}",

@@ -1,7 +1,10 @@
 """moelink-scheduler, engine workers and the OpenAI front on one machine,
 started together (`python -m moelink.serve --model DIR --engines N`): one
 address for the user, the scheduler routing each request to the engine
-whose prefix cache holds most of its prompt and whose queue is shortest."""
+whose prefix cache holds most of its prompt and whose queue is shortest.
+With pd=True (--pd) the first half of the engines are prefill workers and
+the rest decode workers: the scheduler routes each request to a prefill
+worker and names the decode worker it hands the request to."""
 
 from __future__ import annotations
 
@@ -19,11 +22,17 @@ from .server import Server, ServerOptions
 
 class LocalServing:
     def __init__(self, model_dir: str, engines: int = 2, options: Optional[ServerOptions] = None,
-                 policy: str = "ttft", bin_dir: Optional[str] = None, workdir: Optional[str] = None):
+                 policy: str = "ttft", bin_dir: Optional[str] = None, workdir: Optional[str] = None,
+                 pd: bool = False):
         from moelink.scheduler.local_cluster import LocalCluster
         self.model_dir = model_dir
         self.options = options or ServerOptions()
         self.num_engines = engines
+        if pd and engines < 2:
+            raise ValueError(f"moelink-serve --pd: engines = {engines}; P/D needs at least 2 "
+                             "(a prefill and a decode worker)")
+        prefill = max(1, engines // 2)
+        self.roles = [("prefill" if i < prefill else "decode") if pd else "mixed" for i in range(engines)]
         self.dir = workdir or tempfile.mkdtemp(prefix="moelink-serve-")
         # The scheduler alone (no simulated engines); its block size is the
         # workers' page size, so block hashes name the same tokens.
@@ -56,7 +65,8 @@ class LocalServing:
                 "--scheduler", self.scheduler.target, "--engine-id", self.engine_id(i),
                 "--dp-rank", str(i), "--num-pages", str(o.num_pages), "--page-size", str(o.page_size),
                 "--max-running", str(o.max_running), "--token-budget", str(o.token_budget),
-                "--max-model-len", str(o.max_model_len), "--backend", o.backend, "--ready-file", ready]
+                "--max-model-len", str(o.max_model_len), "--backend", o.backend, "--role", self.roles[i],
+                "--ready-file", ready]
         if o.speculative:
             args.append("--speculative")
         # The worker imports this very moelink package, wherever it was found.

@@ -12,14 +12,25 @@ release()s its pages.
     decode = KvPort(decode_model, "decode-0")
     tokens = hand_off(prefill_engine, prefill, decode_engine, decode, prompt, max_tokens=16)
 
-Host memory (the CPU path) from Python; libfabric's tcp or shm provider on
-one machine.
+Across processes (moelink-serve --pd: a prefill worker and a decode worker
+behind moelink-scheduler), the decode worker answers a small hand-off
+service (HandoffServer: JSON lines over TCP) and the prefill worker calls it
+(HandoffClient): "receive" reserves the decode side's pages and names its
+cache (descriptor, layout, immediates); the prefill worker writes the pages
+(KvPort.send) and reports HANDED_OFF to the scheduler; "resume" waits for
+the pages to have arrived and continues the request there.
+
+Host memory (the CPU path) from Python; libfabric's tcp or shm provider.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Optional
+import json
+import socket
+import socketserver
+import threading
+from typing import Callable, Optional
 
 import moelink
 
@@ -49,6 +60,34 @@ class KvPort:
     def descriptor(self) -> "moelink.MemoryDescriptor":
         return moelink.MemoryDescriptor.from_bytes(self.engine.descriptor(self.region))
 
+    def describe(self) -> dict:
+        """What a remote prefill side needs to write here (JSON-safe)."""
+        lo = self.layout
+        return {"name": self.name, "descriptor": bytes(self.engine.descriptor(self.region)).hex(),
+                "layout": [lo.num_layers, lo.bytes_per_token, lo.tokens_per_page, lo.num_pages]}
+
+    def send(self, remote: dict, prompt_len: int, src_pages, dst_pages, cached_tokens: int, imm_base: int,
+             timeout_s: float = 30.0) -> int:
+        """Writes the prompt's KV rows into a remote cache (describe()'s dict)
+        and waits until the writes completed here; returns the tokens moved."""
+        name = remote["name"]
+        if name not in self._peers:
+            desc = moelink.MemoryDescriptor.from_bytes(bytes.fromhex(remote["descriptor"]))
+            self.engine.add_peer_group([desc])
+            self._peers[name] = desc
+        layout = moelink.KvCacheLayout.layer_major(*remote["layout"])
+        req = _request(prompt_len, src_pages, dst_pages, cached_tokens, self.model.page_size, imm_base)
+        if req.num_tokens > 0:
+            self.engine.write_kv_cache(self.region, self.layout, self._peers[name], layout, req).wait(timeout_s)
+        return req.num_tokens
+
+    def wait(self, prefill_name: str, prompt_len: int, src_pages, dst_pages, cached_tokens: int, imm_base: int,
+             timeout_s: float = 30.0) -> None:
+        """Returns once the prompt's KV rows a prefill side sent have arrived."""
+        req = _request(prompt_len, src_pages, dst_pages, cached_tokens, self.model.page_size, imm_base)
+        if req.num_tokens > 0:
+            self.engine.wait_kv_cache(self.layout, req, prefill_name, timeout_s=timeout_s)
+
     def connect(self, peer: "KvPort") -> None:
         """This side will write into `peer`'s cache (a barrier proves the path)."""
         if peer.name in self._peers:
@@ -64,12 +103,71 @@ class KvPort:
         self.engine.close()
 
 
-def _request(prompt_len: int, src_pages, dst_pages, cached_tokens: int, page_size: int):
+def _request(prompt_len: int, src_pages, dst_pages, cached_tokens: int, page_size: int,
+             imm_base: Optional[int] = None):
     """The pages the decode side lacks: from the first page its prefix cache
     does not hold (cached_tokens is a multiple of the page size)."""
     skip = cached_tokens // page_size
     return moelink.KvTransferRequest(prompt_len - skip * page_size, list(src_pages[skip:]),
-                                     list(dst_pages[skip:]), imm_base=next(_imm), imm_mode="layer")
+                                     list(dst_pages[skip:]), imm_base=next(_imm) if imm_base is None else imm_base,
+                                     imm_mode="layer")
+
+
+def next_imm_base() -> int:
+    """Immediates for one more request to this process's decode engine."""
+    return next(_imm)
+
+
+# ------------------------------------------------------------------ across processes
+
+class HandoffServer:
+    """The decode worker's hand-off service: one JSON object a line each way.
+    `handle(message) -> reply` runs on the worker's engine thread (the
+    worker queues it there); this only moves lines."""
+
+    def __init__(self, handle: Callable[[dict], dict], host: str = "127.0.0.1", port: int = 0):
+        outer = self
+
+        class _Handler(socketserver.StreamRequestHandler):
+            def handle(self):
+                for line in self.rfile:
+                    try:
+                        reply = outer._handle(json.loads(line))
+                    except Exception as e:  # a bad line gets a named error, the service goes on
+                        reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                    self.wfile.write((json.dumps(reply) + "\n").encode())
+                    self.wfile.flush()
+
+        self._handle = handle
+        self._server = socketserver.ThreadingTCPServer((host, port), _Handler)
+        self._server.daemon_threads = True
+        self.address = "%s:%d" % self._server.server_address
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class HandoffClient:
+    """The prefill worker's end of one decode worker's hand-off service."""
+
+    def __init__(self, address: str, timeout_s: float = 30.0):
+        host, port = address.rsplit(":", 1)
+        self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        self._file = self._sock.makefile("rwb")
+
+    def call(self, message: dict) -> dict:
+        self._file.write((json.dumps(message) + "\n").encode())
+        self._file.flush()
+        line = self._file.readline()
+        if not line:
+            raise ConnectionError("moelink: the decode engine's hand-off service closed the connection")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self._file.close()
+        self._sock.close()
 
 
 def hand_off(prefill_engine, prefill: KvPort, decode_engine, decode: KvPort, prompt, *,

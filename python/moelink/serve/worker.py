@@ -6,6 +6,12 @@ FINISHED), the prefix cache's KV events in moelink block hashes (so the
 scheduler's prefix index is exactly what this engine holds) and its load.
 
     python -m moelink.serve.worker --model DIR --scheduler HOST:PORT --engine-id e0
+
+Prefill/decode disaggregation (--role prefill | decode): a prefill worker
+runs each request up to its first token, moves its KV rows to the decode
+worker the scheduler named (moelink.serve.disagg: the decode worker's
+hand-off service, the TransferEngine) and reports HANDED_OFF; the decode
+worker continues it and reports its tokens from there.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from .server import ServerOptions, load_engine
 
 class EngineWorker:
     def __init__(self, model_dir: str, scheduler: str, engine_id: str,
-                 options: ServerOptions = ServerOptions(), dp_rank: int = 0):
+                 options: ServerOptions = ServerOptions(), dp_rank: int = 0, role: str = "mixed",
+                 kv_provider: str = "tcp"):
         from moelink.scheduler import EngineClient
         self.options = options
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -38,11 +45,23 @@ class EngineWorker:
         # The engine's load as of its last step: the client's heartbeat
         # thread reads this, never the engine (its step runs without the GIL).
         self._counts = (0, 0, options.num_pages)
+        self.engine_id, self.role = engine_id, role
+        self._handoff = {}  # engine request id -> (decode engine id, its hand-off address)
+        self._decoders = {}  # decode engine id -> HandoffClient
+        self.kv_port = self.handoff_server = None
+        handoff_address = ""
+        if role != "mixed":
+            from .disagg import HandoffServer, KvPort
+            self.kv_port = KvPort(self.engine._model, engine_id, provider=kv_provider)
+            if role == "decode":
+                self.handoff_server = HandoffServer(self._handoff_request)
+                handoff_address = self.handoff_server.address
         self.client = EngineClient(scheduler, engine_id, kv_capacity_blocks=options.num_pages,
                                    block_size=options.page_size, max_batch=options.max_running,
                                    on_run=lambda run: self._inbox.put(("run", run)),
                                    on_cancel=lambda c: self._inbox.put(("cancel", c.request_id)),
-                                   load=self._load, dp_rank=dp_rank)
+                                   load=self._load, dp_rank=dp_rank, role=role,
+                                   handoff_address=handoff_address)
 
     def _load(self):
         from moelink.scheduler import load
@@ -64,6 +83,81 @@ class EngineWorker:
     def stop(self) -> None:
         self._stop.set()
         self.client.close()
+        if self.handoff_server is not None:
+            self.handoff_server.close()
+        for c in self._decoders.values():
+            c.close()
+
+    # ------------------------------------------------------------ P/D, decode side
+
+    def _handoff_request(self, message: dict) -> dict:
+        """A hand-off service call (service thread): queued to the engine
+        thread, answered from there."""
+        reply: "queue.Queue" = queue.Queue()
+        self._inbox.put(("handoff", (message, reply)))
+        return reply.get(timeout=60)
+
+    def _handoff_on_engine(self, message: dict) -> dict:
+        from .disagg import next_imm_base
+        op, rid = message.get("op"), message.get("request_id", "")
+        if op == "receive":
+            sp = message["sampling"]
+            got = self.engine.receive(message["prompt"], max_tokens=sp["max_tokens"],
+                                      temperature=sp["temperature"], seed=sp["seed"],
+                                      stop_tokens=sp["stop_tokens"])
+            if got is None:
+                return {"ok": False, "error": f"decode engine '{self.engine_id}' has no free KV pages now"}
+            did, cached, pages = got
+            self._by_engine[did] = [rid, 1]  # the prefill engine reported the first token
+            self._by_request[rid] = did
+            return {"ok": True, "cached": cached, "pages": list(pages), "imm_base": next_imm_base(),
+                    "cache": self.kv_port.describe()}
+        did = self._by_request.get(rid)
+        if did is None:
+            return {"ok": False, "error": f"request '{rid}' was not received here"}
+        if op == "resume":
+            self.kv_port.wait(message["prefill"], message["prompt_len"], message["src_pages"],
+                              message["dst_pages"], message["cached"], message["imm_base"])
+            self.engine.resume(did, message["first_token"])
+            return {"ok": True}
+        if op == "abort":
+            self.engine.cancel(did)
+            return {"ok": True}
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    # ------------------------------------------------------------ P/D, prefill side
+
+    def _hand_off(self, eid: int, rid: str, offset: int, first_token: int, prompt, sampling) -> list:
+        """Moves a handed-off request to its decode engine; the reports to send."""
+        from moelink.scheduler import FAILED, HANDED_OFF, progress
+        from .disagg import HandoffClient
+        to, address = self._handoff.pop(eid)
+        pages = self.engine.pages(eid)
+        try:
+            if to not in self._decoders:
+                self._decoders[to] = HandoffClient(address)
+            dec = self._decoders[to]
+            got = dec.call({"op": "receive", "request_id": rid, "prompt": list(prompt), "sampling": sampling})
+            if not got.get("ok"):
+                raise RuntimeError(got.get("error", "receive refused"))
+            sent = dict(prefill=self.engine_id, prompt_len=len(prompt), src_pages=pages, dst_pages=got["pages"],
+                        cached=got["cached"], imm_base=got["imm_base"])
+            self.kv_port.send(got["cache"], len(prompt), pages, got["pages"], got["cached"], got["imm_base"])
+            # The scheduler moves the request before the decode engine reports it.
+            result = self.client.report(self._load(), (), [progress(rid, HANDED_OFF, [first_token], offset,
+                                                                     handed_to=to)])
+            if not result.ok or rid in result.revoked:
+                dec.call({"op": "abort", "request_id": rid})
+                return []
+            ok = dec.call(dict(sent, op="resume", request_id=rid, first_token=first_token))
+            if not ok.get("ok"):
+                raise RuntimeError(ok.get("error", "resume refused"))
+            return []
+        except Exception as e:
+            self._decoders.pop(to, None)
+            return [progress(rid, FAILED, (), offset, 0, f"hand-off to '{to}' failed: {e}"[:200])]
+        finally:
+            self.engine.release(eid)
 
     def serve_forever(self) -> None:
         while not self._stop.is_set():
@@ -81,6 +175,12 @@ class EngineWorker:
                 break
             if kind == "run":
                 started.append(item)
+            elif kind == "handoff":
+                message, reply = item
+                try:
+                    reply.put(self._handoff_on_engine(message))
+                except Exception as e:
+                    reply.put({"ok": False, "error": f"{type(e).__name__}: {e}"})
             elif item in self._by_request:
                 self.engine.cancel(self._by_request[item])
         if started:
@@ -92,11 +192,18 @@ class EngineWorker:
                 if run.request_id in revoked:
                     continue
                 stops = [] if run.sampling.ignore_eos else self.eos
+                hand_off = bool(run.decode_engine_id) and self.kv_port is not None
                 eid = self.engine.add(list(run.prompt_tokens), max_tokens=run.sampling.max_new_tokens,
                                       temperature=run.sampling.temperature, stop_tokens=stops,
-                                      seed=zlib.crc32(run.request_id.encode()))
+                                      seed=zlib.crc32(run.request_id.encode()), hand_off=hand_off)
                 self._by_engine[eid] = [run.request_id, 0]
                 self._by_request[run.request_id] = eid
+                if hand_off:
+                    self._handoff[eid] = (run.decode_engine_id, run.decode_handoff_address,
+                                          list(run.prompt_tokens),
+                                          dict(max_tokens=run.sampling.max_new_tokens,
+                                               temperature=run.sampling.temperature,
+                                               seed=zlib.crc32(run.request_id.encode()), stop_tokens=stops))
         if self.engine.idle:
             return
         reports = []
@@ -111,6 +218,10 @@ class EngineWorker:
                 reports.append(progress(rid, STARTED, cached_tokens=r.cached_tokens))
             if r.finished == "cancelled":
                 pass  # the scheduler cancelled it: nothing more to say
+            elif r.finished == "handed_off":
+                to, address, prompt, sampling = self._handoff[r.id]
+                self._handoff[r.id] = (to, address)
+                reports += self._hand_off(r.id, rid, offset, r.tokens[0], prompt, sampling)
             elif r.finished in ("stop", "length"):
                 reports.append(progress(rid, FINISHED, r.tokens, offset, finish_reason=r.finished))
             elif r.finished == "error":
@@ -140,12 +251,16 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--backend", default="cpu", help="the model's backend: cpu, or nvlink (the GPU path)")
     p.add_argument("--speculative", action="store_true", help="verify the model's MTP drafts")
+    p.add_argument("--role", default="mixed", choices=("mixed", "prefill", "decode"),
+                   help="P/D disaggregation: prefill (hands requests off after their first token) or "
+                        "decode (continues them); mixed runs requests whole")
+    p.add_argument("--kv-provider", default="tcp", help="libfabric provider of the KV hand-off (tcp, shm, ...)")
     p.add_argument("--ready-file", default=None, help="written once registered")
     a = p.parse_args(argv)
     opts = ServerOptions(num_pages=a.num_pages, page_size=a.page_size, max_running=a.max_running,
                          token_budget=a.token_budget, max_model_len=a.max_model_len, backend=a.backend,
                          speculative=a.speculative)
-    w = EngineWorker(a.model, a.scheduler, a.engine_id, opts, a.dp_rank).start()
+    w = EngineWorker(a.model, a.scheduler, a.engine_id, opts, a.dp_rank, a.role, a.kv_provider).start()
     signal.signal(signal.SIGTERM, lambda *_: w._stop.set())
     if a.ready_file:
         Path(a.ready_file).write_text("ready\n")

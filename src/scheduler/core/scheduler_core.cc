@@ -1,6 +1,7 @@
 #include "scheduler/core/scheduler_core.h"
 
 #include <algorithm>
+#include <tuple>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -249,7 +250,10 @@ Status SchedulerCore::validate_report(const v1::EngineReport& r) const {
     if (p.phase() == v1::RequestProgress::PHASE_UNSPECIFIED || !v1::RequestProgress::Phase_IsValid(p.phase()))
       return Status(StatusCode::INVALID_ARGUMENT,
                     "progress[" + std::to_string(i) + "].phase " + std::to_string(p.phase()) +
-                        " is not one of STARTED, RUNNING, FINISHED, FAILED, REJECTED");
+                        " is not one of STARTED, RUNNING, FINISHED, FAILED, REJECTED, HANDED_OFF");
+    if (p.phase() == v1::RequestProgress::HANDED_OFF && p.handed_to().empty())
+      return Status(StatusCode::INVALID_ARGUMENT,
+                    "progress[" + std::to_string(i) + "].handed_to is empty; HANDED_OFF names the decode engine");
   }
   return Status::OK;
 }
@@ -390,6 +394,10 @@ bool SchedulerCore::apply_progress(Engine& e, const v1::RequestProgress& p, Cloc
   if (r->state == RequestState::kQueued) mark_started(*r, e, p.cached_tokens());
   if (p.phase() == P::STARTED && p.cached_tokens() > 0) r->cached = p.cached_tokens();
   add_output(*r, p);
+  if (p.phase() == P::HANDED_OFF) {
+    hand_off(*r, e, p.handed_to(), now);
+    return true;
+  }
   if (p.phase() == P::FINISHED) {
     finish(*r, Status::OK, p.finish_reason().empty() ? "length" : p.finish_reason(), now);
   } else if (p.phase() == P::FAILED || p.phase() == P::REJECTED) {
@@ -400,6 +408,29 @@ bool SchedulerCore::apply_progress(Engine& e, const v1::RequestProgress& p, Cloc
            "error", now);
   }
   return true;
+}
+
+void SchedulerCore::hand_off(Request& r, Engine& from, const std::string& to, Clock::time_point now) {
+  Engine* d = find_engine(to);
+  if (d == nullptr || !d->routable() || d->info.role() != v1::ROLE_DECODE) {
+    finish(r,
+           Status(StatusCode::UNAVAILABLE, "engine '" + from.id + "' handed request " + r.id +
+                                               " to '" + to + "', which is not a live decode engine"),
+           "engine_lost", now);
+    return;
+  }
+  // The request runs on the decode engine from now: its reports are the
+  // ones accepted, and it is failed with it.
+  detach(r);
+  r.slot = d->slot;
+  r.incarnation = d->incarnation;
+  d->requests.insert(&r);
+  ++d->running;
+  const uint64_t max_new = r.req.sampling().max_new_tokens();
+  d->remaining_output_tokens += max_new - std::min<uint64_t>(max_new, r.output.size());
+  d->load_tokens += r.req.prompt_tokens_size() + r.output.size();
+  ++d->assigned_total;
+  ++handed_off_;
 }
 
 Status SchedulerCore::leave(const v1::LeaveRequest& req, v1::LeaveResponse* resp,
@@ -519,7 +550,7 @@ void SchedulerCore::build_views(const Request& r, bool need_address) {
   views_.clear();
   EngineSet set;
   for (const auto& e : engines_) {
-    if (!e->routable()) continue;
+    if (!e->routable() || e->info.role() == v1::ROLE_DECODE) continue;  // decode engines take hand-offs only
     if (need_address && e->info.address().empty()) continue;
     if (std::find(r.refused_by.begin(), r.refused_by.end(), e->slot) != r.refused_by.end()) continue;
     views_.push_back(view_of(*e));
@@ -624,6 +655,12 @@ void SchedulerCore::assign(Request& r, Engine& e, const Choice& c, Clock::time_p
     *run->mutable_prompt_tokens() = r.req.prompt_tokens();
     *run->mutable_sampling() = r.req.sampling();
     run->set_expected_cached_tokens(c.cached_tokens);
+    if (e.info.role() == v1::ROLE_PREFILL) {
+      if (const Engine* d = decode_engine_for()) {
+        run->set_decode_engine_id(d->id);
+        run->set_decode_handoff_address(d->info.handoff_address());
+      }
+    }
     e.sink->send(std::move(a));
   }
   if (r.client) {
@@ -634,6 +671,21 @@ void SchedulerCore::assign(Request& r, Engine& e, const Choice& c, Clock::time_p
     acc->set_expected_cached_tokens(c.cached_tokens);
     r.client->send(std::move(ev));
   }
+}
+
+const SchedulerCore::Engine* SchedulerCore::decode_engine_for() const {
+  // The live decode engine with the fewest tokens to hold for what it
+  // runs, then the fewest requests.
+  const Engine* best = nullptr;
+  for (const auto& e : engines_) {
+    if (!e->routable() || e->info.role() != v1::ROLE_DECODE) continue;
+    const uint32_t room = e->info.max_batch();
+    if (best == nullptr || std::make_tuple(e->running >= room, e->load_tokens, e->running) <
+                               std::make_tuple(best->running >= best->info.max_batch(), best->load_tokens,
+                                               best->running))
+      best = e.get();
+  }
+  return best;
 }
 
 void SchedulerCore::mark_started(Request& r, Engine& e, uint32_t cached_tokens) {
@@ -945,6 +997,7 @@ void SchedulerCore::stats(v1::Stats* out) const {
     s->set_indexed_blocks(index_.confirmed_blocks(e->slot));
     s->set_dropped_kv_events(e->dropped_kv_events);
     s->set_refused_kv_blocks(e->refused_kv_blocks);
+    s->set_role(e->info.role());
     s->set_assigned(e->assigned_total);
     s->set_outstanding(e->requests.size());
   }
@@ -960,6 +1013,7 @@ void SchedulerCore::stats(v1::Stats* out) const {
   for (const auto& [id, r] : requests_)
     if (r->state != RequestState::kDone) ++in_flight;
   out->set_requests_in_flight(in_flight);
+  out->set_handed_off(handed_off_);
 }
 
 }  // namespace moelink::scheduler

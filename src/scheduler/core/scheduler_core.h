@@ -154,6 +154,10 @@ class SchedulerCore {
   void note_routing(const Request& r, const Engine& e, const Choice& c, Clock::time_point now);
   void assign(Request& r, Engine& e, const Choice& c, Clock::time_point now);
   void mark_started(Request& r, Engine& e, uint32_t cached_tokens);
+  // P/D: the decode engine a prefill engine hands `r` to (null: none live),
+  // and the move of a started request to it (HANDED_OFF).
+  const Engine* decode_engine_for() const;
+  void hand_off(Request& r, Engine& from, const std::string& to, Clock::time_point now);
   void detach(Request& r);
   void add_output(Request& r, const v1::RequestProgress& p);
   void forward(Request& r, bool flush);
@@ -195,7 +199,7 @@ class SchedulerCore {
   // prefix match and the policy: what choosing an engine costs, without the
   // network writes that follow.
   uint64_t accepted_ = 0, finished_ = 0, failed_ = 0, rerouted_ = 0, decisions_ = 0;
-  uint64_t ignored_progress_ = 0;
+  uint64_t ignored_progress_ = 0, handed_off_ = 0;
   LatencyRecorder decision_us_;
 
   // client_gone() and engine_stream_closed() notifications, drained by tick()

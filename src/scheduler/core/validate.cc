@@ -54,6 +54,15 @@ Status validate_engine_info(const v1::EngineInfo& info, uint32_t block_size) {
       info.decode_step_us() > 1e9)
     return invalid("engine.decode_step_us " + std::to_string(info.decode_step_us()) +
                    " is outside 0..1e9 (0: the scheduler's default)");
+  if (!v1::EngineRole_IsValid(info.role()))
+    return invalid("engine.role " + std::to_string(info.role()) +
+                   " is not ROLE_MIXED (0), ROLE_PREFILL (1) or ROLE_DECODE (2)");
+  if (info.role() == v1::ROLE_DECODE && info.handoff_address().empty())
+    return invalid("engine.handoff_address is empty; a ROLE_DECODE engine must say where prefill "
+                   "engines reach its KV hand-off service (host:port)");
+  if (info.handoff_address().size() > 256)
+    return invalid("engine.handoff_address is " + std::to_string(info.handoff_address().size()) +
+                   " characters long; at most 256");
   return Status::OK;
 }
 
