@@ -1,7 +1,9 @@
 // The CUDA sampling kernel against the host loop on the same logits: every
 // rule of sampling.h (greedy's first largest, top_k with ties broken by the
 // smaller index, top_p's smallest set, temperature, the counter-based draw)
-// must pick the same token; bad parameters reported the same way.
+// must pick the same token; bad parameters reported the same way. And
+// draft_rules.h's plan / accept / MTP inputs on both, against a batch
+// worked out by hand.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -37,13 +39,17 @@ std::vector<int32_t> sample(ModelOps& ops, MemoryOps* gpu, Requests r, int64_t V
   std::vector<uint8_t> record(sizeof(ModelErrorRecord), 0);
   int32_t* dout = st.put(out);
   auto* derr = reinterpret_cast<ModelErrorRecord*>(st.put(record));
+  // Each request's last row and its position, as the model plans them.
+  std::vector<int32_t> rows{r.q_start[B]}, slot_rows(B, -7), positions(B, -7);
+  int32_t* drow = st.put(slot_rows);
+  int32_t* dpos = st.put(positions);
+  ops.plan_samples(st.put(r.q_start), st.put(r.kv_len), nullptr, B, 1, st.put(rows), drow, dpos, derr, nullptr);
   ops.sample(Tensor::contiguous(dout, DType::kInt32, {B}),
              Tensor::contiguous(st.put(r.logits), DType::kFloat32, {B, V}),
              Tensor::contiguous(st.put(r.temperature), DType::kFloat32, {B}),
              Tensor::contiguous(st.put(r.top_k), DType::kInt32, {B}),
              Tensor::contiguous(st.put(r.top_p), DType::kFloat32, {B}),
-             Tensor::contiguous(st.put(r.seed), DType::kInt64, {B}), st.put(r.q_start), st.put(r.kv_len), B,
-             derr, nullptr);
+             Tensor::contiguous(st.put(r.seed), DType::kInt64, {B}), drow, dpos, 1, derr, nullptr);
   *e = ops.take_error(derr, nullptr);
   st.get(out, dout);
   return out;
@@ -93,6 +99,60 @@ void check_sampling(uint64_t seed) {
     RANK_CHECK(e_cuda.row == 3);
     RANK_CHECK(b[4] == want[4]) << "a good request beside the bad one";
   }
+}
+
+// Five requests: a decode verifying a draft (accepted, then rejected), a
+// plain decode, an empty request, one asking for two drafts (refused: read
+// as none), a prefill chunk whose next prompt token is known.
+void check_draft_rules(ModelOps& ops, MemoryOps* gpu) {
+  const int B = 5, slots = 2;
+  // (Not const: a host Staging uses them in place.)
+  std::vector<int32_t> ids{10, 20, 30, 40, 41, 42, 50, 51, 52, 53}, q_start{0, 2, 3, 3, 6, 10},
+      kv_len{10, 5, 0, 7, 4}, drafts{1, 0, 0, 2, 0}, known{-1, -1, -1, -1, 77}, rows{10};
+  const std::vector<int32_t> want_rows{0, 1, 2, -1, -1, -1, 5, -1, 9, -1}, want_pos{8, 9, 4, -1, -1, -1, 6, -1, 3, -1};
+  for (const bool accept : {true, false}) {
+    Staging st(gpu);
+    std::vector<uint8_t> record(sizeof(ModelErrorRecord), 0);
+    auto* derr = reinterpret_cast<ModelErrorRecord*>(st.put(record));
+    std::vector<int32_t> row_index(B * slots, -7), position(B * slots, -7);
+    int32_t* drow = st.put(row_index);
+    int32_t* dpos = st.put(position);
+    const int32_t* dq = st.put(q_start);
+    ops.plan_samples(dq, st.put(kv_len), st.put(drafts), B, slots, st.put(rows), drow, dpos, derr, nullptr);
+    // The samples as if the model drew them: request 0 agrees with its draft (20) or not.
+    std::vector<int32_t> samples{accept ? 20 : 21, 99, 31, -1, -1, -1, 43, -1, 60, -1};
+    std::vector<int32_t> next(B, -7), accepted(B, -7), mtp(10, -7), draft_row(B, -7);
+    int32_t *dnext = st.put(next), *dacc = st.put(accepted), *dmtp = st.put(mtp), *ddraft = st.put(draft_row);
+    ops.accept_drafts(st.put(samples), drow, slots, Tensor::contiguous(st.put(ids), DType::kInt32, {10}), dq,
+                      st.put(known), B, dnext, 1, dacc, dmtp, ddraft, nullptr);
+    const ModelErrorRecord e = ops.take_error(derr, nullptr);
+    st.get(row_index, drow);
+    st.get(position, dpos);
+    st.get(next, dnext);
+    st.get(accepted, dacc);
+    st.get(mtp, dmtp);
+    st.get(draft_row, ddraft);
+    RANK_CHECK(row_index == want_rows);
+    RANK_CHECK(position == want_pos);
+    RANK_CHECK(e.code == 3 && e.row == 3 && e.value == 2 && e.limit == 1) << "code " << e.code << " row " << e.row;
+    RANK_CHECK(next == (std::vector<int32_t>{accept ? 99 : 21, 31, -1, 43, 60}));
+    RANK_CHECK(accepted == (std::vector<int32_t>{accept ? 1 : 0, 0, 0, 0, 0}));
+    RANK_CHECK(draft_row == (std::vector<int32_t>{accept ? 1 : 0, 2, -1, 5, 9}));
+    // The token after each row: the next row's id before the sampled rows,
+    // the samples from there, the known prompt token at a chunk's end.
+    RANK_CHECK(mtp == (std::vector<int32_t>{accept ? 20 : 21, 99, 31, 41, 42, 43, 51, 52, 53, 77}));
+  }
+}
+
+TEST(DraftRules, PlanAcceptAndMtpInputsByHand) {
+  auto cpu = moelink::detail::model::make_cpu_model_ops();
+  check_draft_rules(*cpu, nullptr);
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "the CUDA ops need a GPU (the host loops passed)";
+  run_ranks(1, [&](int, moelink::Bootstrap&) {
+    auto cuda = moelink::detail::model::make_cuda_model_ops();
+    const std::unique_ptr<MemoryOps> gpu = gpu_memory_if(true);
+    check_draft_rules(*cuda, gpu.get());
+  }, 120);
 }
 
 TEST(SamplingCuda, PicksTheHostLoopsToken) {

