@@ -21,3 +21,35 @@ def greedy_alone(model_dir, prompt_ids, max_tokens, eos=1, backend="cpu"):
                          max_pages_per_request=6)
     i = eng.add(prompt_ids, max_tokens=max_tokens, stop_tokens=[eos])
     return eng.run()[i].tokens
+
+
+def local_serving(tmp_path_factory, name, seed, pd=False):
+    """moelink-serve over moelink-scheduler and two workers (a prefill and a
+    decode worker with pd) on the tiny model; yields (serving, the API's
+    URL, the model directory). Skips where the scheduler is missing."""
+    import pytest
+
+    import moelink
+    try:
+        from moelink.scheduler import SchedulerClient  # noqa: F401 (needs grpcio and the generated code)
+        from moelink.scheduler.local_cluster import find_binary
+    except ImportError as e:
+        pytest.skip(f"moelink.scheduler is not importable: {e}")
+    if find_binary("moelink-scheduler") is None:
+        pytest.skip("the moelink-scheduler binary is not built (MOELINK_BIN_DIR)")
+    from moelink.serve.cluster import LocalServing
+    from moelink.serve.tiny_model import write_tiny_model
+    d = tmp_path_factory.mktemp(name)
+    write_tiny_model(str(d), layers=2, seed=seed)
+    opts = moelink.serve.ServerOptions(num_pages=24, page_size=16, max_running=4, token_budget=48,
+                                       max_model_len=96)
+    serving = LocalServing(str(d), engines=2, options=opts, workdir=str(d / "run"), pd=pd)
+    try:
+        host, port = serving.start("127.0.0.1", 0)
+    except Exception:
+        print(serving.logs())
+        raise
+    try:
+        yield serving, f"http://{host}:{port}/v1", str(d)
+    finally:
+        serving.stop()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import moelink
-from model_testlib import greedy_alone
+from model_testlib import greedy_alone, local_serving
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("ml_dtypes")
@@ -20,27 +20,7 @@ pytestmark = pytest.mark.skipif(not moelink._C.with_engine, reason="this build h
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    try:
-        from moelink.scheduler import SchedulerClient  # noqa: F401 (needs grpcio and the generated code)
-        from moelink.scheduler.local_cluster import find_binary
-    except ImportError as e:
-        pytest.skip(f"moelink.scheduler is not importable: {e}")
-    if find_binary("moelink-scheduler") is None:
-        pytest.skip("the moelink-scheduler binary is not built (MOELINK_BIN_DIR)")
-    from moelink.serve.cluster import LocalServing
-    from moelink.serve.tiny_model import write_tiny_model
-    d = tmp_path_factory.mktemp("tiny-moe")
-    write_tiny_model(str(d), layers=2, seed=41)
-    opts = moelink.serve.ServerOptions(num_pages=24, page_size=16, max_running=4, token_budget=48,
-                                       max_model_len=96)
-    serving = LocalServing(str(d), engines=2, options=opts, workdir=str(d / "run"))
-    try:
-        host, port = serving.start("127.0.0.1", 0)
-    except Exception:
-        print(serving.logs())
-        raise
-    yield serving, f"http://{host}:{port}/v1", str(d)
-    serving.stop()
+    yield from local_serving(tmp_path_factory, "tiny-moe", 41)
 
 
 def test_requests_through_the_scheduler_are_each_engines_own_output(cluster):

@@ -13,7 +13,7 @@ import os
 import pytest
 
 import moelink
-from model_testlib import greedy_alone
+from model_testlib import greedy_alone, local_serving
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("ml_dtypes")
@@ -25,27 +25,7 @@ os.environ.setdefault("FI_TCP_IFACE", "lo")
 
 @pytest.fixture(scope="module")
 def pd_cluster(tmp_path_factory):
-    try:
-        from moelink.scheduler import SchedulerClient  # noqa: F401 (needs grpcio and the generated code)
-        from moelink.scheduler.local_cluster import find_binary
-    except ImportError as e:
-        pytest.skip(f"moelink.scheduler is not importable: {e}")
-    if find_binary("moelink-scheduler") is None:
-        pytest.skip("the moelink-scheduler binary is not built (MOELINK_BIN_DIR)")
-    from moelink.serve.cluster import LocalServing
-    from moelink.serve.tiny_model import write_tiny_model
-    d = tmp_path_factory.mktemp("tiny-pd")
-    write_tiny_model(str(d), layers=2, seed=43)
-    opts = moelink.serve.ServerOptions(num_pages=24, page_size=16, max_running=4, token_budget=48,
-                                       max_model_len=96)
-    serving = LocalServing(str(d), engines=2, options=opts, workdir=str(d / "run"), pd=True)
-    try:
-        host, port = serving.start("127.0.0.1", 0)
-    except Exception:
-        print(serving.logs())
-        raise
-    yield serving, f"http://{host}:{port}/v1", str(d)
-    serving.stop()
+    yield from local_serving(tmp_path_factory, "tiny-pd", 43, pd=True)
 
 
 def test_disaggregated_requests_give_the_models_own_tokens(pd_cluster):

@@ -170,6 +170,19 @@ class HandoffClient:
         self._sock.close()
 
 
+def _run_until_finished(engine, request_id: int, side: str):
+    """Steps `engine` until the request finishes; its tokens and finish reason."""
+    tokens, finished = [], ""
+    while not finished:
+        for r in engine.step():
+            if r.id == request_id:
+                tokens += r.tokens
+                finished = r.finished
+                if r.error:
+                    raise moelink.InputError(f"moelink: hand_off: the {side} engine failed: {r.error}")
+    return tokens, finished
+
+
 def hand_off(prefill_engine, prefill: KvPort, decode_engine, decode: KvPort, prompt, *,
              timeout_s: float = 30.0, **params) -> Optional[dict]:
     """One request through a prefill engine and a decode engine: prefill
@@ -182,15 +195,11 @@ def hand_off(prefill_engine, prefill: KvPort, decode_engine, decode: KvPort, pro
         return None
     did, cached, dst_pages = got
     pid = prefill_engine.add(prompt, hand_off=True, **params)
-    tokens, finished = [], ""
-    while not finished:
-        for r in prefill_engine.step():
-            if r.id == pid:
-                tokens += r.tokens
-                finished = r.finished
-                if r.error:
-                    decode_engine.cancel(did)
-                    raise moelink.InputError(f"moelink: hand_off: the prefill engine failed: {r.error}")
+    try:
+        tokens, finished = _run_until_finished(prefill_engine, pid, "prefill")
+    except Exception:
+        decode_engine.cancel(did)
+        raise
     if finished != "handed_off":  # the first token ended it: nothing to move
         decode_engine.cancel(did)
         decode_engine.step()
@@ -208,12 +217,6 @@ def hand_off(prefill_engine, prefill: KvPort, decode_engine, decode: KvPort, pro
     finally:
         prefill_engine.release(pid)
     decode_engine.resume(did, tokens[-1])
-    finished = ""
-    while not finished:
-        for r in decode_engine.step():
-            if r.id == did:
-                tokens += r.tokens
-                finished = r.finished
-                if r.error:
-                    raise moelink.InputError(f"moelink: hand_off: the decode engine failed: {r.error}")
+    more, finished = _run_until_finished(decode_engine, did, "decode")
+    tokens += more
     return {"tokens": tokens, "finished": finished, "transferred_tokens": req.num_tokens}
