@@ -70,15 +70,15 @@ class KvPort:
              timeout_s: float = 30.0) -> int:
         """Writes the prompt's KV rows into a remote cache (describe()'s dict)
         and waits until the writes completed here; returns the tokens moved."""
-        name = remote["name"]
-        if name not in self._peers:
-            desc = moelink.MemoryDescriptor.from_bytes(bytes.fromhex(remote["descriptor"]))
+        key = remote["descriptor"]  # a restarted decode engine registers anew: a new descriptor
+        if key not in self._peers:
+            desc = moelink.MemoryDescriptor.from_bytes(bytes.fromhex(key))
             self.engine.add_peer_group([desc])
-            self._peers[name] = desc
+            self._peers[key] = desc
         layout = moelink.KvCacheLayout.layer_major(*remote["layout"])
         req = _request(prompt_len, src_pages, dst_pages, cached_tokens, self.model.page_size, imm_base)
         if req.num_tokens > 0:
-            self.engine.write_kv_cache(self.region, self.layout, self._peers[name], layout, req).wait(timeout_s)
+            self.engine.write_kv_cache(self.region, self.layout, self._peers[key], layout, req).wait(timeout_s)
         return req.num_tokens
 
     def wait(self, prefill_name: str, prompt_len: int, src_pages, dst_pages, cached_tokens: int, imm_base: int,

@@ -47,7 +47,7 @@ class EngineWorker:
         self._counts = (0, 0, options.num_pages)
         self.engine_id, self.role = engine_id, role
         self._handoff = {}  # engine request id -> (decode engine id, its hand-off address)
-        self._decoders = {}  # decode engine id -> HandoffClient
+        self._decoders = {}  # a decode worker's hand-off address -> HandoffClient
         self.kv_port = self.handoff_server = None
         handoff_address = ""
         if role != "mixed":
@@ -134,9 +134,9 @@ class EngineWorker:
         to, address = self._handoff.pop(eid)
         pages = self.engine.pages(eid)
         try:
-            if to not in self._decoders:
-                self._decoders[to] = HandoffClient(address)
-            dec = self._decoders[to]
+            if address not in self._decoders:  # by address: a restarted decode worker has a new one
+                self._decoders[address] = HandoffClient(address)
+            dec = self._decoders[address]
             got = dec.call({"op": "receive", "request_id": rid, "prompt": list(prompt), "sampling": sampling})
             if not got.get("ok"):
                 raise RuntimeError(got.get("error", "receive refused"))
@@ -154,7 +154,9 @@ class EngineWorker:
                 raise RuntimeError(ok.get("error", "resume refused"))
             return []
         except Exception as e:
-            self._decoders.pop(to, None)
+            stale = self._decoders.pop(address, None)
+            if stale is not None:
+                stale.close()
             return [progress(rid, FAILED, (), offset, 0, f"hand-off to '{to}' failed: {e}"[:200])]
         finally:
             self.engine.release(eid)
