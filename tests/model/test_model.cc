@@ -21,6 +21,11 @@
 #include "ref_dtype.h"
 #include "safetensors_writer.h"
 #include "staging.h"
+#if defined(MOELINK_WITH_CUDA)
+#include <cuda_runtime_api.h>
+
+#include "gpu_memory_ops.h"  // CUDA_OK
+#endif
 
 namespace moelink_test {
 namespace {
@@ -356,6 +361,114 @@ TEST(ModelCuda, MatchesTheCpuPath) {
   std::printf("[ measured ] Model CUDA against CPU: logits relative L2 %.2e, median row %.2e, %lld rows "
               "above 25 %%\n", rel_l2(cuda, cpu), sorted[10], static_cast<long long>(far));
 }
+
+
+#if defined(MOELINK_WITH_CUDA)
+// One decode step captured in a CUDA graph (fixed buffers: 3 requests, up
+// to 2 rows each, drafts) and replayed with new tokens, lengths, pages and
+// drafts gives what the same steps give eagerly on a second model: the
+// model's step reads every count on the device.
+TEST(ModelCuda, ADecodeStepReplayedInACudaGraphEqualsEagerSteps) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  const std::string dir = write_tiny_model(fresh_seed());
+  run_ranks(1, [&](int, moelink::Bootstrap& boot) {
+    auto eager = make_model(dir, boot, moelink::Backend::kNVLink);
+    auto graphed = make_model(dir, boot, moelink::Backend::kNVLink);
+    // Three prompts (their prefill eager on both), pages 0-3, 4-7, 8-11.
+    const std::vector<std::vector<int32_t>> prompts{tokens(20, 1), tokens(33, 2), tokens(7, 3)};
+    for (int i = 0; i < 3; ++i)
+      for (auto* m : {eager.get(), graphed.get()})
+        run(*m, true, {prompts[i], {0, static_cast<int32_t>(prompts[i].size())},
+                       {static_cast<int32_t>(prompts[i].size())}, {4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3}});
+    GpuMemoryOps mem(0);
+    const int B = 3, maxn = 6;
+    std::vector<int32_t> ids(maxn), q_start(B + 1), kv_len(B), table(B * 4), drafts(B), next(B), acc(B);
+    std::vector<float> logits(B * kVocab);
+    Staging st(&mem);
+    int32_t *d_ids = st.put(ids), *d_q = st.put(q_start), *d_kv = st.put(kv_len), *d_tab = st.put(table),
+            *d_dr = st.put(drafts), *d_next = st.put(next), *d_acc = st.put(acc);
+    float* d_logits = st.put(logits);
+    moelink::StepInput in;
+    in.token_ids = Tensor::contiguous(d_ids, DType::kInt32, {maxn});
+    in.batch.num_requests = in.batch.num_decode = B;
+    in.batch.q_start = Tensor::contiguous(d_q, DType::kInt32, {B + 1});
+    in.batch.kv_len = Tensor::contiguous(d_kv, DType::kInt32, {B});
+    in.batch.block_table = Tensor::contiguous(d_tab, DType::kInt32, {B, 4});
+    in.num_drafts = Tensor::contiguous(d_dr, DType::kInt32, {B});
+    moelink::StepOutput out;
+    out.next_tokens = Tensor::contiguous(d_next, DType::kInt32, {B});
+    out.accepted = Tensor::contiguous(d_acc, DType::kInt32, {B});
+    out.logits = Tensor::contiguous(d_logits, DType::kFloat32, {B, kVocab});
+    cudaStream_t s = nullptr;
+    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    std::vector<int32_t> len{20, 33, 7};
+    cudaGraphExec_t exec = nullptr;
+    std::mt19937_64 rng(fresh_seed());
+    for (int step = 0; step < 4; ++step) {
+      // Each request one or two rows (a draft), a new token each.
+      std::vector<int32_t> rows(B), step_ids;
+      q_start = {0};
+      for (int i = 0; i < B; ++i) {
+        rows[i] = 1 + static_cast<int32_t>((step + i) % 2);
+        drafts[i] = rows[i] - 1;
+        for (int r = 0; r < rows[i]; ++r) step_ids.push_back(static_cast<int32_t>(rng() % kVocab));
+        q_start.push_back(q_start.back() + rows[i]);
+        kv_len[i] = len[i] + rows[i];
+        for (int p = 0; p < 4; ++p) table[i * 4 + p] = 4 * i + p;
+      }
+      std::copy(step_ids.begin(), step_ids.end(), ids.begin());
+      // Eager, on its own buffers of the step's true size.
+      std::vector<int32_t> want_next, eager_drafts = drafts;
+      std::vector<float> want_logits(B * kVocab);
+      {
+        Staging e(&mem);
+        moelink::StepInput ein = in;
+        moelink::StepOutput eout = out;
+        std::vector<int32_t> nx(B), ac(B);
+        ein.token_ids = Tensor::contiguous(e.put(step_ids), DType::kInt32, {q_start[B]});
+        ein.batch.q_start = Tensor::contiguous(e.put(q_start), DType::kInt32, {B + 1});
+        ein.batch.kv_len = Tensor::contiguous(e.put(kv_len), DType::kInt32, {B});
+        ein.batch.block_table = Tensor::contiguous(e.put(table), DType::kInt32, {B, 4});
+        ein.num_drafts = Tensor::contiguous(e.put(eager_drafts), DType::kInt32, {B});
+        int32_t *enx = e.put(nx), *eac = e.put(ac);
+        float* elg = e.put(want_logits);
+        eout.next_tokens = Tensor::contiguous(enx, DType::kInt32, {B});
+        eout.accepted = Tensor::contiguous(eac, DType::kInt32, {B});
+        eout.logits = Tensor::contiguous(elg, DType::kFloat32, {B, kVocab});
+        eager->step(ein, eout);
+        eager->check();
+        e.get(nx, enx);
+        e.get(want_logits, elg);
+        want_next = nx;
+      }
+      // The graph, captured at the first step: the prefills above took every
+      // workspace past what a decode step needs, so nothing is allocated
+      // while capturing.
+      for (auto [host, dev] : {std::pair{&ids, d_ids}, {&q_start, d_q}, {&kv_len, d_kv}, {&table, d_tab},
+                               {&drafts, d_dr}})
+        CUDA_OK(cudaMemcpy(dev, host->data(), host->size() * 4, cudaMemcpyHostToDevice));
+      if (exec == nullptr) {
+        cudaGraph_t g = nullptr;
+        CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        graphed->step(in, out, s);
+        CUDA_OK(cudaStreamEndCapture(s, &g));
+        CUDA_OK(cudaGraphInstantiate(&exec, g, 0));
+        CUDA_OK(cudaGraphDestroy(g));
+      }
+      CUDA_OK(cudaGraphLaunch(exec, s));
+      CUDA_OK(cudaStreamSynchronize(s));
+      graphed->check(s);
+      st.get(next, d_next);
+      st.get(logits, d_logits);
+      RANK_CHECK(next == want_next) << "step " << step;
+      RANK_CHECK(rel_l2(logits, want_logits) < 1e-6) << "step " << step << ": " << rel_l2(logits, want_logits);
+      for (int i = 0; i < B; ++i) len[i] += 1;  // the accepted draft or not: the first row's KV stays
+    }
+    CUDA_OK(cudaGraphExecDestroy(exec));
+    CUDA_OK(cudaStreamDestroy(s));
+  }, 180);
+}
+#endif
 
 }  // namespace
 }  // namespace moelink_test
