@@ -190,6 +190,16 @@ class MLAAttention {
   void forward(const Tensor& out, const Tensor& x, const MLABatch& batch, const Tensor& kv_cache,
                cudaStream_t stream = nullptr);
 
+  // Before each replay of a CUDA graph that captured forward(): FlashInfer's
+  // decode (decode_kernel auto or flashinfer, captured with MLABatch's host
+  // copies) plans on the host, so its schedule for the replay's batch is
+  // made here from `batch`'s host copies (the graph's device tensors hold
+  // the same values by the time it runs; the previous replay must have
+  // finished). Throws InvalidArgument, naming what, for a batch FlashInfer's
+  // captured decode cannot run (capture again or run eagerly). Nothing to
+  // do for moelink's kernel or on the CPU.
+  void prepare_graph_replay(const MLABatch& batch, const Tensor& kv_cache);
+
   // Waits for the work on `stream` and throws InputError for what the step
   // flagged since the last check(), once.
   void check(cudaStream_t stream = nullptr);

@@ -98,6 +98,13 @@ class AttentionOps : public DeviceMemory {
 
   // Waits for the work on `stream`; returns the record and clears it.
   virtual StepErrorRecord take_error(StepErrorRecord* record, cudaStream_t stream) = 0;
+  // Before replaying a CUDA graph that captured a decode step: whatever the
+  // device kernels cannot read on the device (FlashInfer's plan) for batch
+  // `b` (its host copies). Nothing to do on the host or for moelink's kernel.
+  virtual void prepare_replay(const MLABatch& b, const Tensor& cache) {
+    (void)b;
+    (void)cache;
+  }
 };
 
 std::unique_ptr<AttentionOps> make_cpu_attention_ops();

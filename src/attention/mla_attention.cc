@@ -255,6 +255,10 @@ class MLAAttentionImpl {
     if (debug_) check(stream);
   }
 
+  void prepare_graph_replay(const MLABatch& batch, const Tensor& kv_cache) {
+    if (batch.num_decode > 0) ops_->prepare_replay(batch, kv_cache);
+  }
+
   void check(cudaStream_t stream) {
     // The GEMMs' row counts come from the checked plan: an error there is
     // moelink's own, reported first; the batch's is kept until then.
@@ -453,5 +457,8 @@ void MLAAttention::forward(const Tensor& out, const Tensor& x, const MLABatch& b
   impl_->forward(out, x, batch, kv_cache, stream);
 }
 void MLAAttention::check(cudaStream_t stream) { impl_->check(stream); }
+void MLAAttention::prepare_graph_replay(const MLABatch& batch, const Tensor& kv_cache) {
+  impl_->prepare_graph_replay(batch, kv_cache);
+}
 
 }  // namespace moelink

@@ -584,13 +584,14 @@ TEST_P(MLAAttentionTest, EmptyBatchDoesNothing) {
 // tables read on the device), replayed with new lengths, new tokens and
 // MTP's two query tokens: each replay's rows and cache writes are the
 // eager step's, to the bit.
-TEST(MLAAttentionCuda, DecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
-  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+// With FlashInfer's decode (host copies given, prepare_graph_replay() before
+// each replay) the same.
+void check_decode_graph(const MLAConfig& c, moelink::MLADecodeKernel kernel, bool host_copies) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const MLAConfig c = small_config();
   const int64_t D = c.hidden_size, n = 6, max_pages = 8;
-  Harness graph(AttentionDevice::kCUDA, c, seed, 32, 16), eager(AttentionDevice::kCUDA, c, seed, 32, 16);
+  Harness graph(AttentionDevice::kCUDA, c, seed, 32, 16, 1, true, kernel),
+      eager(AttentionDevice::kCUDA, c, seed, 32, 16, 1, true, kernel);
   int ids[2] = {};
   for (Harness* h : {&graph, &eager}) {
     ids[0] = h->add_request(60);
@@ -617,6 +618,12 @@ TEST(MLAAttentionCuda, DecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
   b.q_start = Tensor::contiguous(dq_start, DType::kInt32, {3});
   b.kv_len = Tensor::contiguous(dkv_len, DType::kInt32, {2});
   b.block_table = Tensor::contiguous(dtable, DType::kInt32, {2, max_pages});
+  std::vector<int32_t> host_q(3), host_kv(2), host_table(2 * max_pages);
+  if (host_copies) {
+    b.host_q_start = Tensor::contiguous(host_q.data(), DType::kInt32, {3});
+    b.host_kv_len = Tensor::contiguous(host_kv.data(), DType::kInt32, {2});
+    b.host_block_table = Tensor::contiguous(host_table.data(), DType::kInt32, {2, max_pages});
+  }
   const Tensor tout = Tensor::contiguous(dout, DType::kBFloat16, {n, D}),
                tx = Tensor::contiguous(dx, DType::kBFloat16, {n, D}),
                tcache = Tensor::contiguous(dcache, DType::kBFloat16, {32, 16, c.cache_row()});
@@ -641,6 +648,10 @@ TEST(MLAAttentionCuda, DecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
     mem.h2d(dkv_len, kl.data(), 8);
     mem.h2d(dtable, table.data(), table.size() * 4);
     mem.h2d(dx, x.data(), x.size() * 2);
+    // (Copied into the vectors the host copies point at.)
+    std::copy(qs.begin(), qs.end(), host_q.begin());
+    std::copy(kl.begin(), kl.end(), host_kv.begin());
+    std::copy(table.begin(), table.end(), host_table.begin());
   };
   // The pages the replays use are reserved by the eager harness's steps
   // first (both harnesses hand out the same pages: same seed).
@@ -659,6 +670,7 @@ TEST(MLAAttentionCuda, DecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
     SCOPED_TRACE("q_lens " + std::to_string(q0) + ", " + std::to_string(q1));
     const std::vector<double> want = eager.run({{ids[0], ids[1]}, {q0, q1}, 2});
     stage(q0, q1);
+    m.prepare_graph_replay(b, tcache);
     CUDA_OK(cudaGraphLaunch(exec, stream));
     m.check(stream);
     std::vector<uint16_t> out(n * D);
@@ -675,6 +687,27 @@ TEST(MLAAttentionCuda, DecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
   for (void* p : {static_cast<void*>(dcache), static_cast<void*>(dx), static_cast<void*>(dout),
                   static_cast<void*>(dq_start), static_cast<void*>(dkv_len), static_cast<void*>(dtable)})
     mem.free(p);
+}
+
+TEST(MLAAttentionCuda, DecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  check_decode_graph(small_config(), moelink::MLADecodeKernel::kAuto, false);
+}
+
+TEST(MLAAttentionCuda, FlashInferDecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  MLAConfig c = small_config();
+  c.kv_lora_rank = 512;
+  c.num_attention_heads = 16;
+  MLAOptions probe;
+  probe.decode_kernel = moelink::MLADecodeKernel::kFlashInfer;
+  probe.max_tokens = probe.max_requests = probe.max_pages_per_request = 1;
+  try {
+    MLAAttention::create(c, probe);
+  } catch (const moelink::InvalidArgument& e) {
+    GTEST_SKIP() << e.what();
+  }
+  check_decode_graph(c, moelink::MLADecodeKernel::kFlashInfer, true);
 }
 
 // FlashInfer's MLA decode kernel (DeepSeek's latent 512, rotary 64) against

@@ -4,6 +4,7 @@
 // (MLAOptions.decode_kernel).
 #include <cuda_runtime_api.h>
 
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -163,36 +164,68 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
  private:
   // Plans FlashInfer's kernel for the decode requests from host copies of
   // the batch: the caller's (MLABatch.host_*), or read back from the device
-  // after waiting for the stream (eager calls only). False, for
-  // moelink's kernel to run instead, inside a capture (kAuto; kFlashInfer
-  // refuses) or when a request is one plan_step() skips (that kernel gives
-  // its rows zeros; FlashInfer would read the pages it names).
+  // after waiting for the stream (eager calls only). Inside a capture the
+  // caller's host copies are needed (prepare_replay() re-plans from the next
+  // batch's before each replay): without them kFlashInfer refuses and kAuto
+  // captures moelink's kernel. False, for moelink's kernel to run instead,
+  // then, or when a request is one plan_step() skips (that kernel gives its
+  // rows zeros; FlashInfer would read the pages it names).
   bool flashinfer_plan(const MLABatch& b, const Tensor& cache, cudaStream_t stream) {
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-    if (capturing != cudaStreamCaptureStatusNone) {
+    const bool capture = capturing != cudaStreamCaptureStatusNone;
+    const bool host = b.host_q_start.defined() && b.host_kv_len.defined() && b.host_block_table.defined();
+    if (capture && !host) {
       if (kernel_ == MLADecodeKernel::kFlashInfer)
         throw InvalidArgument("moelink: MLAAttention.forward: MLAOptions.decode_kernel = flashinfer "
-                              "cannot be captured in a CUDA graph (its plan reads the batch on the "
-                              "host); use auto or moelink");
+                              "is captured in a CUDA graph only with MLABatch's host copies (host_q_start, "
+                              "host_kv_len, host_block_table: its plan reads the batch on the host); give "
+                              "them, or use auto or moelink");
       return false;
     }
+    if (!capture && !host) MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream));  // values from the stream's work
+    if (!host_schedule(b, cache, host)) return false;
+    flashinfer_->plan(q_start_.data(), kv_indptr_.data(), kv_len_.data(), b.num_decode, stream);
+    captured_flashinfer_ = capture;
+    return true;
+  }
+
+  // A captured FlashInfer decode: its plan for the next replay's batch.
+  void prepare_replay(const MLABatch& b, const Tensor& cache) override {
+    if (!captured_flashinfer_) return;
+    if (!(b.host_q_start.defined() && b.host_kv_len.defined() && b.host_block_table.defined()))
+      throw InvalidArgument("moelink: MLAAttention.prepare_graph_replay: the graph runs FlashInfer's decode, "
+                            "whose plan needs MLABatch's host copies (host_q_start, host_kv_len, "
+                            "host_block_table)");
+    if (!host_schedule(b, cache, true))
+      throw InvalidArgument("moelink: MLAAttention.prepare_graph_replay: a decode request of this batch "
+                            "has more than 2 query tokens, a length beyond its pages or a page outside "
+                            "the cache (FlashInfer's captured decode cannot skip it): run it eagerly");
+    flashinfer_->replan(q_start_.data(), kv_indptr_.data(), kv_len_.data(), b.num_decode);
+  }
+
+  // The decode requests' q_start, kv_len and kv_indptr (rows of the block
+  // table) on the host, from the caller's host copies or the device's
+  // values (the stream's work done); false when FlashInfer cannot take the
+  // batch as it is.
+  bool host_schedule(const MLABatch& b, const Tensor& cache, bool host) {
     const int B = b.num_decode;
     const int64_t max_pages = b.block_table.shape[1], stride = b.block_table.stride[0];
-    const bool host = b.host_q_start.defined() && b.host_kv_len.defined() && b.host_block_table.defined();
     const int64_t host_stride = host ? b.host_block_table.stride[0] : stride;
     q_start_.resize(B + 1);
     kv_len_.resize(B);
     kv_indptr_.resize(B);
     table_.resize(static_cast<size_t>(B) * host_stride);
-    if (!host) MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream));  // the values may come from the stream's work
-    MOELINK_CUDA_CHECK(cudaMemcpy(q_start_.data(), host ? b.host_q_start.data : b.q_start.data, (B + 1) * 4,
-                                  cudaMemcpyDefault));
-    MOELINK_CUDA_CHECK(cudaMemcpy(kv_len_.data(), host ? b.host_kv_len.data : b.kv_len.data, B * 4,
-                                  cudaMemcpyDefault));
-    if (B > 0)
-      MOELINK_CUDA_CHECK(cudaMemcpy(table_.data(), host ? b.host_block_table.data : b.block_table.data,
-                                    table_.size() * 4, cudaMemcpyDefault));
+    // Host copies by memcpy (a cudaMemcpy is not allowed inside a capture).
+    auto fetch = [&](void* dst, const void* src, size_t bytes) {
+      if (host)
+        std::memcpy(dst, src, bytes);
+      else
+        MOELINK_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+    };
+    fetch(q_start_.data(), host ? b.host_q_start.data : b.q_start.data, (B + 1) * 4);
+    fetch(kv_len_.data(), host ? b.host_kv_len.data : b.kv_len.data, B * 4);
+    if (B > 0) fetch(table_.data(), host ? b.host_block_table.data : b.block_table.data, table_.size() * 4);
     StepErrorRecord scratch{};
     const StepBounds bounds{q_start_[B], cache.shape[0], static_cast<int32_t>(max_pages),
                             static_cast<int32_t>(cache.shape[1])};
@@ -204,12 +237,11 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
         return false;
       kv_indptr_[i] = static_cast<int32_t>(i * stride);
     }
-    if (B == 0 || q_start_[B] == 0) return false;
-    flashinfer_->plan(q_start_.data(), kv_indptr_.data(), kv_len_.data(), B, stream);
-    return true;
+    return B > 0 && q_start_[B] > 0;
   }
 
   MLADecodeKernel kernel_;
+  bool captured_flashinfer_ = false;  // a capture planned FlashInfer: replays need prepare_replay()
   std::unique_ptr<FlashInferMLA> flashinfer_;
   std::vector<int32_t> q_start_, kv_len_, kv_indptr_, table_;
   GrowingDeviceBuffer prefill_memory_;  // one request's running softmax at a time

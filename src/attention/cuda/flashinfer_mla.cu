@@ -46,16 +46,46 @@ class FlashInferMLAImpl final : public FlashInferMLA {
 
   void plan(const int32_t* q_indptr, const int32_t* kv_indptr, const int32_t* kv_len, int batch,
             cudaStream_t stream) override {
-    // The staging buffer may still feed the previous plan's copy.
-    MOELINK_CUDA_CHECK(cudaEventSynchronize(staged_));
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+    const bool capture = capturing != cudaStreamCaptureStatusNone;
+    // The staging buffer may still feed the previous plan's copy (not
+    // while capturing: nothing runs then, and the capture may not wait).
+    if (!capture) MOELINK_CUDA_CHECK(cudaEventSynchronize(staged_));
+    const size_t staged_bytes = schedule(q_indptr, kv_indptr, kv_len, batch, info_);
+    MOELINK_CUDA_CHECK(cudaMemcpyAsync(int_ws_, staging_, staged_bytes, cudaMemcpyHostToDevice, stream));
+    if (capture) {
+      captured_ = info_;
+      captured_bytes_ = staged_bytes;
+    } else {
+      MOELINK_CUDA_CHECK(cudaEventRecord(staged_, stream));
+    }
+  }
+
+  void replan(const int32_t* q_indptr, const int32_t* kv_indptr, const int32_t* kv_len, int batch) override {
+    if (captured_bytes_ == 0)
+      throw InvalidArgument("moelink: FlashInfer MLA: replan without a captured plan");
+    MOELINK_CUDA_CHECK(cudaEventSynchronize(staged_));  // an eager plan's copy may still read staging
+    flashinfer::MLAPlanInfo info{};
+    const size_t staged_bytes = schedule(q_indptr, kv_indptr, kv_len, batch, info);
+    if (info.ToVector() != captured_.ToVector() || staged_bytes != captured_bytes_)
+      throw InvalidArgument("moelink: MLAAttention.prepare_graph_replay: this batch's FlashInfer schedule (" +
+                            std::to_string(info.num_blks_x) + " x " + std::to_string(info.num_blks_y) +
+                            " blocks) does not fit the captured one (" + std::to_string(captured_.num_blks_x) +
+                            " x " + std::to_string(captured_.num_blks_y) + "): capture the step again");
+  }
+
+  // MLAPlan: the schedule into the host staging buffer and `info`; the
+  // bytes to copy to the device.
+  size_t schedule(const int32_t* q_indptr, const int32_t* kv_indptr, const int32_t* kv_len, int batch,
+                  flashinfer::MLAPlanInfo& info) {
     size_t staged_bytes = 0;
     const cudaError_t e = flashinfer::MLAPlan<int32_t>(
-        float_ws_, float_bytes_, int_ws_, staging_, int_bytes_, info_, staged_bytes,
+        float_ws_, float_bytes_, int_ws_, staging_, int_bytes_, info, staged_bytes,
         const_cast<int32_t*>(q_indptr), const_cast<int32_t*>(kv_indptr), const_cast<int32_t*>(kv_len),
-        static_cast<uint32_t>(batch), static_cast<uint32_t>(heads_), kLatent, /*causal=*/true, stream);
+        static_cast<uint32_t>(batch), static_cast<uint32_t>(heads_), kLatent, /*causal=*/true, nullptr);
     if (e != cudaSuccess) throw_cuda_error(e, "flashinfer::MLAPlan", __FILE__, __LINE__);
-    MOELINK_CUDA_CHECK(cudaMemcpyAsync(int_ws_, staging_, staged_bytes, cudaMemcpyHostToDevice, stream));
-    MOELINK_CUDA_CHECK(cudaEventRecord(staged_, stream));
+    return staged_bytes;
   }
 
   void run(const FlashInferMLAArgs& a, cudaStream_t stream) override {
@@ -111,6 +141,8 @@ class FlashInferMLAImpl final : public FlashInferMLA {
   void* staging_ = nullptr;
   cudaEvent_t staged_ = nullptr;
   flashinfer::MLAPlanInfo info_{};
+  flashinfer::MLAPlanInfo captured_{};  // the plan a graph captured (captured_bytes_ > 0)
+  size_t captured_bytes_ = 0;
 };
 
 }  // namespace

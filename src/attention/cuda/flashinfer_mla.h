@@ -40,8 +40,17 @@ class FlashInferMLA {
   virtual ~FlashInferMLA() = default;
   // Request i: query rows q_indptr[i] .. q_indptr[i+1] - 1, the last of its
   // kv_len[i] tokens, its pages block_table[kv_indptr[i] ...] (host arrays).
+  // Inside a CUDA graph capture the plan's copy to the device is captured:
+  // it reads the host staging buffer when the graph runs, which replan()
+  // rewrites before each replay.
   virtual void plan(const int32_t* q_indptr, const int32_t* kv_indptr, const int32_t* kv_len,
                     int batch, cudaStream_t stream) = 0;
+  // For the captured plan: a new batch's schedule into the staging buffer
+  // the captured copy reads (the previous replay must have finished). Throws
+  // InvalidArgument when its grid or layout differs from the captured one
+  // (capture again), or when nothing was captured.
+  virtual void replan(const int32_t* q_indptr, const int32_t* kv_indptr, const int32_t* kv_len,
+                      int batch) = 0;
   virtual void run(const FlashInferMLAArgs& a, cudaStream_t stream) = 0;
 };
 
