@@ -22,10 +22,11 @@ class PyModel {
   PyModel(const ModelConfig& config, Bootstrap& boot, int64_t max_tokens, const std::string& backend,
           const std::string& overlap, int dp_size, double timeout_s, int debug, int num_layers,
           int64_t num_pages, int page_size, int max_requests, int max_pages_per_request, int tp_size,
-          int tp_rank, bool mtp) {
+          int tp_rank, bool mtp, bool decode_graphs) {
     ModelOptions o;
     o.num_layers = num_layers;
     o.mtp = mtp;
+    o.decode_graphs = decode_graphs;
     o.moe = moe_layer_options(max_tokens, backend, overlap, 32, false, dp_size, timeout_s, debug, -1);
     o.attention.page_size = page_size;
     o.attention.max_requests = max_requests;
@@ -115,10 +116,10 @@ void bind_model(nb::module_& m) {
 
   nb::class_<PyModel>(m, "Model", "A DeepSeek-V3-family model (moelink.Model wraps this).")
       .def(nb::init<const ModelConfig&, Bootstrap&, int64_t, const std::string&, const std::string&, int,
-                    double, int, int, int64_t, int, int, int, int, int, bool>(),
+                    double, int, int, int64_t, int, int, int, int, int, bool, bool>(),
            "config"_a, "bootstrap"_a, "max_tokens"_a, "backend"_a, "overlap"_a, "dp_size"_a,
            "timeout_s"_a, "debug"_a, "num_layers"_a, "num_pages"_a, "page_size"_a, "max_requests"_a,
-           "max_pages_per_request"_a, "tp_size"_a, "tp_rank"_a, "mtp"_a)
+           "max_pages_per_request"_a, "tp_size"_a, "tp_rank"_a, "mtp"_a, "decode_graphs"_a)
       .def("load_checkpoint", &PyModel::load_checkpoint, "directory"_a)
       .def("step", &PyModel::step, "token_ids"_a, "q_start"_a, "kv_len"_a.none(),
            "block_table"_a.none(), "num_requests"_a, "num_decode"_a, "next_tokens"_a,

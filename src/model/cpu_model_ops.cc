@@ -188,6 +188,13 @@ class CpuModelOps final : public HostMemory<ModelOps> {
     *record = {};
     return e;
   }
+
+  std::shared_ptr<Graph> capture(const std::function<void(cudaStream_t)>&) override {
+    throw InvalidArgument("moelink: Model: CUDA graphs need a GPU backend");
+  }
+  void replay(Graph&, cudaStream_t) override {
+    throw InvalidArgument("moelink: Model: CUDA graphs need a GPU backend");
+  }
 };
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "moelink/model.h"
 
 #include <algorithm>
+#include <map>
 #include <vector>
 
 #include "core/arg_checks.h"
@@ -314,6 +315,7 @@ class ModelImpl {
 
   void step_from_host(const StepInput& in, const StepOutput& out, cudaStream_t stream) {
     if (host_) return step(in, out, stream);
+    if (o_.decode_graphs && graphable(in, out)) return step_in_graph(in, out, stream);
     StepInput d = in;
     StepOutput o = out;
     size_t slot = 0;
@@ -364,6 +366,153 @@ class ModelImpl {
       for (int i = 0; i < host->ndim; ++i) elems *= host->shape[i];
       if (elems > 0) ops_->copy_out(host->data, dev->data, static_cast<size_t>(elems) * dtype_size(host->dtype));
     }
+  }
+
+  // A decode-only step of contiguous host tensors that a bucket's graph
+  // can run (ModelOptions.decode_graphs).
+  bool graphable(const StepInput& in, const StepOutput& out) const {
+    const int B = in.batch.num_requests;
+    if (B < 1 || B > o_.attention.max_requests || in.batch.num_decode != B || out.logits.defined() ||
+        out.draft_logits.defined() || !in.batch.q_start.defined() || in.batch.q_start.ndim != 1 ||
+        in.batch.q_start.shape[0] != B + 1 || !in.batch.block_table.defined() ||
+        in.batch.block_table.ndim != 2 || in.batch.block_table.shape[1] > o_.attention.max_pages_per_request)
+      return false;
+    // Vectors read as they lie (contiguous), as step_from_host copies them.
+    for (const Tensor* t : {&in.token_ids, &in.batch.q_start, &in.batch.kv_len, &in.sampling.temperature,
+                            &in.sampling.top_k, &in.sampling.top_p, &in.sampling.seed, &in.num_drafts,
+                            &in.known_next, &out.next_tokens, &out.accepted, &out.draft_tokens})
+      if (t->defined() && (t->ndim != 1 || (t->shape[0] > 1 && t->stride[0] != 1))) return false;
+    if (in.batch.block_table.shape[1] > 1 && in.batch.block_table.stride[1] != 1) return false;
+    const auto* q = static_cast<const int32_t*>(in.batch.q_start.data);
+    for (int i = 0; i < B; ++i)
+      if (q[i + 1] - q[i] < 0 || q[i + 1] - q[i] > 2) return false;
+    return q[0] == 0 && in.token_ids.defined() && in.token_ids.shape[0] >= q[B];
+  }
+
+  // One bucket's graph and the device buffers it reads and writes.
+  struct DecodeGraph {
+    int bucket = 0;
+    ModelBuffer ids, q_start, kv_len, table, temperature, top_k, top_p, seed, drafts, known, next, accepted,
+        draft_tokens;
+    std::shared_ptr<model::ModelOps::Graph> graph;
+    bool warm = false, failed = false;
+  };
+
+  DecodeGraph& decode_graph(int B) {
+    int bucket = 1;
+    while (bucket < B) bucket *= 2;
+    bucket = std::min(bucket, o_.attention.max_requests);
+    auto& slot = decode_graphs_[bucket];
+    if (!slot) {
+      slot = std::make_unique<DecodeGraph>();
+      DecodeGraph& g = *slot;
+      const size_t b4 = static_cast<size_t>(bucket) * 4;
+      g.bucket = bucket;
+      g.ids = ModelBuffer(*ops_, 2 * b4);
+      g.q_start = ModelBuffer(*ops_, b4 + 4);
+      for (ModelBuffer* m : {&g.kv_len, &g.temperature, &g.top_k, &g.top_p, &g.drafts, &g.known, &g.next,
+                             &g.accepted, &g.draft_tokens})
+        *m = ModelBuffer(*ops_, b4);
+      g.seed = ModelBuffer(*ops_, 2 * b4);
+      g.table = ModelBuffer(*ops_, b4 * o_.attention.max_pages_per_request);
+    }
+    return *slot;
+  }
+
+  // step_from_host through the bucket's graph: the host batch padded to
+  // the bucket with empty requests into the graph's buffers; the bucket's
+  // first step eager, the second captured; FlashInfer's plans made from the
+  // padded host copies before each replay.
+  void step_in_graph(const StepInput& in, const StepOutput& out, cudaStream_t stream) {
+    const int B = in.batch.num_requests;
+    DecodeGraph& g = decode_graph(B);
+    const int nb = g.bucket, P = o_.attention.max_pages_per_request;
+    const auto* q = static_cast<const int32_t*>(in.batch.q_start.data);
+    const int64_t cols = in.batch.block_table.shape[1], tstride = in.batch.block_table.stride[0];
+    auto i32 = [](const Tensor& t, int i, int32_t d) { return t.defined() ? static_cast<const int32_t*>(t.data)[i] : d; };
+    std::vector<int32_t> ids(2 * nb, 0), qs(nb + 1, q[B]), kl(nb, 0), table(static_cast<size_t>(nb) * P, 0),
+        top_k(nb, 0), drafts(nb, 0), known(nb, -1);
+    std::vector<float> temperature(nb, 0.0f), top_p(nb, 1.0f);
+    std::vector<int64_t> seed(nb, 0);
+    for (int64_t r = 0; r < q[B]; ++r) ids[r] = i32(in.token_ids, static_cast<int>(r), 0);
+    for (int i = 0; i < B; ++i) {
+      qs[i] = q[i];
+      kl[i] = i32(in.batch.kv_len, i, 0);
+      for (int64_t c = 0; c < cols; ++c)
+        table[static_cast<size_t>(i) * P + c] = static_cast<const int32_t*>(in.batch.block_table.data)[i * tstride + c];
+      const SamplingParams& sp = in.sampling;
+      if (sp.temperature.defined()) temperature[i] = static_cast<const float*>(sp.temperature.data)[i];
+      top_k[i] = i32(sp.top_k, i, 0);
+      if (sp.top_p.defined()) top_p[i] = static_cast<const float*>(sp.top_p.data)[i];
+      if (sp.seed.defined()) seed[i] = static_cast<const int64_t*>(sp.seed.data)[i];
+      drafts[i] = i32(in.num_drafts, i, 0);
+      known[i] = i32(in.known_next, i, -1);
+    }
+    auto put = [&](ModelBuffer& dst, const void* src, size_t bytes) { ops_->copy_in(dst.get(), src, bytes); };
+    put(g.ids, ids.data(), ids.size() * 4);
+    put(g.q_start, qs.data(), qs.size() * 4);
+    put(g.kv_len, kl.data(), kl.size() * 4);
+    put(g.table, table.data(), table.size() * 4);
+    put(g.temperature, temperature.data(), temperature.size() * 4);
+    put(g.top_k, top_k.data(), top_k.size() * 4);
+    put(g.top_p, top_p.data(), top_p.size() * 4);
+    put(g.seed, seed.data(), seed.size() * 8);
+    put(g.drafts, drafts.data(), drafts.size() * 4);
+    put(g.known, known.data(), known.size() * 4);
+    StepInput d;
+    d.token_ids = Tensor::contiguous(g.ids.get(), DType::kInt32, {2 * nb});
+    d.batch.num_requests = d.batch.num_decode = nb;
+    d.batch.q_start = Tensor::contiguous(g.q_start.get(), DType::kInt32, {nb + 1});
+    d.batch.kv_len = Tensor::contiguous(g.kv_len.get(), DType::kInt32, {nb});
+    d.batch.block_table = Tensor::contiguous(g.table.get(), DType::kInt32, {nb, P});
+    d.batch.host_q_start = Tensor::contiguous(qs.data(), DType::kInt32, {nb + 1});
+    d.batch.host_kv_len = Tensor::contiguous(kl.data(), DType::kInt32, {nb});
+    d.batch.host_block_table = Tensor::contiguous(table.data(), DType::kInt32, {nb, P});
+    d.sampling.temperature = Tensor::contiguous(g.temperature.get(), DType::kFloat32, {nb});
+    d.sampling.top_k = Tensor::contiguous(g.top_k.get(), DType::kInt32, {nb});
+    d.sampling.top_p = Tensor::contiguous(g.top_p.get(), DType::kFloat32, {nb});
+    d.sampling.seed = Tensor::contiguous(g.seed.get(), DType::kInt64, {nb});
+    d.num_drafts = Tensor::contiguous(g.drafts.get(), DType::kInt32, {nb});
+    if (mtp_) d.known_next = Tensor::contiguous(g.known.get(), DType::kInt32, {nb});
+    StepOutput o;
+    o.next_tokens = Tensor::contiguous(g.next.get(), DType::kInt32, {nb});
+    o.accepted = Tensor::contiguous(g.accepted.get(), DType::kInt32, {nb});
+    if (mtp_) o.draft_tokens = Tensor::contiguous(g.draft_tokens.get(), DType::kInt32, {nb});
+    if (!g.warm || g.failed) {
+      step(d, o, stream);
+      g.warm = true;
+    } else {
+      if (!g.graph) {
+        try {
+          g.graph = ops_->capture([&](cudaStream_t s) { step(d, o, s); });
+        } catch (const Error&) {
+          // Something in the step cannot be captured here: this bucket runs
+          // eagerly from now (the step itself is not lost: it runs now).
+          g.failed = true;
+          step(d, o, stream);
+        }
+      }
+      if (g.graph && !g.failed) {
+        bool planned = true;
+        try {
+          for (int l = 0; l < static_cast<int>(layers_v_.size()); ++l)
+            layers_v_[l].attention->prepare_graph_replay(d.batch, kv_cache(l));
+        } catch (const InvalidArgument&) {
+          planned = false;  // FlashInfer's schedule for this batch has another grid: eagerly this time
+        }
+        if (planned)
+          ops_->replay(*g.graph, stream);
+        else
+          step(d, o, stream);
+      }
+    }
+    ops_->sync(stream);
+    auto back = [&](const Tensor& host, const ModelBuffer& dev) {
+      if (host.defined() && B > 0) ops_->copy_out(host.data, dev.get(), static_cast<size_t>(B) * 4);
+    };
+    back(out.next_tokens, g.next);
+    back(out.accepted, g.accepted);
+    back(out.draft_tokens, g.draft_tokens);
   }
 
   void check(cudaStream_t stream) {
@@ -598,6 +747,7 @@ class ModelImpl {
   ModelBuffer sample_logits_, sample_rows_, sample_pos_, samples_, last_rows_;
   ModelBuffer h_, normed_, part_, xq_, xs_, error_, zero_, rows_, final_norm_, embed_, lm_head_;
   ModelBuffer kv_region_;  // every cache, cache_bytes_ each
+  std::map<int, std::unique_ptr<DecodeGraph>> decode_graphs_;  // by bucket (decode_graphs)
   int64_t cache_bytes_ = 0;
 };
 

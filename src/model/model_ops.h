@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "core/device_memory.h"
@@ -83,6 +84,13 @@ class ModelOps : public DeviceMemory {
                              int num_requests, int32_t* next_tokens, int64_t next_stride, int32_t* accepted, int32_t* mtp_tokens,
                              int32_t* draft_row, cudaStream_t stream) = 0;
   virtual ModelErrorRecord take_error(ModelErrorRecord* record, cudaStream_t stream) = 0;
+
+  // CUDA graphs (GPU only; the host ops throw InvalidArgument): what
+  // `record` issues on the stream it is given (one of the ops' own) becomes
+  // one executable graph, replayed on any stream.
+  struct Graph;
+  virtual std::shared_ptr<Graph> capture(const std::function<void(cudaStream_t)>& record) = 0;
+  virtual void replay(Graph& g, cudaStream_t stream) = 0;
 };
 
 std::unique_ptr<ModelOps> make_cpu_model_ops();

@@ -468,6 +468,83 @@ TEST(ModelCuda, ADecodeStepReplayedInACudaGraphEqualsEagerSteps) {
     CUDA_OK(cudaStreamDestroy(s));
   }, 180);
 }
+
+// ModelOptions.decode_graphs: step_from_host's decode-only steps through a
+// bucket's graph (eager first, captured second, replayed after) give the
+// tokens of the same steps without graphs, as the batch size, the
+// lengths and the drafts change; a prefill between them runs eagerly.
+TEST(ModelCuda, DecodeGraphsGiveTheTokensOfEagerSteps) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  const std::string dir = write_tiny_model(fresh_seed());
+  run_ranks(1, [&](int, moelink::Bootstrap& boot) {
+    moelink::ModelOptions o;
+    o.moe.max_tokens = 32;
+    o.moe.all_to_all.backend = moelink::Backend::kNVLink;
+    o.attention.page_size = 16;
+    o.attention.max_requests = 4;
+    o.attention.max_pages_per_request = 4;
+    o.num_pages = 16;
+    const moelink::ModelConfig cfg = moelink::ModelConfig::from_hf_config_json(read_text(dir + "/config.json"));
+    auto plain = moelink::Model::create(cfg, o, boot);
+    o.decode_graphs = true;
+    auto graphed = moelink::Model::create(cfg, o, boot);
+    plain->load_checkpoint(dir);
+    graphed->load_checkpoint(dir);
+    // Runs one step on both (host tensors); returns both next tokens.
+    auto both = [&](std::vector<int32_t> ids, std::vector<int32_t> q_start, std::vector<int32_t> kv_len,
+                    std::vector<int32_t> table, int num_decode, std::vector<int32_t> drafts) {
+      const int B = static_cast<int>(kv_len.size());
+      std::vector<std::vector<int32_t>> next(2, std::vector<int32_t>(B, -7)), acc(2, std::vector<int32_t>(B, -7));
+      for (int k = 0; k < 2; ++k) {
+        moelink::StepInput in;
+        in.token_ids = Tensor::contiguous(ids.data(), DType::kInt32, {static_cast<int64_t>(ids.size())});
+        in.batch.num_requests = B;
+        in.batch.num_decode = num_decode;
+        in.batch.q_start = Tensor::contiguous(q_start.data(), DType::kInt32, {B + 1});
+        in.batch.kv_len = Tensor::contiguous(kv_len.data(), DType::kInt32, {B});
+        in.batch.block_table = Tensor::contiguous(table.data(), DType::kInt32, {B, 4});
+        if (!drafts.empty()) in.num_drafts = Tensor::contiguous(drafts.data(), DType::kInt32, {B});
+        moelink::StepOutput out;
+        out.next_tokens = Tensor::contiguous(next[k].data(), DType::kInt32, {B});
+        out.accepted = Tensor::contiguous(acc[k].data(), DType::kInt32, {B});
+        moelink::Model& m = k == 0 ? *plain : *graphed;
+        m.step_from_host(in, out);
+        m.check();
+      }
+      RANK_CHECK(next[0] == next[1]) << "next tokens, graphs against none";
+      RANK_CHECK(acc[0] == acc[1]) << "accepted drafts, graphs against none";
+      return next[0];
+    };
+    // Prefill three requests (eager on both), pages 0-3, 4-7, 8-11.
+    std::vector<int32_t> len{9, 17, 4}, last(3);
+    for (int i = 0; i < 3; ++i) {
+      const std::vector<int32_t> prompt = tokens(len[i], 10 + i);
+      last[i] = both(prompt, {0, len[i]}, {len[i]}, {4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3}, 0, {})[0];
+    }
+    // Decode steps: three requests (bucket 4: eager, captured, replayed),
+    // two (bucket 2), one, three again; drafts on some.
+    std::mt19937_64 rng(fresh_seed());
+    const std::vector<std::vector<int>> batches{{0, 1, 2}, {0, 1, 2}, {0, 1, 2}, {2, 0}, {1}, {0, 1, 2}, {1, 2}, {2, 1}};
+    for (size_t step = 0; step < batches.size(); ++step) {
+      const std::vector<int>& reqs = batches[step];
+      std::vector<int32_t> ids, q_start{0}, kv_len, table, drafts;
+      for (int i : reqs) {
+        const bool draft = (step + i) % 2 == 1;
+        ids.push_back(last[i]);
+        if (draft) ids.push_back(static_cast<int32_t>(rng() % kVocab));
+        q_start.push_back(static_cast<int32_t>(ids.size()));
+        kv_len.push_back(len[i] + 1 + (draft ? 1 : 0));
+        for (int p = 0; p < 4; ++p) table.push_back(4 * i + p);
+        drafts.push_back(draft ? 1 : 0);
+      }
+      const std::vector<int32_t> next = both(ids, q_start, kv_len, table, static_cast<int>(reqs.size()), drafts);
+      for (size_t j = 0; j < reqs.size(); ++j) {
+        last[reqs[j]] = next[j];
+        len[reqs[j]] += 1;  // the draft (random) is almost never accepted; both models agree either way
+      }
+    }
+  }, 180);
+}
 #endif
 
 }  // namespace

@@ -3,7 +3,8 @@ same tokens as without drafts for batched requests of every kind (greedy
 and sampled, chunked prefills, stop tokens, max_tokens reached on an
 accepted draft, preemption), on a random model (drafts mostly rejected)
 and on an "echo" model whose drafts are mostly right; CPU path (CI) and
-nvlink (the H200)."""
+nvlink (the H200), there also with the speculative run's decode steps in
+CUDA graphs (Model(decode_graphs=True)) against plain eager decoding."""
 
 from __future__ import annotations
 
@@ -29,12 +30,15 @@ def checkpoint(tmp_path_factory, request):
 
 
 def _generate(directory, backend, speculative, requests, num_pages=40):
+    graphs = backend == "nvlink+graphs"  # decode steps through CUDA graphs
+    backend = "nvlink" if graphs else backend
     if backend != "cpu":
         torch = pytest.importorskip("torch")
         if not (moelink.with_cuda and torch.cuda.is_available()):
             pytest.skip("needs a Hopper GPU (runs on the H200 device machine)")
     model = moelink.Model(f"{directory}/config.json", max_tokens=64, num_pages=num_pages, backend=backend,
                           page_size=PAGE, max_requests=4, max_pages_per_request=8, mtp=True,
+                          decode_graphs=graphs and speculative,
                           bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", free_port(), 30.0))
     model.load_checkpoint(directory)
     eng = moelink.Engine(model, num_pages=num_pages, page_size=PAGE, token_budget=24, max_running=4,
@@ -68,7 +72,7 @@ def _requests(rng):
     return reqs
 
 
-@pytest.mark.parametrize("backend", ["cpu", "nvlink"])
+@pytest.mark.parametrize("backend", ["cpu", "nvlink", "nvlink+graphs"])
 def test_speculative_engine_gives_the_same_tokens(checkpoint, backend):
     directory, kind = checkpoint
     reqs = _requests(np.random.default_rng())

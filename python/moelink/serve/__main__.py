@@ -21,6 +21,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024, help="prompt plus output tokens at most")
     p.add_argument("--num-layers", type=int, default=0, help="run the first N layers only (0: all)")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="GPU backends: decode steps through one CUDA graph per batch-size bucket")
     p.add_argument("--speculative", action="store_true",
                    help="speculative decoding on the checkpoint's MTP module (the same tokens, up to two a step)")
     p.add_argument("--engines", type=int, default=0,
@@ -35,7 +37,8 @@ def main(argv=None) -> int:
     opts = ServerOptions(num_pages=a.num_pages, page_size=a.page_size, max_running=a.max_running,
                          token_budget=a.token_budget, max_model_len=a.max_model_len,
                          num_layers=a.num_layers, backend=a.backend,
-                         served_model_name=a.served_model_name, speculative=a.speculative)
+                         served_model_name=a.served_model_name, speculative=a.speculative,
+                         cuda_graphs=a.cuda_graphs)
     if a.engines > 0:
         from .cluster import LocalServing
         server = LocalServing(a.model, a.engines, opts, pd=a.pd)

@@ -31,6 +31,7 @@ class ServerOptions:
     served_model_name: Optional[str] = None
     max_n: int = 1              # choices a request may ask for
     speculative: bool = False   # MTP drafts, verified each step (needs a checkpoint with an MTP module)
+    cuda_graphs: bool = False   # GPU backends: decode steps through CUDA graphs (ModelOptions.decode_graphs)
 
 
 class RequestError(Exception):
@@ -94,7 +95,7 @@ def load_engine(model_dir: str, o: ServerOptions):
     model = moelink.Model(str(d / "config.json"), backend=o.backend, max_tokens=o.token_budget,
                           num_pages=o.num_pages, page_size=o.page_size, max_requests=o.max_running,
                           max_pages_per_request=pages_per_request, num_layers=o.num_layers,
-                          mtp=o.speculative,
+                          mtp=o.speculative, decode_graphs=o.cuda_graphs,
                           bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", _free_port(), 30.0))
     model.load_checkpoint(str(d))
     return moelink.Engine(model, num_pages=o.num_pages, page_size=o.page_size,

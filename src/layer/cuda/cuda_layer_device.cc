@@ -12,19 +12,14 @@
 #include "moelink/errors.h"
 #include "nvlink/cublas_handles.h"
 #include "nvlink/cuda_check.h"
+#include "nvlink/cuda_graph.h"
 #include "nvlink/cuda_memory.h"
 #include "nvlink/cuda_release.h"
 
 namespace moelink::detail::layer {
 
 struct LayerDevice::Graph {
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  ~Graph() {
-    RelaxedCaptureMode relaxed;  // a layer may go while someone else captures
-    if (exec) cudaGraphExecDestroy(exec);
-    if (graph) cudaGraphDestroy(graph);
-  }
+  std::unique_ptr<CapturedGraph> captured;
 };
 
 namespace {
@@ -91,39 +86,11 @@ class CudaLayerDevice final : public CudaMemory<LayerDevice> {
   std::shared_ptr<Graph> capture(const std::function<void(cudaStream_t)>& record) override {
     if (capture_stream_ == nullptr)
       MOELINK_CUDA_CHECK(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking));
-    cudaStream_t stream = capture_stream_;
-    MOELINK_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    // A capture that fails (record throws, or CUDA invalidated it) is ended
-    // and its error taken off the runtime's last-error slot, so that the
-    // next call starts on a clean stream instead of inheriting it.
-    auto abandon = [stream] {
-      cudaGraph_t broken = nullptr;
-      cudaStreamEndCapture(stream, &broken);
-      if (broken) cudaGraphDestroy(broken);
-      (void)cudaGetLastError();
-    };
-    try {
-      record(stream);
-    } catch (...) {
-      abandon();
-      throw;
-    }
     auto g = std::make_shared<Graph>();
-    const cudaError_t ended = cudaStreamEndCapture(stream, &g->graph);
-    if (ended != cudaSuccess) {
-      (void)cudaGetLastError();
-      throw_cuda_error(ended, "cudaStreamEndCapture (the MoE layer's graph)", __FILE__, __LINE__);
-    }
-    const cudaError_t made = cudaGraphInstantiate(&g->exec, g->graph, 0);
-    if (made != cudaSuccess) {
-      (void)cudaGetLastError();
-      throw_cuda_error(made, "cudaGraphInstantiate (the MoE layer's graph)", __FILE__, __LINE__);
-    }
+    g->captured = CapturedGraph::capture(capture_stream_, record, "the MoE layer's graph");
     return g;
   }
-  void replay(Graph& g, cudaStream_t stream) override {
-    MOELINK_CUDA_CHECK(cudaGraphLaunch(g.exec, stream));
-  }
+  void replay(Graph& g, cudaStream_t stream) override { g.captured->launch(stream); }
 
   void mark(int index, cudaStream_t stream) override {
     while (static_cast<int>(events_.size()) <= index) {

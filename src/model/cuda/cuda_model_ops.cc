@@ -12,11 +12,16 @@
 #include "model/model_ops.h"
 #include "nvlink/cublas_handles.h"
 #include "nvlink/cuda_check.h"
+#include "nvlink/cuda_graph.h"
 #include "nvlink/cuda_memory.h"
 #include "nvlink/cuda_release.h"
 #include "nvlink/rms_norm.h"
 
 namespace moelink::detail::model {
+
+struct ModelOps::Graph {
+  std::unique_ptr<CapturedGraph> captured;
+};
 
 namespace {
 
@@ -129,6 +134,21 @@ class CudaModelOps final : public CudaMemory<ModelOps> {
     return take_device_record(stream, record, [](const ModelErrorRecord&) { return true; });
   }
 
+  std::shared_ptr<Graph> capture(const std::function<void(cudaStream_t)>& record) override {
+    // Its own stream: callers on the legacy default stream get graphs too.
+    if (capture_stream_ == nullptr)
+      MOELINK_CUDA_CHECK(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking));
+    auto g = std::make_shared<Graph>();
+    g->captured = CapturedGraph::capture(capture_stream_, record, "the model's decode step");
+    return g;
+  }
+  void replay(Graph& g, cudaStream_t stream) override { g.captured->launch(stream); }
+
+  ~CudaModelOps() override {
+    RelaxedCaptureMode relaxed;  // a model may go while someone else captures
+    if (capture_stream_) cudaStreamDestroy(capture_stream_);
+  }
+
  private:
   // Column-major C [M, N] = A^T . B with A [K, M] (the weight, row-major
   // [M, K]) and B [K, N] (rows of activations): bf16 inputs, fp32
@@ -145,6 +165,7 @@ class CudaModelOps final : public CudaMemory<ModelOps> {
   }
 
   static constexpr int64_t kRowsPerGemm = 256;
+  cudaStream_t capture_stream_ = nullptr;
   PooledCublas cublas_;
   GrowingDeviceBuffer gathered_, valid_, logits_;
 };
