@@ -116,9 +116,13 @@ class EngineWorker:
         if did is None:
             return {"ok": False, "error": f"request '{rid}' was not received here"}
         if op == "resume":
-            self.kv_port.wait(message["prefill"], message["prompt_len"], message["src_pages"],
-                              message["dst_pages"], message["cached"], message["imm_base"])
-            self.engine.resume(did, message["first_token"])
+            try:
+                self.kv_port.wait(message["prefill"], message["prompt_len"], message["src_pages"],
+                                  message["dst_pages"], message["cached"], message["imm_base"])
+                self.engine.resume(did, message["first_token"])
+            except Exception:
+                self.engine.cancel(did)  # its pages come back at the next step
+                raise
             return {"ok": True}
         if op == "abort":
             self.engine.cancel(did)
@@ -156,6 +160,10 @@ class EngineWorker:
         except Exception as e:
             stale = self._decoders.pop(address, None)
             if stale is not None:
+                try:  # the decode side frees what it reserved (it may be gone)
+                    stale.call({"op": "abort", "request_id": rid})
+                except Exception:
+                    pass
                 stale.close()
             return [progress(rid, FAILED, (), offset, 0, f"hand-off to '{to}' failed: {e}"[:200])]
         finally:
