@@ -103,6 +103,24 @@ class Model:
                         seed, num_drafts, known_next, accepted, draft_tokens, draft_logits,
                         0 if self._host else stream_handle(stream, token_ids))
 
+    def step_from_host(self, token_ids, q_start, kv_len, block_table, next_tokens, *,
+                       num_decode: int = 0, logits=None, logits_every_row: bool = False,
+                       temperature=None, top_k=None, top_p=None, seed=None, num_drafts=None,
+                       known_next=None, accepted=None, draft_tokens=None, draft_logits=None,
+                       stream=None) -> None:
+        """step() on contiguous host tensors (numpy or CPU torch) whatever
+        the backend, as the serving engine runs it: on a GPU backend they
+        are copied into the model's memory and the outputs back once the
+        step has run (it returns after the step). With decode_graphs=True,
+        decode-only steps run through the batch-size bucket's CUDA graph.
+        stream: as step()'s (default: the legacy default stream)."""
+        num_requests = int(q_start.shape[0]) - 1
+        handle = 0 if self._host else stream_handle(stream, None)
+        self._impl.step(token_ids, q_start, kv_len, block_table, num_requests, int(num_decode),
+                        next_tokens, logits, bool(logits_every_row), temperature, top_k, top_p,
+                        seed, num_drafts, known_next, accepted, draft_tokens, draft_logits, handle,
+                        from_host=True)
+
     def check(self, stream=None) -> None:
         """Raises moelink.InputError for what any layer flagged since the last
         check() (a bad page id or length, a token id outside the vocabulary)."""

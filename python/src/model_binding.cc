@@ -50,10 +50,10 @@ class PyModel {
             int num_requests, int num_decode, nb::handle next_tokens, nb::handle logits,
             bool logits_every_row, nb::handle temperature, nb::handle top_k, nb::handle top_p,
             nb::handle seed, nb::handle num_drafts, nb::handle known_next, nb::handle accepted,
-            nb::handle draft_tokens, nb::handle draft_logits, uintptr_t stream) {
+            nb::handle draft_tokens, nb::handle draft_logits, uintptr_t stream, bool from_host) {
     ConvertContext ctx;
-    ctx.call = "Model.step";
-    ctx.place = host_ ? Place::kHost : Place::kCuda;
+    ctx.call = from_host ? "Model.step_from_host" : "Model.step";
+    ctx.place = host_ || from_host ? Place::kHost : Place::kCuda;
     ctx.device_id = device_;
     StepInput in;
     in.token_ids = to_tensor(ctx, token_ids, "token_ids", false);
@@ -76,7 +76,10 @@ class PyModel {
     out.logits = to_tensor(ctx, logits, "logits", true, true);
     out.logits_every_row = logits_every_row;
     nb::gil_scoped_release release;
-    impl_->step(in, out, reinterpret_cast<cudaStream_t>(stream));
+    if (from_host)
+      impl_->step_from_host(in, out, reinterpret_cast<cudaStream_t>(stream));
+    else
+      impl_->step(in, out, reinterpret_cast<cudaStream_t>(stream));
   }
 
   void check(uintptr_t stream) {
@@ -125,7 +128,8 @@ void bind_model(nb::module_& m) {
            "block_table"_a.none(), "num_requests"_a, "num_decode"_a, "next_tokens"_a,
            "logits"_a.none(), "logits_every_row"_a, "temperature"_a.none(), "top_k"_a.none(),
            "top_p"_a.none(), "seed"_a.none(), "num_drafts"_a.none(), "known_next"_a.none(),
-           "accepted"_a.none(), "draft_tokens"_a.none(), "draft_logits"_a.none(), "stream"_a)
+           "accepted"_a.none(), "draft_tokens"_a.none(), "draft_logits"_a.none(), "stream"_a,
+           "from_host"_a = false)
       .def("check", &PyModel::check, "stream"_a)
       .def(
           "kv_cache_region",

@@ -4,26 +4,37 @@ writing the JSON."""
 import datetime
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 
-import torch
 
-
-def header(tool, machine):
+def header(tool, machine, gpu=True):
+    """gpu=False: a CPU run (torch need not be installed)."""
+    if gpu:
+        import torch
     return {
         "tool": tool,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "machine": machine, "gpu": torch.cuda.get_device_name() if gpu else None,
+        "torch": torch.__version__ if gpu else None,
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "git_commit": os.environ.get("MOELINK_GIT_COMMIT") or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
     }
 
 
+def free_port():
+    """A TCP port of 127.0.0.1 free now (a TcpBootstrap's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def median_event_us(fn, iters, warmup=3):
     """Median time of fn() between CUDA events, one pair per call."""
+    import torch
     for _ in range(warmup):
         fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
@@ -39,6 +50,7 @@ def median_event_us(fn, iters, warmup=3):
 def copy_gbs(iters):
     """Device-to-device copy bandwidth, bytes read + written (eager: inside
     a CUDA graph a copy becomes a memcpy node the copy engines run, slower)."""
+    import torch
     n = 4 << 30
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)

@@ -45,7 +45,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,13 +53,8 @@ import time
 import torch
 
 import moelink
+from benchlib import free_port
 from layer_report import STAGES, stage_of_kernels
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def block_fp8(shape, std):
@@ -163,7 +157,7 @@ def main():
         return run_ranks(a)
     rank = a.rank or 0
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    boot = moelink.TcpBootstrap(rank, a.world, "127.0.0.1", a.port or _free_port(), 60.0)
+    boot = moelink.TcpBootstrap(rank, a.world, "127.0.0.1", a.port or free_port(), 60.0)
     cfg = moelink.model_config(a.model)
     E, H, I, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     if E % a.world:
@@ -278,7 +272,7 @@ def run_ranks(a):
     bootstrap port), each writing its own JSON; then one record whose cells
     hold the slowest rank's times and every rank's in *_by_rank."""
     import tempfile
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="layer_bench.") as tmp:
         argv = [x for x in sys.argv[1:]]
         if "--json" in argv:

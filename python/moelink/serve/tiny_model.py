@@ -41,69 +41,99 @@ def words(vocab_size: int):
     return SPECIAL + [f"w{i}" for i in range(vocab_size - len(SPECIAL))]
 
 
-def write_checkpoint(directory, fields, seed, echo=False):
-    """A random DeepSeek-V3-layout checkpoint (bf16, transformers' names)
-    written with numpy alone (no torch), and its config.json. With
-    num_nextn_predict_layers = 1, also the MTP module (layer
-    num_hidden_layers: enorm, hnorm, eh_proj, a MoE decoder layer,
-    shared_head) in DeepSeek-V3's names. echo=True writes a model that
-    mostly repeats its input token, and an MTP module that drafts the token
-    it is given: its drafts are then often right (speculative decoding's
-    tests): both heads are the embedding table, every layer's output
-    projections are scaled by 0.1, eh_proj passes the embedding half."""
-    import ml_dtypes
-    rng = np.random.default_rng(seed)
+def checkpoint_tensors(fields):
+    """Every tensor of a DeepSeek-V3-layout checkpoint of `fields`, in
+    transformers' names, layer by layer: yields (layer, name, shape, kind),
+    layer -1 for the embedding, final norm and lm_head, and kind one of
+    "embed" (N(0, 1)), "norm" (around 1), "linear" (a projection, N(0,
+    1/fan-in); fp8 in DeepSeek-V3's own checkpoints), "router" (the MoE
+    gate, N(0, 1/fan-in), never fp8) or "bias" (the router's
+    e_score_correction_bias). With num_nextn_predict_layers = 1, also the
+    MTP module (layer num_hidden_layers: enorm, hnorm, eh_proj, a MoE
+    decoder layer, shared_head)."""
     D, V, I, Im = (fields[k] for k in ("hidden_size", "vocab_size", "intermediate_size",
                                        "moe_intermediate_size"))
     H, Rq, R, E = (fields[k] for k in ("num_attention_heads", "q_lora_rank", "kv_lora_rank",
                                        "n_routed_experts"))
-    t = {}
-
-    def w(name, *shape, scale=None):
-        fan = shape[-1]
-        t[name] = (rng.standard_normal(shape) / (fan ** 0.5 if scale is None else 1 / scale))
-
-    w("model.embed_tokens.weight", V, D, scale=1.0)
-    w("lm_head.weight", V, D)
-    t["model.norm.weight"] = rng.uniform(0.5, 1.5, D)
+    Dn, Dr, Dv = (fields.get(k, d) for k, d in (("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64),
+                                                 ("v_head_dim", 128)))
+    yield -1, "model.embed_tokens.weight", (V, D), "embed"
+    yield -1, "lm_head.weight", (V, D), "router"
+    yield -1, "model.norm.weight", (D,), "norm"
     L = fields["num_hidden_layers"]
     mtp = fields.get("num_nextn_predict_layers", 0)
     if mtp not in (0, 1):
-        raise ValueError(f"num_nextn_predict_layers = {mtp}: the tiny model writes 0 or 1 MTP modules")
+        raise ValueError(f"num_nextn_predict_layers = {mtp}: moelink writes 0 or 1 MTP modules")
     for l in range(L + mtp):
         p = f"model.layers.{l}."
         if l == L:  # the MTP module's own parts, then its decoder layer
-            t[p + "enorm.weight"] = rng.uniform(0.5, 1.5, D)
-            t[p + "hnorm.weight"] = rng.uniform(0.5, 1.5, D)
-            w(p + "eh_proj.weight", D, 2 * D)
-            t[p + "shared_head.norm.weight"] = rng.uniform(0.5, 1.5, D)
-            w(p + "shared_head.head.weight", V, D)
-        t[p + "input_layernorm.weight"] = rng.uniform(0.5, 1.5, D)
-        t[p + "post_attention_layernorm.weight"] = rng.uniform(0.5, 1.5, D)
+            yield l, p + "enorm.weight", (D,), "norm"
+            yield l, p + "hnorm.weight", (D,), "norm"
+            yield l, p + "eh_proj.weight", (D, 2 * D), "linear"
+            yield l, p + "shared_head.norm.weight", (D,), "norm"
+            yield l, p + "shared_head.head.weight", (V, D), "router"
+        yield l, p + "input_layernorm.weight", (D,), "norm"
+        yield l, p + "post_attention_layernorm.weight", (D,), "norm"
         a = p + "self_attn."
-        w(a + "q_a_proj.weight", Rq, D)
-        t[a + "q_a_layernorm.weight"] = rng.uniform(0.5, 1.5, Rq)
-        w(a + "kv_a_proj_with_mqa.weight", R + 64, D)
-        t[a + "kv_a_layernorm.weight"] = rng.uniform(0.5, 1.5, R)
-        w(a + "q_b_proj.weight", H * 192, Rq)
-        w(a + "kv_b_proj.weight", H * 256, R)
-        w(a + "o_proj.weight", D, H * 128)
+        yield l, a + "q_a_proj.weight", (Rq, D), "linear"
+        yield l, a + "q_a_layernorm.weight", (Rq,), "norm"
+        yield l, a + "kv_a_proj_with_mqa.weight", (R + Dr, D), "linear"
+        yield l, a + "kv_a_layernorm.weight", (R,), "norm"
+        yield l, a + "q_b_proj.weight", (H * (Dn + Dr), Rq), "linear"
+        yield l, a + "kv_b_proj.weight", (H * (Dn + Dv), R), "linear"
+        yield l, a + "o_proj.weight", (D, H * Dv), "linear"
         m = p + "mlp."
         if l < fields["first_k_dense_replace"]:
-            w(m + "gate_proj.weight", I, D)
-            w(m + "up_proj.weight", I, D)
-            w(m + "down_proj.weight", D, I)
+            for name, shape in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
+                yield l, m + name + ".weight", shape, "linear"
         else:
-            w(m + "gate.weight", E, D)
-            t[m + "gate.e_score_correction_bias"] = rng.standard_normal(E) * 0.05
-            for e in range(E):
-                w(m + f"experts.{e}.gate_proj.weight", Im, D)
-                w(m + f"experts.{e}.up_proj.weight", Im, D)
-                w(m + f"experts.{e}.down_proj.weight", D, Im)
+            yield l, m + "gate.weight", (E, D), "router"
+            yield l, m + "gate.e_score_correction_bias", (E,), "bias"
             Is = Im * fields["n_shared_experts"]
-            w(m + "shared_experts.gate_proj.weight", Is, D)
-            w(m + "shared_experts.up_proj.weight", Is, D)
-            w(m + "shared_experts.down_proj.weight", D, Is)
+            for prefix, n in [(f"experts.{e}.", Im) for e in range(E)] + [("shared_experts.", Is)]:
+                for name, shape in (("gate_proj", (n, D)), ("up_proj", (n, D)), ("down_proj", (D, n))):
+                    yield l, m + prefix + name + ".weight", shape, "linear"
+
+
+def write_safetensors(path, tensors) -> None:
+    """A safetensors file (an 8-byte header length, a JSON header, the raw
+    bytes) of tensors [(name, dtype, shape, data)], data a numpy array
+    holding the tensor's values in order (any numpy dtype of the right
+    width: its bytes are written), one tensor at a time."""
+    tensors = [(name, dtype, shape, np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+               for name, dtype, shape, data in tensors]
+    header, offset = {}, 0
+    for name, dtype, shape, data in tensors:
+        n = data.size
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    h = json.dumps(header).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(len(h).to_bytes(8, "little") + h)
+        for _, _, _, data in tensors:
+            f.write(data.data)
+
+
+def write_checkpoint(directory, fields, seed, echo=False):
+    """A random DeepSeek-V3-layout checkpoint (bf16, transformers' names,
+    checkpoint_tensors) written with numpy alone (no torch), and its
+    config.json. echo=True writes a model that mostly repeats its input
+    token, and an MTP module that drafts the token it is given: its drafts
+    are then often right (speculative decoding's tests): both heads are the
+    embedding table, every layer's output projections are scaled by 0.1,
+    eh_proj passes the embedding half."""
+    import ml_dtypes
+    rng = np.random.default_rng(seed)
+    D = fields["hidden_size"]
+    t = {}
+    for _, name, shape, kind in checkpoint_tensors(fields):
+        if kind == "norm":
+            t[name] = rng.uniform(0.5, 1.5, shape)
+        elif kind == "bias":
+            t[name] = rng.standard_normal(shape) * 0.05
+        else:
+            t[name] = rng.standard_normal(shape) / (1.0 if kind == "embed" else shape[-1] ** 0.5)
     if echo:
         t["lm_head.weight"] = t["model.embed_tokens.weight"]
         for name in t:
@@ -113,19 +143,124 @@ def write_checkpoint(directory, fields, seed, echo=False):
                 t[name] = t["model.embed_tokens.weight"]
             elif name.endswith("eh_proj.weight"):
                 t[name] = np.concatenate([np.eye(D), np.zeros((D, D))], axis=1)
-    # safetensors: an 8-byte header length, a JSON header, the raw bytes.
-    header, blobs, offset = {}, [], 0
-    for name, v in t.items():
-        b = np.asarray(v, np.float32).astype(ml_dtypes.bfloat16).tobytes()
-        header[name] = {"dtype": "BF16", "shape": list(np.shape(v)), "data_offsets": [offset, offset + len(b)]}
-        blobs.append(b)
-        offset += len(b)
-    h = json.dumps(header).encode()
-    h += b" " * ((8 - len(h) % 8) % 8)
-    with open(f"{directory}/model.safetensors", "wb") as f:
-        f.write(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+    write_safetensors(f"{directory}/model.safetensors",
+                      [(name, "BF16", np.shape(v), np.asarray(v, np.float32).astype(ml_dtypes.bfloat16))
+                       for name, v in t.items()])
     with open(f"{directory}/config.json", "w") as f:
         json.dump(dict(fields, model_type="deepseek_v3"), f)
+
+
+# DeepSeek-V3's own widths (its config.json), for full-width benchmarks:
+# write_fp8_checkpoint with num_hidden_layers cut to what one GPU holds.
+DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                   moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=3,
+                   n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8,
+                   topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, num_attention_heads=128,
+                   num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                   qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
+                   rope_theta=10000.0,
+                   rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                   tie_word_embeddings=False, rms_norm_eps=1e-6, num_nextn_predict_layers=1)
+
+
+def _e4m3_values():
+    """The values of fp8 e4m3fn's codes 0..126 (the positive ones; 127 is NaN),
+    increasing with the code."""
+    c = np.arange(127)
+    e, m = c >> 3, (c & 7).astype(np.float64)
+    return np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7.0))
+
+
+def _to_e4m3(x):
+    """float -> fp8 e4m3fn codes (uint8), round to nearest, saturating at 448."""
+    v = _e4m3_values()
+    a = np.minimum(np.abs(x), 448.0)
+    i = np.clip(np.searchsorted(v, a), 1, 126)
+    i = np.where(a - v[i - 1] <= v[i] - a, i - 1, i)
+    return (i | np.where(x < 0, 0x80, 0)).astype(np.uint8)
+
+
+def _to_bf16(x):
+    """float32 -> bfloat16 bits (uint16), round to nearest even."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def write_fp8_checkpoint(directory, fields, seed, dequantized=False, pool_size=1 << 24, block_jitter=True):
+    """A random checkpoint in DeepSeek-V3's own fp8 layout: every projection
+    ("linear" in checkpoint_tensors) F8_E4M3 with a weight_scale_inv of
+    128 x 128 blocks (powers of two around 1/sqrt(fan-in), a factor of 1/2,
+    1 or 2 per block), the rest BF16 (the router's bias F32); one
+    safetensors file per layer and model.safetensors.index.json, then
+    config.json (with DeepSeek-V3's quantization_config). Fast at full
+    width (a 256-expert layer is 11 GB): each tensor's values are a random
+    slice of a pool of pool_size N(0, 1) samples (the bytes of a weight
+    only matter to a benchmark through the routing, which the routers'
+    own random weights decide). dequantized=True writes the same values
+    (code times scale, exact in bf16) as BF16 without scales, the
+    reference of the fp8 loading path's tests; block_jitter=False the same
+    codes with every block of a tensor at one scale (their control: a
+    loader that misplaced the blocks' scales would match it)."""
+    import os
+    rng = np.random.default_rng(seed)
+    samples = rng.standard_normal(pool_size)
+    pools = {"fp8": _to_e4m3(samples)}
+
+    def take(pool, n):
+        if n <= pool.size:
+            o = int(rng.integers(0, pool.size - n + 1))
+            return pool[o:o + n]
+        return np.concatenate([take(pool, min(n - k, pool.size)) for k in range(0, n, pool.size)])
+
+    def bf16_pool(scale):
+        if scale not in pools:
+            pools[scale] = _to_bf16(samples * scale)
+        return pools[scale]
+
+    code_values = np.concatenate([_e4m3_values(), [np.nan]])
+    weight_map, current, out = {}, None, []
+
+    def flush():  # one file per layer, written once the layer is complete
+        if out:
+            file = "model-head.safetensors" if current < 0 else f"model-layer{current:03d}.safetensors"
+            write_safetensors(os.path.join(directory, file), out)
+            weight_map.update({t[0]: file for t in out})
+            out.clear()
+
+    for layer, name, shape, kind in checkpoint_tensors(fields):
+        if layer != current:
+            flush()
+            current = layer
+        n = int(np.prod(shape))
+        if kind == "norm":
+            out.append((name, "BF16", shape, _to_bf16(rng.uniform(0.5, 1.5, shape))))
+        elif kind == "bias":
+            out.append((name, "F32", shape, (rng.standard_normal(shape) * 0.05).astype(np.float32)))
+        elif kind in ("embed", "router"):
+            out.append((name, "BF16", shape, take(bf16_pool(1.0 if kind == "embed" else
+                                                           2.0 ** -round(np.log2(shape[-1]) / 2)), n)))
+        else:  # "linear": fp8 codes and their block scales
+            rows, cols = shape
+            jitter = rng.integers(-1, 2, ((rows + 127) // 128, (cols + 127) // 128))
+            scale = 2.0 ** (-round(np.log2(cols) / 2) + (jitter if block_jitter else 0 * jitter))
+            codes = take(pools["fp8"], n)
+            if dequantized:
+                full = np.repeat(np.repeat(scale, 128, 0), 128, 1)[:rows, :cols]
+                value = code_values[codes & 0x7F] * np.where(codes >= 0x80, -1.0, 1.0)
+                out.append((name, "BF16", shape, _to_bf16(value.reshape(shape) * full)))
+            else:
+                out.append((name, "F8_E4M3", shape, codes))
+                out.append((name + "_scale_inv", "F32", scale.shape, scale.astype(np.float32)))
+    flush()
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    config = dict(fields, model_type="deepseek_v3")
+    if not dequantized:
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [128, 128]}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
 
 
 def write_tokenizer(directory, vocab_size: int) -> None:

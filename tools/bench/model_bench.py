@@ -1,0 +1,363 @@
+#!/usr/bin/env python3
+"""moelink-model-bench: a DeepSeek-V3 model's decode step (moelink.Model)
+on this machine's GPU, at full width with random fp8 weights.
+
+Shapes (--shapes):
+  ep8     what one GPU of an EP8 deployment runs: 32 local experts receiving
+          what an EP8 rank receives (top-8 of 32 in 8 groups, so each expert
+          gets batch x 8 / 32 rows, as each of an EP8 rank's 32 experts does
+          from 8 ranks' batches at top-8 of 256); a local stand-in: the
+          dispatch and combine are the NVLink backend's kernels at world 1
+          (local copies), no NVLink transfer;
+  world1  all 256 experts on this GPU, world 1.
+Each: first_k_dense_replace (3) dense layers and --moe-layers MoE layers of
+DeepSeek-V3's widths (the checkpoint written once into --checkpoint-dir by
+moelink.serve.tiny_model.write_fp8_checkpoint; the MTP module is left out:
+q_len 2 steps verify a draft row, the MTP module's own layer is one more
+MoE layer and head on top).
+
+For each batch B (requests, each decoding on a --kv token context) and
+q_len (1, or 2: a draft row verified, ModelOptions' speculative step):
+  graph_us         the decode step as the serving engine runs it:
+                   Model.step_from_host with decode_graphs (the batch's
+                   bucket replayed; host copies in and out included), host
+                   wall time, median of --iters steps;
+  eager_us         Model.step on device tensors, no graph (CUDA events; the
+                   FlashInfer plan reads the lengths back once a layer);
+  layer_us         the step split by layer kind, from models of 1, 3 and
+                   3 + M layers on the same checkpoint (graph_us
+                   differences): "dense" and "moe" per layer, "rest" the
+                   embedding, final norm, lm_head and sampling;
+  tokens_per_s     output tokens per second of this GPU: B x (1 + the
+                   accepted drafts, --acceptance of them at q_len 2) per
+                   graph_us;
+  kernels          with --profile-batches: the graphed step's kernels from
+                   torch.profiler (sum_of_kernels_us, busy_us, by kind and
+                   by name), the "no gaps" bound graph_us is held to;
+  floor_us         a MoE layer's floor: every weight and KV byte it reads at
+                   the device-copy bandwidth this process measures, or its
+                   FLOPs at the measured dense fp8 peak, whichever is larger
+                   (the routed experts counted as expected under uniform
+                   routing);
+  plan_us          with --plan: moelink-plan's prediction of the same layer
+                   kinds for this layout (EP8 or EP1, TP1, the batch, kv,
+                   q_len).
+
+    PYTHONPATH=build-gpu/python python3 tools/bench/model_bench.py \\
+        --plan build-gpu/tools/plan/moelink-plan --json model.json
+
+--tiny --backend cpu runs the same on the tiny model's widths on the CPU
+path (the benchmark's own test; no GPU numbers).
+"""
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import moelink
+from benchlib import free_port, header, write_json
+from moelink.serve.tiny_model import DEEPSEEK_V3, TINY, write_fp8_checkpoint
+
+HOST_BACKENDS = ("cpu", "internode-cpu")
+
+
+def shape_fields(shape, moe_layers, tiny):
+    """The checkpoint's config fields of a shape."""
+    base = dict(TINY, rope_scaling=None, first_k_dense_replace=2) if tiny else dict(DEEPSEEK_V3)
+    base.update(num_nextn_predict_layers=0,
+                num_hidden_layers=base["first_k_dense_replace"] + moe_layers)
+    if shape == "ep8":
+        base.update(n_routed_experts=base["n_routed_experts"] // 8 if not tiny else 8, n_group=4 if tiny else 8,
+                    topk_group=2 if tiny else 4)
+    elif shape != "world1":
+        raise SystemExit(f"model_bench: --shapes: unknown shape {shape!r} (ep8, world1)")
+    return base
+
+
+def checkpoint(root, shape, fields, seed):
+    """The shape's checkpoint directory, written unless one of the same
+    config is there already."""
+    d = os.path.join(root, f"{shape}-{fields['num_hidden_layers']}layers-{fields['hidden_size']}")
+    cfg = os.path.join(d, "config.json")
+    if os.path.exists(cfg) and os.path.exists(os.path.join(d, "model.safetensors.index.json")):
+        with open(cfg) as f:
+            old = json.load(f)
+        if all(old.get(k) == v for k, v in fields.items()):
+            return d
+    os.makedirs(d, exist_ok=True)
+    t0 = time.time()
+    print(f"model_bench: writing a random fp8 checkpoint ({shape}, {fields['num_hidden_layers']} layers) "
+          f"into {d}", file=sys.stderr, flush=True)
+    write_fp8_checkpoint(d, fields, seed)
+    print(f"model_bench: written in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    return d
+
+
+class Timer:
+    """Step timing on the device (CUDA events, torch) or the host."""
+
+    def __init__(self, gpu):
+        self.gpu = gpu
+        if gpu:
+            import torch
+            self.torch = torch
+
+    def host_us(self, fn, iters, warmup):
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times)
+
+    def device_us(self, fn, iters, warmup):
+        from benchlib import median_event_us
+        return median_event_us(fn, iters, warmup)
+
+
+def make_model(a, fields, ckpt, num_layers, max_b, max_q):
+    pages_per_request = math.ceil((a.kv + max_q) / a.page_size)
+    m = moelink.Model(os.path.join(ckpt, "config.json"), backend=a.backend, max_tokens=max_b * max_q,
+                      num_pages=max_b * pages_per_request, page_size=a.page_size, max_requests=max_b,
+                      max_pages_per_request=pages_per_request, num_layers=num_layers,
+                      overlap=a.overlap, decode_graphs=a.backend not in HOST_BACKENDS,
+                      bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", free_port(), 60.0))
+    t0 = time.time()
+    m.load_checkpoint(ckpt)
+    print(f"model_bench: {num_layers} layers loaded in {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
+    region = m.kv_cache_region()
+    if a.backend not in HOST_BACKENDS:  # a context of random values, not zeros
+        region.view(__import__("torch").bfloat16).normal_()
+    return m, pages_per_request
+
+
+def step_inputs(fields, b, q, kv, pages_per_request, seed):
+    """Host arrays of a decode step of b requests of q rows on kv-token contexts."""
+    rng = np.random.default_rng(seed)
+    return dict(token_ids=rng.integers(4, fields["vocab_size"], b * q).astype(np.int32),
+                q_start=(np.arange(b + 1) * q).astype(np.int32),
+                kv_len=np.full(b, kv + q, np.int32),
+                block_table=np.arange(b * pages_per_request, dtype=np.int32).reshape(b, pages_per_request),
+                num_drafts=np.full(b, q - 1, np.int32) if q > 1 else None,
+                next_tokens=np.zeros(b, np.int32),
+                accepted=np.zeros(b, np.int32) if q > 1 else None)
+
+
+def time_model(a, timer, model, fields, ppr, full, cells):
+    """graph_us (and, on the full model, eager_us and kernels) per cell."""
+    out = {}
+    for b, q in cells:
+        x = step_inputs(fields, b, q, a.kv, ppr, a.seed + b)
+
+        def from_host():
+            model.step_from_host(x["token_ids"], x["q_start"], x["kv_len"], x["block_table"], x["next_tokens"],
+                                 num_decode=b, num_drafts=x["num_drafts"], accepted=x["accepted"])
+
+        r = {"graph_us": timer.host_us(from_host, a.iters, warmup=3)}
+        if full and timer.gpu:
+            torch = timer.torch
+            d = {k: (torch.from_numpy(v).cuda() if v is not None else None) for k, v in x.items()}
+
+            def eager():
+                model.step(d["token_ids"], d["q_start"], d["kv_len"], d["block_table"], d["next_tokens"],
+                           num_decode=b, num_drafts=d["num_drafts"], accepted=d["accepted"])
+
+            r["eager_us"] = timer.device_us(eager, a.iters, warmup=2)
+            if b in a.profile_batches:
+                r["kernels"] = profile_kernels(from_host, a.profile_iters)
+        out[(b, q)] = r
+        print(f"model_bench:   B {b:4d} q {q}  graph {r['graph_us']:9.1f} us" +
+              (f"  eager {r['eager_us']:9.1f} us" if "eager_us" in r else ""), file=sys.stderr, flush=True)
+    return out
+
+
+# Kernel kinds of a step, by name (first match wins).
+KERNEL_KINDS = [
+    ("attention", ("decode_attention", "mla", "MLA", "prefill_", "merge_heads", "split_reduce", "split_heads",
+                   "gather_kv")),
+    ("rope+append", ("rope_q", "append_kv")),
+    ("norm", ("rms_norm",)),
+    ("dispatch+combine", ("dispatch", "combine")),
+    ("gemm", ("gemm", "Gemm", "cutlass", "xmma", "sm90", "nvjet")),
+    ("quant", ("quant",)),
+    ("router", ("router",)),
+    ("embed+sampling", ("sample", "accept_drafts", "plan_step", "embed", "step_rows")),
+]
+
+
+def kernel_kind(name):
+    for kind, keys in KERNEL_KINDS:
+        if any(k in name for k in keys):
+            return kind
+    return "other"
+
+
+def profile_kernels(fn, iters):
+    from layer_bench import kernel_profile
+    k = kernel_profile(fn, iters, by_stage=False)
+    if k is None:
+        return None
+    by_kind = {}
+    for e in k["kernels"]:
+        kind = kernel_kind(e["name"])
+        by_kind[kind] = by_kind.get(kind, 0.0) + e["us"]
+    k["by_kind_us"] = by_kind
+    k["kernels"] = k["kernels"][:30]
+    return k
+
+
+def moe_layer_floor_us(fields, b, q, kv, copy_gbs, fp8_tflops):
+    """A MoE decoder layer's floor (docstring above), us."""
+    D, H, Rq, R, Im = (fields[k] for k in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+                                           "moe_intermediate_size"))
+    E, k = fields["n_routed_experts"], fields["num_experts_per_tok"]
+    n = b * q
+    attn_w = D * (Rq + R + 64) + Rq * H * 192 + R * H * 256 + H * 128 * D  # fp8 bytes = parameters
+    expert_w = 3 * D * Im
+    touched = E * (1 - (1 - k / E) ** n)
+    kv_bytes = b * (kv + q) * (R + 64) * 2
+    weight_bytes = attn_w + (touched + fields["n_shared_experts"]) * expert_w + E * D * 2
+    flops = 2 * n * (attn_w + (k + fields["n_shared_experts"]) * expert_w) + 2 * n * H * (kv + q) * (2 * R + 64)
+    bytes_ = weight_bytes + kv_bytes
+    return max(bytes_ / (copy_gbs * 1e9) * 1e6, flops / (fp8_tflops * 1e12) * 1e6), bytes_, flops
+
+
+def plan_us(plan_bin, shape, b, q, kv, acceptance):
+    """moelink-plan's per-layer-kind prediction (us), or None."""
+    cmd = [plan_bin, "--model", "deepseek-v3", "--gpu", "h200", "--ep", "8" if shape == "ep8" else "1",
+           "--tp", "1", "--batch", str(b), "--kv-len", str(kv), "--mtp", str(q - 1), "--acceptance",
+           str(acceptance), "--overlap", "dispatch", "--ignore-memory", "--json", "-"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        print(f"model_bench: {' '.join(cmd)} failed: {res.stderr.strip()}", file=sys.stderr)
+        return None
+    j = json.loads(res.stdout)
+    return {"moe": j["moe_layer"]["total_us"], "dense": j.get("dense_layer", {}).get("total_us"),
+            "head": j["head_us"], "step": j["step_us"], "command": " ".join(cmd)}
+
+
+def run_shape(a, timer, shape, rec):
+    fields = shape_fields(shape, a.moe_layers, a.tiny)
+    ckpt = checkpoint(a.checkpoint_dir, shape, fields, a.seed)
+    K = fields["first_k_dense_replace"]
+    cells = [(b, q) for q in a.q_lens for b in a.batches]
+    max_b, max_q = max(a.batches), max(a.q_lens)
+    times = {}
+    for layers in (1, K, K + a.moe_layers):
+        print(f"model_bench: {shape}: {layers} layers", file=sys.stderr, flush=True)
+        model, ppr = make_model(a, fields, ckpt, layers, max_b, max_q)
+        times[layers] = time_model(a, timer, model, fields, ppr, layers == K + a.moe_layers, cells)
+        del model
+        gc.collect()
+    results = []
+    for b, q in cells:
+        full = times[K + a.moe_layers][(b, q)]
+        t1, tk = times[1][(b, q)]["graph_us"], times[K][(b, q)]["graph_us"]
+        dense = (tk - t1) / (K - 1)
+        moe = (full["graph_us"] - tk) / a.moe_layers
+        r = {"batch": b, "q_len": q, **full,
+             "layer_us": {"dense": dense, "moe": moe, "rest": t1 - dense},
+             "full_depth": full_depth(a, fields),
+             "step_us_full_depth": t1 - dense + K * dense + (full_depth(a, fields) - K) * moe,
+             "tokens_per_s": b * (1 + a.acceptance * (q - 1)) / (full["graph_us"] * 1e-6)}
+        r["tokens_per_s_full_depth"] = b * (1 + a.acceptance * (q - 1)) / (r["step_us_full_depth"] * 1e-6)
+        if "copy_gbs" in rec:
+            f, nbytes, flops = moe_layer_floor_us(fields, b, q, a.kv, rec["copy_gbs"], rec["dense_fp8_tflops"])
+            r["moe_floor_us"], r["moe_floor_bytes"], r["moe_floor_flops"] = f, nbytes, flops
+            r["moe_over_floor"] = moe / f
+        if a.plan and not a.tiny:
+            r["plan_us"] = plan_us(a.plan, shape, b, q, a.kv, a.acceptance)
+        results.append(r)
+    return {"shape": shape, "fields": {k: v for k, v in fields.items() if k != "rope_scaling"},
+            "checkpoint": ckpt, "models_layers": [1, K, K + a.moe_layers], "results": results}
+
+
+def full_depth(a, fields):
+    """The layers of the whole model the step is extrapolated to: DeepSeek-V3's
+    61 at full width, the checkpoint's own with --tiny."""
+    return fields["num_hidden_layers"] if a.tiny else DEEPSEEK_V3["num_hidden_layers"]
+
+
+def print_table(shape_rec):
+    print(f"\n{shape_rec['shape']}: per-layer times from models of {shape_rec['models_layers']} layers "
+          "(graph_us differences); us")
+    print(f"{'B':>5} {'q':>2} {'graph':>9} {'eager':>9} {'dense':>8} {'moe':>8} {'rest':>8} {'floor':>8} "
+          f"{'moe/fl':>6} {'plan moe':>8} {'kern sum':>9} {'tok/s full':>11}")
+    for r in shape_rec["results"]:
+        lu, p, k = r["layer_us"], r.get("plan_us") or {}, r.get("kernels") or {}
+
+        def f(v, w=8, d=1):
+            return format(v, f"{w}.{d}f") if isinstance(v, (int, float)) else " " * (w - 1) + "-"
+        print(f"{r['batch']:5d} {r['q_len']:2d} {f(r['graph_us'], 9)} {f(r.get('eager_us'), 9)} {f(lu['dense'])} "
+              f"{f(lu['moe'])} {f(lu['rest'])} {f(r.get('moe_floor_us'))} {f(r.get('moe_over_floor'), 6, 2)} "
+              f"{f(p.get('moe'))} {f(k.get('sum_of_kernels_us'), 9)} {f(r['tokens_per_s_full_depth'], 11, 0)}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="ep8,world1", help="ep8, world1 (comma-separated)")
+    p.add_argument("--moe-layers", type=int, default=2, help="MoE layers after the dense ones (>= 1)")
+    p.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="requests per step")
+    p.add_argument("--q-lens", default="1,2", help="query rows per request: 1, or 2 (a draft verified)")
+    p.add_argument("--kv", type=int, default=5000, help="context tokens of every request before the step")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--acceptance", type=float, default=0.8, help="accepted drafts assumed in tokens_per_s")
+    p.add_argument("--overlap", default="auto", help="the MoE layers' overlap mode")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--profile-batches", default="1,32,128", help="batches whose graphed step is profiled")
+    p.add_argument("--profile-iters", type=int, default=3)
+    p.add_argument("--backend", default="nvlink")
+    p.add_argument("--tiny", action="store_true", help="the tiny model's widths (a check of the benchmark)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="where the random checkpoints are written and reused (default: /dev/shm/moelink-model-bench "
+                        "where /dev/shm exists, else the temporary directory)")
+    p.add_argument("--plan", help="the moelink-plan binary (adds its prediction)")
+    p.add_argument("--machine", default=os.environ.get("MOELINK_MACHINE", "nvidia-h200"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="-", help="output file ('-': standard output)")
+    a = p.parse_args()
+    ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
+    a.batches, a.q_lens, a.profile_batches = ints(a.batches), ints(a.q_lens), ints(a.profile_batches)
+    for q in a.q_lens:
+        if q not in (1, 2):
+            raise SystemExit(f"model_bench: --q-lens: {q} is not 1 or 2")
+    if a.moe_layers < 1 or not a.batches or min(a.batches) < 1:
+        raise SystemExit("model_bench: --moe-layers and every batch must be >= 1")
+    if a.checkpoint_dir is None:
+        import tempfile
+        a.checkpoint_dir = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
+                                        "moelink-model-bench")
+    gpu = a.backend not in HOST_BACKENDS
+    timer = Timer(gpu)
+    rec = header("model_bench", a.machine, gpu=gpu)
+    rec.update(backend=a.backend, kv=a.kv, page_size=a.page_size, acceptance=a.acceptance, overlap=a.overlap,
+               moe_layers=a.moe_layers, tiny=a.tiny)
+    if gpu:
+        from benchlib import copy_gbs
+        from experts_bench import dense_fp8_tflops
+        rec["copy_gbs"] = copy_gbs(10)
+        rec["dense_fp8_tflops"] = dense_fp8_tflops(10)
+        print(f"model_bench: copy {rec['copy_gbs']:.0f} GB/s, dense fp8 {rec['dense_fp8_tflops']:.0f} TFLOP/s",
+              file=sys.stderr, flush=True)
+    rec["shapes"] = []
+    for shape in [s for s in a.shapes.split(",") if s]:
+        rec["shapes"].append(run_shape(a, timer, shape, rec))
+        print_table(rec["shapes"][-1])
+        if a.json != "-":  # a run cut short keeps the shapes it finished
+            write_json(rec, a.json)
+    if a.json == "-":
+        write_json(rec, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
