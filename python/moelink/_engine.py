@@ -30,20 +30,24 @@ class Generation:
 
 class Engine:
     """Engine(model, *, num_pages, page_size, token_budget, max_running,
-    max_pages_per_request, speculative=False) over a moelink.Model (the
-    page size and capacities its attention was created with). add() queues
-    a request, step() runs one round; run() steps until every request
-    finished. speculative=True (a Model(mtp=True)) sends each decode's MTP
-    draft along for verification: the same tokens, up to two a step."""
+    max_pages_per_request, speculative=False, prefix_caching=True) over a
+    moelink.Model (the page size and capacities its attention was created
+    with). add() queues a request, step() runs one round; run() steps until
+    every request finished. speculative=True (a Model(mtp=True)) sends each
+    decode's MTP draft along for verification: the same tokens, up to two a
+    step. prefix_caching=False never shares a page between requests (the
+    baseline of the prefix cache's gain)."""
 
     def __init__(self, model, *, num_pages: int, page_size: int, token_budget: int,
-                 max_running: int, max_pages_per_request: int, speculative: bool = False):
+                 max_running: int, max_pages_per_request: int, speculative: bool = False,
+                 prefix_caching: bool = True):
         if not _C.with_engine:
             raise RuntimeError("moelink: this build has no serving engine (it needs xxHash: "
                                "apt-get install libxxhash-dev, and rebuild)")
         self._model = model  # the engine runs it: kept alive as long as the engine
         self._impl = _C.Engine(model._impl, int(num_pages), int(page_size), int(token_budget),
-                               int(max_running), int(max_pages_per_request), bool(speculative))
+                               int(max_running), int(max_pages_per_request), bool(speculative),
+                               bool(prefix_caching))
 
     def add(self, prompt: Sequence[int], *, max_tokens: int = 16, temperature: float = 0.0,
             top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -137,3 +141,11 @@ class Engine:
     @property
     def cached_pages(self) -> int:
         return self._impl.cached_pages
+
+    @property
+    def step_times(self) -> dict:
+        """The model's steps inside step() so far: steps and seconds, and
+        the decode-only ones (every request decoding): decode_steps,
+        decode_seconds, decode_requests (host clock around the model's
+        step, which waits for the device)."""
+        return self._impl.step_times

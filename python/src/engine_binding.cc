@@ -24,8 +24,8 @@ namespace {
 class PyEngine {
  public:
   PyEngine(nb::handle model, int64_t num_pages, int page_size, int64_t token_budget,
-           int max_running, int max_pages_per_request, bool speculative)
-      : kv_(num_pages, page_size) {
+           int max_running, int max_pages_per_request, bool speculative, bool prefix_caching)
+      : kv_(num_pages, page_size, prefix_caching) {
     engine::EngineOptions o;
     o.speculative = speculative;
     o.token_budget = token_budget;
@@ -120,8 +120,9 @@ class PyEngine {
 
 void bind_engine(nb::module_& m) {
   nb::class_<PyEngine>(m, "Engine", "The serving engine's step loop (moelink.Engine wraps this).")
-      .def(nb::init<nb::handle, int64_t, int, int64_t, int, int, bool>(), "model"_a, "num_pages"_a,
-           "page_size"_a, "token_budget"_a, "max_running"_a, "max_pages_per_request"_a, "speculative"_a)
+      .def(nb::init<nb::handle, int64_t, int, int64_t, int, int, bool, bool>(), "model"_a, "num_pages"_a,
+           "page_size"_a, "token_budget"_a, "max_running"_a, "max_pages_per_request"_a, "speculative"_a,
+           "prefix_caching"_a = true)
       .def("add", &PyEngine::add, "prompt"_a, "max_tokens"_a, "temperature"_a, "top_k"_a,
            "top_p"_a, "seed"_a, "stop_tokens"_a, "hand_off"_a)
       .def("receive", &PyEngine::receive, "prompt"_a, "max_tokens"_a, "temperature"_a, "top_k"_a,
@@ -139,7 +140,17 @@ void bind_engine(nb::module_& m) {
       .def_prop_ro("drafts_proposed", [](PyEngine& e) { return e.engine().drafts_proposed(); })
       .def_prop_ro("drafts_accepted", [](PyEngine& e) { return e.engine().drafts_accepted(); })
       .def_prop_ro("available_pages", [](PyEngine& e) { return e.kv().available_pages(); })
-      .def_prop_ro("cached_pages", [](PyEngine& e) { return e.kv().cached_pages(); });
+      .def_prop_ro("cached_pages", [](PyEngine& e) { return e.kv().cached_pages(); })
+      .def_prop_ro("step_times", [](PyEngine& e) {
+        const engine::Engine::StepTimes& t = e.engine().step_times();
+        nb::dict d;
+        d["steps"] = t.steps;
+        d["seconds"] = t.seconds;
+        d["decode_steps"] = t.decode_steps;
+        d["decode_seconds"] = t.decode_seconds;
+        d["decode_requests"] = t.decode_requests;
+        return d;
+      });
 }
 
 }  // namespace moelink::python

@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <stdexcept>
 
@@ -293,11 +294,20 @@ std::vector<StepResult> Engine::step() {
     so.draft_tokens = Tensor::contiguous(drafts.data(), DType::kInt32, {B});
   }
   std::string error;
+  const auto t0 = std::chrono::steady_clock::now();
   try {
     model_.step_from_host(in, so);
     model_.check();
   } catch (const Error& e) {
     error = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ++step_times_.steps;
+  step_times_.seconds += seconds;
+  if (B > 0 && prefills.empty()) {
+    ++step_times_.decode_steps;
+    step_times_.decode_requests += B;
+    step_times_.decode_seconds += seconds;
   }
 
   // ---- process

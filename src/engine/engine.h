@@ -122,6 +122,16 @@ class Engine {
   int64_t drafts_proposed() const { return drafts_proposed_; }
   int64_t drafts_accepted() const { return drafts_accepted_; }
 
+  // The model's steps inside step() (host clock around Model::step_from_host
+  // and check(), which wait for the device): all of them, and the
+  // decode-only ones (every request decoding) with the requests they
+  // carried. The server's overhead is the rest of its loop.
+  struct StepTimes {
+    int64_t steps = 0, decode_steps = 0, decode_requests = 0;
+    double seconds = 0.0, decode_seconds = 0.0;
+  };
+  const StepTimes& step_times() const { return step_times_; }
+
  private:
   struct Request {
     uint64_t id = 0;
@@ -156,6 +166,7 @@ class Engine {
   std::vector<Request*> running_;  // in admission order
   std::deque<Request*> resumed_;   // received and resumed, until running_ has room
   int64_t preemptions_ = 0, drafts_proposed_ = 0, drafts_accepted_ = 0;
+  StepTimes step_times_;
 };
 
 }  // namespace moelink::engine

@@ -7,7 +7,8 @@
 
 namespace moelink::engine {
 
-KvCacheManager::KvCacheManager(int64_t num_pages, int page_size) : page_size_(page_size) {
+KvCacheManager::KvCacheManager(int64_t num_pages, int page_size, bool prefix_caching)
+    : page_size_(page_size), prefix_caching_(prefix_caching) {
   if (num_pages < 1 || num_pages > (int64_t{1} << 31) - 1)
     throw std::invalid_argument("moelink: KvCacheManager: num_pages = " + std::to_string(num_pages) +
                                 " must be in [1, 2^31 - 1]");
@@ -25,7 +26,7 @@ int64_t KvCacheManager::admit(RequestId id, std::span<const uint32_t> prompt) {
     throw std::invalid_argument("moelink: KvCacheManager.admit: request " + std::to_string(id) +
                                 " is already admitted");
   Request& r = requests_[id];
-  if (prompt.empty()) return 0;
+  if (prompt.empty() || !prefix_caching_) return 0;
   // The last prompt token is computed again for its logits: cached pages
   // may cover at most prompt.size() - 1 tokens.
   const int64_t usable = static_cast<int64_t>(prompt.size() - 1) / page_size_;
@@ -61,7 +62,7 @@ bool KvCacheManager::reserve(RequestId id, int64_t tokens) {
 
 void KvCacheManager::commit(RequestId id, std::span<const uint32_t> tokens, int64_t computed) {
   auto it = requests_.find(id);
-  if (it == requests_.end()) return;
+  if (it == requests_.end() || !prefix_caching_) return;
   Request& r = it->second;
   const int64_t full = std::min<int64_t>(computed, static_cast<int64_t>(tokens.size())) / page_size_;
   KvEvent stored;

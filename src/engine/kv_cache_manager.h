@@ -33,10 +33,14 @@ class KvCacheManager {
  public:
   using RequestId = uint64_t;
 
-  // num_pages >= 1 pages of page_size >= 1 tokens.
-  KvCacheManager(int64_t num_pages, int page_size);
+  // num_pages >= 1 pages of page_size >= 1 tokens. prefix_caching = false:
+  // no page is ever cached (admit shares nothing, commit names nothing and
+  // queues no event; a released request's pages are free again), the
+  // baseline the prefix cache is measured against.
+  KvCacheManager(int64_t num_pages, int page_size, bool prefix_caching = true);
 
   int page_size() const { return page_size_; }
+  bool prefix_caching() const { return prefix_caching_; }
   int64_t num_pages() const { return static_cast<int64_t>(pages_.size()); }
   // Pages a new allocation can take: free ones and cached ones no request holds.
   int64_t available_pages() const { return static_cast<int64_t>(free_.size() + lru_.size()); }
@@ -101,6 +105,7 @@ class KvCacheManager {
   void drop(int32_t page);
 
   int page_size_;
+  bool prefix_caching_;
   std::vector<Page> pages_;
   std::vector<int32_t> free_;
   std::list<int32_t> lru_;  // evictable cached pages, least recently used first

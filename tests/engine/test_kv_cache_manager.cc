@@ -61,6 +61,26 @@ TEST(KvCacheManager, SharedPrefixesShareTheirFullPagesAndTheEventsAreTheSchedule
   m.check_invariants();
 }
 
+TEST(KvCacheManager, WithoutPrefixCachingNothingIsSharedNamedOrKept) {
+  KvCacheManager m(6, 4, /*prefix_caching=*/false);
+  EXPECT_FALSE(m.prefix_caching());
+  const std::vector<uint32_t> a = tokens(10, 100);
+  EXPECT_EQ(prefill(m, 1, a), 0);
+  EXPECT_EQ(prefill(m, 2, a), 0) << "the same prompt again shares nothing";
+  const std::set<int32_t> first(m.pages(1).begin(), m.pages(1).end());
+  for (int32_t p : m.pages(2)) EXPECT_EQ(first.count(p), 0u) << "page " << p << " held by both";
+  EXPECT_TRUE(m.take_events().empty());
+  EXPECT_EQ(m.cached_pages(), 0);
+  EXPECT_EQ(m.available_pages(), 0);
+  m.check_invariants();
+  m.release(1);
+  m.release(2);
+  EXPECT_EQ(m.available_pages(), 6) << "released pages are free again";
+  EXPECT_EQ(m.cached_pages(), 0);
+  EXPECT_EQ(prefill(m, 3, a), 0);
+  m.check_invariants();
+}
+
 TEST(KvCacheManager, ReleasedPagesStayCachedAndTheLeastRecentlyUsedGoFirst) {
   KvCacheManager m(4, 2);
   const std::vector<uint32_t> a = tokens(4, 0), b = tokens(4, 50);

@@ -85,6 +85,27 @@ def test_batched_generation_equals_one_request_at_a_time(checkpoint):
     assert eng.available_pages == 32, "every page back in the pool (cached or free)"
 
 
+def test_without_prefix_caching_the_same_prompts_are_computed_again(checkpoint):
+    rng = np.random.default_rng(6)
+    prompts = _prompts(rng)
+    model = _model(checkpoint, num_pages=32)
+    eng = moelink.Engine(model, num_pages=32, page_size=PAGE, token_budget=24, max_running=4,
+                         max_pages_per_request=8, prefix_caching=False)
+    want = {}
+    for rnd in range(2):
+        ids = {k: eng.add(p, max_tokens=4) for k, p in prompts.items()}
+        done = eng.run()
+        for k, i in ids.items():
+            assert done[i].cached_tokens == 0, f"round {rnd}, request {k}"
+            assert want.setdefault(k, done[i].tokens) == done[i].tokens
+        assert eng.cached_pages == 0 and eng.available_pages == 32
+    t = eng.step_times
+    assert t["steps"] >= 2 * 4 and t["seconds"] > 0
+    # Chunked prefills of 45 + 49 + 21 tokens at 24 a step, then decodes.
+    assert 0 < t["decode_steps"] < t["steps"] and 0 < t["decode_seconds"] < t["seconds"]
+    assert t["decode_steps"] <= t["decode_requests"] <= 3 * t["decode_steps"]
+
+
 def test_preemption_cancellation_and_stop_tokens(checkpoint):
     rng = np.random.default_rng(6)
     prompts = _prompts(rng)

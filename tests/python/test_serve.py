@@ -94,6 +94,24 @@ def test_completions_match_the_models_own_greedy_output(served):
         assert r3.choices[0].text == text[:text.find(words[2])]
     models = client.models.list()
     assert [m.id for m in models.data] == [server.model_name]
+    # ignore_eos: max_tokens tokens whatever comes, the same text up to
+    # where the model's own output ended.
+    got, r5 = _post(url + "/v1/completions", dict(prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True))
+    assert got == 200 and r5["usage"]["completion_tokens"] == 8 and r5["choices"][0]["finish_reason"] == "length"
+    assert r5["choices"][0]["text"].startswith(text)
+
+
+def test_metrics_count_the_engines_steps(served):
+    server, url = served
+    got, _ = _post(url + "/v1/completions", dict(prompt="w3 w4 w5", max_tokens=4, temperature=0))
+    assert got == 200
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        m = dict(line.split() for line in r.read().decode().splitlines() if line and not line.startswith("#"))
+    m = {k: float(v) for k, v in m.items()}
+    assert m["moelink_engine_steps_total"] >= m["moelink_model_steps_total"] >= m["moelink_decode_steps_total"] > 0
+    assert m["moelink_engine_step_seconds_total"] >= m["moelink_model_step_seconds_total"] > 0
+    assert m["moelink_model_step_seconds_total"] >= m["moelink_decode_step_seconds_total"] > 0
+    assert m["moelink_decode_step_requests_total"] >= m["moelink_decode_steps_total"]
 
 
 def test_chat_completions_stream_and_not(served):
@@ -120,6 +138,7 @@ def test_bad_requests_get_openai_errors_naming_the_field(served):
         (dict(prompt="", max_tokens=4), 400, "prompt"),
         (dict(prompt=[1, 99999], max_tokens=4), 400, "prompt"),
         (dict(prompt="w1", top_p=0), 400, "top_p"),
+        (dict(prompt="w1", ignore_eos="yes"), 400, "ignore_eos"),
         (dict(prompt="w1", model="gpt-4"), 404, "model"),
     ]
     for body, status, param in cases:

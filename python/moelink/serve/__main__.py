@@ -23,6 +23,8 @@ def main(argv=None) -> int:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--cuda-graphs", action="store_true",
                    help="GPU backends: decode steps through one CUDA graph per batch-size bucket")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="never share KV pages between requests (the prefix cache's baseline)")
     p.add_argument("--speculative", action="store_true",
                    help="speculative decoding on the checkpoint's MTP module (the same tokens, up to two a step)")
     p.add_argument("--engines", type=int, default=0,
@@ -38,7 +40,7 @@ def main(argv=None) -> int:
                          token_budget=a.token_budget, max_model_len=a.max_model_len,
                          num_layers=a.num_layers, backend=a.backend,
                          served_model_name=a.served_model_name, speculative=a.speculative,
-                         cuda_graphs=a.cuda_graphs)
+                         cuda_graphs=a.cuda_graphs, prefix_caching=not a.no_prefix_caching)
     if a.engines > 0:
         from .cluster import LocalServing
         server = LocalServing(a.model, a.engines, opts, pd=a.pd)

@@ -69,6 +69,8 @@ class LocalServing:
                 "--ready-file", ready]
         if o.speculative:
             args.append("--speculative")
+        if not o.prefix_caching:
+            args.append("--no-prefix-caching")
         # The worker imports this very moelink package, wherever it was found.
         import moelink
         env = dict(os.environ)

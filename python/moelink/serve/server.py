@@ -32,6 +32,7 @@ class ServerOptions:
     max_n: int = 1              # choices a request may ask for
     speculative: bool = False   # MTP drafts, verified each step (needs a checkpoint with an MTP module)
     cuda_graphs: bool = False   # GPU backends: decode steps through CUDA graphs (ModelOptions.decode_graphs)
+    prefix_caching: bool = True  # share the KV pages of common prompt prefixes between requests
 
 
 class RequestError(Exception):
@@ -57,13 +58,29 @@ class _Job:
         self.cancelled = False
 
 
+# The local engine's step loop (Server.step_counts): the server's overhead
+# is engine_step_seconds less model_step_seconds; decode_step_seconds /
+# decode_steps is the decode step inside the server, comparable with
+# tools/bench/model_bench.py's bare step at decode_requests / decode_steps.
+STEP_METRICS = [
+    ("engine_steps", "rounds of the engine's step loop that ran the model"),
+    ("engine_step_seconds", "time in Engine.step (schedule, model step, process outputs)"),
+    ("model_steps", "model steps"),
+    ("model_step_seconds", "time in the model's steps (host clock; they wait for the device)"),
+    ("decode_steps", "model steps where every request decoded"),
+    ("decode_step_seconds", "time in those steps"),
+    ("decode_step_requests", "requests those steps carried"),
+]
+
+
 class _Metrics:
     def __init__(self):
         self.lock = threading.Lock()
         self.requests = self.finished = self.errors = self.tokens = self.cached_tokens = 0
         self.ttft_sum = self.ttft_count = self.itl_sum = self.itl_count = 0.0
 
-    def text(self, running, waiting, kv_usage, drafts=(0, 0)) -> str:
+    def text(self, running, waiting, kv_usage, drafts=(0, 0), steps=None) -> str:
+        """steps: Server.step_counts() (the local engine's), else absent."""
         with self.lock:
             rows = [
                 ("moelink_requests_total", "counter", "requests accepted", self.requests),
@@ -82,6 +99,8 @@ class _Metrics:
                 ("moelink_spec_drafts_accepted_total", "counter",
                  "MTP drafts accepted (acceptance rate: accepted / proposed)", drafts[1]),
             ]
+            for key, help_ in STEP_METRICS if steps else ():
+                rows.append((f"moelink_{key}_total", "counter", help_, steps[key]))
         out = []
         for name, kind, help_, value in rows:
             out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
@@ -100,7 +119,8 @@ def load_engine(model_dir: str, o: ServerOptions):
     model.load_checkpoint(str(d))
     return moelink.Engine(model, num_pages=o.num_pages, page_size=o.page_size,
                           token_budget=o.token_budget, max_running=o.max_running,
-                          max_pages_per_request=pages_per_request, speculative=o.speculative)
+                          max_pages_per_request=pages_per_request, speculative=o.speculative,
+                          prefix_caching=o.prefix_caching)
 
 
 class Server:
@@ -132,6 +152,7 @@ class Server:
         # thread touches the engine (its step runs without the GIL).
         self._engine_state = (0, 0, o.num_pages)  # running, waiting, available pages
         self._drafts = (0, 0)  # MTP drafts proposed, accepted
+        self._steps = {key: 0 for key, _ in STEP_METRICS}  # the step loop (step_counts)
         self.metrics = _Metrics()
         self._submit: "queue.Queue[_Job]" = queue.Queue()
         self._jobs = {}  # engine id -> _Job (the engine thread's)
@@ -177,6 +198,11 @@ class Server:
         """(MTP drafts proposed, accepted) as of the engine's last step."""
         return self._drafts
 
+    def step_counts(self):
+        """The local engine's step loop (STEP_METRICS) as of its last step;
+        None when the engines are the scheduler's."""
+        return self._steps if self.engine is not None else None
+
     # ------------------------------------------------------------ engine thread
 
     def submit(self, job: _Job) -> None:
@@ -209,7 +235,15 @@ class Server:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            for r in self.engine.step():
+            t0 = time.perf_counter()
+            results = self.engine.step()
+            t = e.step_times
+            self._steps = dict(engine_steps=self._steps["engine_steps"] + 1,
+                               engine_step_seconds=self._steps["engine_step_seconds"] + time.perf_counter() - t0,
+                               model_steps=t["steps"], model_step_seconds=t["seconds"],
+                               decode_steps=t["decode_steps"], decode_step_seconds=t["decode_seconds"],
+                               decode_step_requests=t["decode_requests"])
+            for r in results:
                 job = self._jobs.get(r.id)
                 if job is None:
                     continue
@@ -283,10 +317,13 @@ class Server:
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
             raise RequestError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+        ignore_eos = body.get("ignore_eos", False)  # vLLM's and SGLang's extension
+        if not isinstance(ignore_eos, bool):
+            raise RequestError(400, f"'ignore_eos' = {ignore_eos!r} must be true or false", "ignore_eos")
         stream = bool(body.get("stream", False))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
         params = dict(max_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
-                      top_p=float(top_p), seed=seed, stop_tokens=self.stop_ids)
+                      top_p=float(top_p), seed=seed, stop_tokens=[] if ignore_eos else self.stop_ids)
         return prompt, params, stop, stream, include_usage
 
     def _local_tokens(self, prompt, params, cancel_box):
@@ -436,7 +473,7 @@ class _Handler(BaseHTTPRequestHandler):
                 used = 1.0 - free / s.options.num_pages
             else:  # the engines report theirs to the scheduler
                 running = waiting = used = 0
-            body = s.metrics.text(running, waiting, used, s.draft_counts()).encode()
+            body = s.metrics.text(running, waiting, used, s.draft_counts(), s.step_counts()).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(body)))

@@ -1,0 +1,64 @@
+"""tools/bench/serve_bench.py on the CPU path: it starts moelink-serve on the
+tiny model with and without prefix caching, sends both traces at two
+concurrencies, and every request completes; the prefix cache's hits show
+where it is on and are zero where it is off; the server's step metrics
+come through."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+moelink = pytest.importorskip("moelink")
+pytest.importorskip("ml_dtypes")
+pytest.importorskip("tokenizers")
+pytestmark = pytest.mark.skipif(not moelink._C.with_engine, reason="this build has no engine (xxHash)")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [os.path.join(ROOT, "tools", "bench")])
+    return env
+
+
+def test_serve_bench_loads_the_server_with_and_without_prefix_caching(tmp_path):
+    from moelink.serve.tiny_model import write_tiny_model
+    write_tiny_model(str(tmp_path), layers=2, seed=3)
+    out = tmp_path / "serve.json"
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench", "serve_bench.py"), "--model", str(tmp_path),
+           "--serve-args", "--num-pages 64 --page-size 16 --max-running 4 --token-budget 64",
+           "--concurrency", "1,3", "--requests", "8", "--context", "160", "--max-tokens", "4",
+           "--machine", "ci", "--server-log", str(tmp_path / "server.log"), "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    assert res.returncode == 0, res.stderr
+    rec = json.loads(out.read_text())
+    assert rec["tool"] == "serve_bench" and rec["command"].startswith("serve_bench.py")
+    cells = {(c["trace"], c["prefix_caching"], c["concurrency"]): c for c in rec["cells"]}
+    assert sorted(cells) == sorted((t, p, c) for t in ("shared-prefix", "multi-turn") for p in ("on", "off")
+                                   for c in (1, 3))
+    for key, c in cells.items():
+        assert c["errors"] == 0 and c["completed"] == c["requests"] == 8, (key, c["error_examples"])
+        assert c["output_tokens"] == 8 * 4, key  # ignore_eos: every request its max_tokens
+        assert c["ttft_ms"]["p50"] > 0 and c["itl_ms"]["p50"] > 0 and c["output_tok_s"] > 0
+        s = c["server"]
+        assert s["decode_step_us"] > 0 and 1 <= s["decode_batch"] <= 3 and 0 <= s["overhead_share"] < 1
+        if key[1] == "off":
+            assert c["cached_share"] == 0, key
+        elif key[:3] == ("shared-prefix", "on", 1):
+            # One after another, the group's 7 later prompts find its 120-token
+            # system prompt's 7 full pages: 7 x 112 of 8 x 160 prompt tokens.
+            assert c["cached_share"] == pytest.approx(7 * 112 / (8 * 160)), key
+        else:  # the first requests of a group (or session) in flight together miss
+            assert c["cached_share"] > 0.1, key
+
+
+def test_serve_bench_refuses_a_url_without_the_vocabulary():
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench", "serve_bench.py"), "--url",
+           "http://127.0.0.1:9/v1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=60)
+    assert res.returncode == 2 and "--url needs --vocab" in res.stderr
