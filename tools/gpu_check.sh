@@ -9,6 +9,12 @@
 #   (MOELINK_EXPERTS_BENCH_ARGS adds arguments).
 #   layer (not in the default): tools/bench/layer_bench.py, the MoE layer
 #   stage by stage (MOELINK_LAYER_BENCH_ARGS adds arguments).
+#   model (not in the default): tools/bench/model_bench.py, the full-width
+#   model's decode step (MOELINK_MODEL_BENCH_ARGS adds arguments).
+#   serve (not in the default): tools/bench/serve_bench.py, moelink-serve on
+#   a full-width EP8-shaped model (3 dense + 2 MoE layers of 32 experts)
+#   under load (MOELINK_SERVE_BENCH_ARGS adds arguments; the model step's
+#   model.json, when there, gives the bare step beside it).
 #   internode: moelink-bench with the internode backend beside nvlink, over
 #   libfabric's shm provider (GPUs of this machine treated as nodes).
 #   fabric (not in the default): moelink-fabric-bench, the TransferEngine
@@ -27,7 +33,7 @@ cd "$root"
 steps=${*:-build test python sanitize bench internode experts}
 source "$root/tools/device_env.sh"
 python_build=OFF
-{ has python || has experts || has layer; } && python_build=ON
+{ has python || has experts || has layer || has model || has serve; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
@@ -129,6 +135,28 @@ if has layer; then
   echo "${cmd[*]}"
   PYTHONPATH="$root/build-gpu/python${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 | tee "$OUT/layer-bench.log" | tail -40 ||
     status=1
+fi
+if has model; then
+  echo "== the model's decode step: tools/bench/model_bench.py"
+  cmd=($py tools/bench/model_bench.py --machine "nvidia-h200-x$ngpu" --plan build-gpu/tools/plan/moelink-plan
+       --json "$OUT/model.json" --svg "$OUT/model.svg" ${MOELINK_MODEL_BENCH_ARGS:-})
+  echo "${cmd[*]}"
+  PYTHONPATH="$root/build-gpu/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
+    tee "$OUT/model-bench.log" | tail -40 || status=1
+fi
+if has serve; then
+  echo "== moelink-serve under load: tools/bench/serve_bench.py"
+  model=/dev/shm/moelink-serve-bench-ep8
+  [[ -f $model/tokenizer.json ]] || PYTHONPATH="$root/build-gpu/python" \
+    $py -m moelink.serve.tiny_model "$model" --full-width --layers 5 --experts 32 || status=1
+  cmd=($py tools/bench/serve_bench.py --model "$model" --machine "nvidia-h200-x$ngpu" --json "$OUT/serve.json"
+       --server-log "$OUT/serve-server.log"
+       --serve-args "--backend nvlink --cuda-graphs --num-pages 12000 --page-size 64 --max-running 128 --token-budget 4096"
+       ${MOELINK_SERVE_BENCH_ARGS:-})
+  [[ -f $OUT/model.json ]] && cmd+=(--model-bench "$OUT/model.json")
+  echo "${cmd[*]}"
+  PYTHONPATH="$root/build-gpu/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
+    tee "$OUT/serve-bench.log" | tail -40 || status=1
 fi
 if has fabric; then
   for mode in yield busy-poll; do

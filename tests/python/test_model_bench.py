@@ -74,7 +74,8 @@ def test_model_bench_runs_on_the_cpu_path(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [os.path.join(ROOT, "tools", "bench")])
     cmd = [sys.executable, os.path.join(ROOT, "tools", "bench", "model_bench.py"), "--tiny", "--backend", "cpu",
            "--moe-layers", "2", "--batches", "1,3", "--kv", "40", "--page-size", "16", "--iters", "2",
-           "--checkpoint-dir", str(tmp_path / "ckpt"), "--machine", "ci", "--json", str(out)]
+           "--checkpoint-dir", str(tmp_path / "ckpt"), "--machine", "ci", "--json", str(out),
+           "--svg", str(tmp_path / "bench.svg")]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr
     rec = json.loads(out.read_text())
@@ -87,6 +88,8 @@ def test_model_bench_runs_on_the_cpu_path(tmp_path):
             assert r["graph_us"] > 0 and r["tokens_per_s"] > 0 and r["step_us_full_depth"] > 0
             assert set(r["layer_us"]) == {"dense", "moe", "rest"}
     assert "B" in res.stdout and "world1" in res.stdout  # the tables
+    svg = (tmp_path / "bench.svg").read_text()
+    assert svg.count("ep8 B ") == 4 and svg.count("world1 B ") == 4 and "MoE layers: " in svg
     # A second run reuses the checkpoints it wrote.
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0 and "writing a random fp8 checkpoint" not in res.stderr, res.stderr

@@ -66,3 +66,39 @@ def write_json(rec, path):
     else:
         with open(path, "w") as f:
             f.write(out + "\n")
+
+
+def stacked_bars_svg(path, title, subtitle, rows, groups, unit="us"):
+    """A chart of horizontal stacked bars: rows [(row label, [(bar label,
+    {group: value})])], each row on its own scale (the times span orders
+    of magnitude), groups [(name, colour)] in stacking order, a legend."""
+    W, left, right, top, bar_h, gap = 900, 190, 90, 70, 16, 14
+    H = top + sum(len(bars) * (bar_h + 3) + gap for _, bars in rows) + 60
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
+           f'font-size="12">', f'<rect width="{W}" height="{H}" fill="white"/>',
+           f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15">{title}</text>',
+           f'<text x="{W / 2}" y="40" text-anchor="middle" fill="#555">{subtitle}</text>']
+    y = top
+    for row_label, bars in rows:
+        scale = (W - left - right) / max(max(sum(v.values()) for _, v in bars), 1e-9)
+        out.append(f'<text x="8" y="{y + bar_h}" font-weight="bold">{row_label}</text>')
+        for label, vals in bars:
+            out.append(f'<text x="{left - 6}" y="{y + bar_h - 4}" text-anchor="end" fill="#555">{label}</text>')
+            x = left
+            for g, colour in groups:
+                w = vals.get(g, 0.0) * scale
+                if w > 0:
+                    out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="{colour}">'
+                               f'<title>{g}: {vals[g]:.1f} {unit}</title></rect>')
+                    x += w
+            out.append(f'<text x="{x + 5:.1f}" y="{y + bar_h - 4}">{sum(vals.values()):,.0f} {unit}</text>')
+            y += bar_h + 3
+        y += gap
+    x = 10
+    for g, colour in groups:
+        out.append(f'<rect x="{x}" y="{y + 8}" width="12" height="12" fill="{colour}"/>'
+                   f'<text x="{x + 16}" y="{y + 18}">{g}</text>')
+        x += 34 + 7.5 * len(g)
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from typing import Dict, List, Optional
 
+from benchlib import stacked_bars_svg
+
 STAGES = ("quantize_us", "router_us", "dispatch_send_us", "shared_expert_us", "dispatch_recv_us",
           "gemm1_us", "silu_mul_us", "gemm2_us", "combine_send_us", "combine_recv_us")
 
@@ -138,38 +140,11 @@ def write_svg(path: str, rec: dict, plans: Dict[int, Dict[str, float]]) -> None:
             bars.append(("moelink-plan", plans[b]))
         if bars:
             rows.append((b, bars))
-    W, left, right, top, bar_h, gap = 900, 190, 90, 70, 16, 14
-    H = top + sum(len(bars) * (bar_h + 3) + gap for _, bars in rows) + 60
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
-           f'font-size="12">', f'<rect width="{W}" height="{H}" fill="white"/>',
-           f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15">{rec["model"]["name"]} MoE layer '
-           f'on one {rec["gpu"]}: measured stages vs moelink-plan</text>',
-           f'<text x="{W / 2}" y="40" text-anchor="middle" fill="#555">eager, overlap none, world {rec["world_size"]}, each '
-           f'row on its own scale; kernel time per stage (torch.profiler); {rec["date"][:10]}, commit {rec["git_commit"]}</text>']
-    y = top
-    for b, bars in rows:
-        scale = (W - left - right) / max(sum(v.values()) for _, v in bars)
-        out.append(f'<text x="8" y="{y + bar_h}" font-weight="bold">{b} token{"s" if b > 1 else ""}</text>')
-        for label, vals in bars:
-            out.append(f'<text x="{left - 6}" y="{y + bar_h - 4}" text-anchor="end" fill="#555">{label}</text>')
-            x = left
-            for g, _, _, colour in GROUPS:
-                w = vals[g] * scale
-                if w > 0:
-                    out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="{colour}">'
-                               f'<title>{g}: {vals[g]:.1f} us</title></rect>')
-                x += w
-            out.append(f'<text x="{x + 5:.1f}" y="{y + bar_h - 4}">{sum(vals.values()):,.0f} us</text>')
-            y += bar_h + 3
-        y += gap
-    x = 10
-    for g, _, _, colour in GROUPS:
-        out.append(f'<rect x="{x}" y="{y + 8}" width="12" height="12" fill="{colour}"/>'
-                   f'<text x="{x + 16}" y="{y + 18}">{g}</text>')
-        x += 34 + 7.5 * len(g)
-    out.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(out) + "\n")
+    title = f'{rec["model"]["name"]} MoE layer on one {rec["gpu"]}: measured stages vs moelink-plan'
+    subtitle = (f'eager, overlap none, world {rec["world_size"]}, each row on its own scale; kernel time per stage '
+                f'(torch.profiler); {rec["date"][:10]}, commit {rec["git_commit"]}')
+    stacked_bars_svg(path, title, subtitle, [(f'{b} token{"s" if b > 1 else ""}', bars) for b, bars in rows],
+                     [(g, colour) for g, _, _, colour in GROUPS])
 
 
 def main():

@@ -302,6 +302,41 @@ def print_table(shape_rec):
               f"{f(p.get('moe'))} {f(k.get('sum_of_kernels_us'), 9)} {f(r['tokens_per_s_full_depth'], 11, 0)}")
 
 
+LAYER_GROUPS = [("dense layers", "#8d6e63"), ("MoE layers", "#ef6c00"), ("embed, head, sampling", "#9e9e9e")]
+KIND_COLOURS = {"attention": "#42a5f5", "rope+append": "#90caf9", "norm": "#ab47bc", "dispatch+combine": "#26a69a",
+                "gemm": "#e53935", "quant": "#fdd835", "router": "#6d4c41", "embed+sampling": "#bdbdbd",
+                "other": "#eeeeee"}
+
+
+def write_svg(path, rec):
+    """Per shape, batch and q_len: the full-depth step as measured (dense,
+    MoE and the rest), as moelink-plan predicts it, the MoE layers' floor,
+    and the graphed step's kernels by kind where profiled."""
+    rows = []
+    for s in rec["shapes"]:
+        for r in s["results"]:
+            lu, n = r["layer_us"], r["full_depth"]
+            K = s["fields"]["first_k_dense_replace"]
+            bars = [("measured", {"dense layers": K * lu["dense"], "MoE layers": (n - K) * lu["moe"],
+                                  "embed, head, sampling": max(0.0, lu["rest"])})]
+            p = r.get("plan_us")
+            if p and p.get("dense") is not None:
+                bars.append(("moelink-plan", {"dense layers": K * p["dense"], "MoE layers": (n - K) * p["moe"],
+                                              "embed, head, sampling": p["head"]}))
+            if "moe_floor_us" in r:
+                bars.append(("MoE floor", {"MoE layers": (n - K) * r["moe_floor_us"]}))
+            k = r.get("kernels")
+            if k:
+                bars.append(("kernels (graph)", {kind: us for kind, us in k["by_kind_us"].items()}))
+            rows.append((f'{s["shape"]} B {r["batch"]} q {r["q_len"]}', bars))
+    groups = LAYER_GROUPS + list(KIND_COLOURS.items())
+    title = f'DeepSeek-V3 decode step on one {rec["gpu"]}: {rec["shapes"][0]["results"][0]["full_depth"]} layers'
+    subtitle = (f'extrapolated from models of {rec["shapes"][0]["models_layers"]} layers; kv {rec["kv"]}; '
+                f'kernels: the measured model\'s; {rec["date"][:10]}, commit {rec["git_commit"]}')
+    from benchlib import stacked_bars_svg
+    stacked_bars_svg(path, title, subtitle, rows, groups)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="ep8,world1", help="ep8, world1 (comma-separated)")
@@ -324,6 +359,7 @@ def main():
     p.add_argument("--machine", default=os.environ.get("MOELINK_MACHINE", "nvidia-h200"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="-", help="output file ('-': standard output)")
+    p.add_argument("--svg", help="also draw the steps here (stacked bars)")
     a = p.parse_args()
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
     a.batches, a.q_lens, a.profile_batches = ints(a.batches), ints(a.q_lens), ints(a.profile_batches)
@@ -356,6 +392,8 @@ def main():
             write_json(rec, a.json)
     if a.json == "-":
         write_json(rec, a.json)
+    if a.svg:
+        write_svg(a.svg, rec)
     return 0
 
 

@@ -290,11 +290,29 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2, help="decoder layers (the first is dense)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mtp", action="store_true", help="also an MTP module (speculative decoding)")
+    p.add_argument("--full-width", action="store_true",
+                   help="DeepSeek-V3's widths in its fp8 layout instead (the first 3 layers dense; "
+                        "write_fp8_checkpoint; 11 GB a 256-expert layer)")
+    p.add_argument("--experts", type=int, default=None,
+                   help="routed experts (with --full-width; 32: what one GPU of EP8 holds)")
     a = p.parse_args(argv)
     import os
     os.makedirs(a.directory, exist_ok=True)
-    write_tiny_model(a.directory, layers=a.layers, seed=a.seed, num_nextn_predict_layers=int(a.mtp))
-    print(f"moelink: a tiny random model in {a.directory}", flush=True)
+    if not a.full_width:
+        if a.experts is not None:
+            p.error("--experts goes with --full-width")
+        write_tiny_model(a.directory, layers=a.layers, seed=a.seed, num_nextn_predict_layers=int(a.mtp))
+        print(f"moelink: a tiny random model in {a.directory}", flush=True)
+        return 0
+    fields = dict(DEEPSEEK_V3, num_hidden_layers=a.layers, num_nextn_predict_layers=int(a.mtp), eos_token_id=1)
+    if a.experts is not None:
+        if a.experts < fields["num_experts_per_tok"] or a.experts % fields["n_group"]:
+            p.error(f"--experts = {a.experts} must be a multiple of {fields['n_group']} (the groups) "
+                    f"and >= {fields['num_experts_per_tok']} (the experts a token picks)")
+        fields["n_routed_experts"] = a.experts
+    write_fp8_checkpoint(a.directory, fields, a.seed)
+    write_tokenizer(a.directory, fields["vocab_size"])
+    print(f"moelink: a random full-width fp8 model in {a.directory}", flush=True)
     return 0
 
 
