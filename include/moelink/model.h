@@ -90,6 +90,15 @@ struct SamplingParams {
   Tensor seed;         // [B] int64
 };
 
+// How step_from_host's decode-only steps ran with ModelOptions.decode_graphs:
+// replayed from a bucket's graph, or eagerly (a bucket's first step, a
+// capture that failed, or a batch whose FlashInfer schedule needs another
+// grid than the captured one); captures: graphs captured. Benchmarks read
+// it to say which steps they timed.
+struct DecodeGraphStats {
+  int64_t replays = 0, eager_steps = 0, captures = 0;
+};
+
 struct StepInput {
   Tensor token_ids;  // [n] int32: the query tokens (rows of the batch); may be undefined when B = 0
   MLABatch batch;    // request i's rows, lengths and pages (shared by every layer)
@@ -143,6 +152,7 @@ class Model {
   const ModelConfig& config() const;
   int num_layers() const;  // the layers run (options.num_layers or all)
   bool mtp() const;        // ModelOptions.mtp: steps propose drafts
+  DecodeGraphStats decode_graph_stats() const;  // since creation (zeros without decode_graphs)
 
   // A Hugging Face checkpoint directory (config.json's model): embedding,
   // every layer's norms, attention, dense MLP or MoE layer (this rank's

@@ -65,6 +65,14 @@ class Model:
     def num_layers(self) -> int:
         return self._impl.num_layers
 
+    @property
+    def decode_graph_stats(self) -> dict:
+        """How step_from_host's decode-only steps ran with decode_graphs=True
+        (moelink::DecodeGraphStats): replays, eager_steps (a bucket's first
+        step, a failed capture, or a batch FlashInfer schedules on another
+        grid), captures; zeros without decode_graphs."""
+        return self._impl.decode_graph_stats
+
     def kv_cache_region(self):
         """Every layer's KV cache as one uint8 array (numpy on a host backend,
         a torch tensor on a GPU one), layer after layer: register it once with

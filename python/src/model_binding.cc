@@ -143,6 +143,15 @@ void bind_model(nb::module_& m) {
                 t.data, {n}, self, {}, nb::dtype<uint8_t>(), nb::device::cuda::value, p.device()));
           })
       .def_prop_ro("num_layers", [](PyModel& p) { return p.impl().num_layers(); })
+      .def_prop_ro("decode_graph_stats",
+                   [](PyModel& p) {
+                     const DecodeGraphStats s = p.impl().decode_graph_stats();
+                     nb::dict d;
+                     d["replays"] = s.replays;
+                     d["eager_steps"] = s.eager_steps;
+                     d["captures"] = s.captures;
+                     return d;
+                   })
       .def_prop_ro("config", [](PyModel& p) { return p.impl().config(); });
 }
 

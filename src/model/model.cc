@@ -205,6 +205,7 @@ class ModelImpl {
   const ModelConfig& config() const { return c_; }
   int num_layers() const { return layers_; }
   bool mtp() const { return mtp_ != nullptr; }
+  const DecodeGraphStats& decode_graph_stats() const { return graph_stats_; }
 
   void load_checkpoint(const std::string& directory) {
     const char* call = "Model.load_checkpoint";
@@ -481,15 +482,18 @@ class ModelImpl {
     if (!g.warm || g.failed) {
       step(d, o, stream);
       g.warm = true;
+      ++graph_stats_.eager_steps;
     } else {
       if (!g.graph) {
         try {
           g.graph = ops_->capture([&](cudaStream_t s) { step(d, o, s); });
+          ++graph_stats_.captures;
         } catch (const Error&) {
           // Something in the step cannot be captured here: this bucket runs
           // eagerly from now (the step itself is not lost: it runs now).
           g.failed = true;
           step(d, o, stream);
+          ++graph_stats_.eager_steps;
         }
       }
       if (g.graph && !g.failed) {
@@ -500,10 +504,13 @@ class ModelImpl {
         } catch (const InvalidArgument&) {
           planned = false;  // FlashInfer's schedule for this batch has another grid: eagerly this time
         }
-        if (planned)
+        if (planned) {
           ops_->replay(*g.graph, stream);
-        else
+          ++graph_stats_.replays;
+        } else {
           step(d, o, stream);
+          ++graph_stats_.eager_steps;
+        }
       }
     }
     ops_->sync(stream);
@@ -748,6 +755,7 @@ class ModelImpl {
   ModelBuffer h_, normed_, part_, xq_, xs_, error_, zero_, rows_, final_norm_, embed_, lm_head_;
   ModelBuffer kv_region_;  // every cache, cache_bytes_ each
   std::map<int, std::unique_ptr<DecodeGraph>> decode_graphs_;  // by bucket (decode_graphs)
+  DecodeGraphStats graph_stats_;
   int64_t cache_bytes_ = 0;
 };
 
@@ -762,6 +770,7 @@ Model::~Model() = default;
 const ModelConfig& Model::config() const { return impl_->config(); }
 int Model::num_layers() const { return impl_->num_layers(); }
 bool Model::mtp() const { return impl_->mtp(); }
+DecodeGraphStats Model::decode_graph_stats() const { return impl_->decode_graph_stats(); }
 void Model::load_checkpoint(const std::string& directory) { impl_->load_checkpoint(directory); }
 Tensor Model::kv_cache(int layer) const { return impl_->kv_cache(layer); }
 Tensor Model::kv_cache_region() const { return impl_->kv_cache_region(); }

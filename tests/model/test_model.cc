@@ -543,6 +543,14 @@ TEST(ModelCuda, DecodeGraphsGiveTheTokensOfEagerSteps) {
         len[reqs[j]] += 1;  // the draft (random) is almost never accepted; both models agree either way
       }
     }
+    // Buckets 4, 2 and 1 each ran their first step eagerly; 4 and 2 were
+    // captured; every decode step is one or the other (prefills are not).
+    const moelink::DecodeGraphStats gs = graphed->decode_graph_stats(), ps = plain->decode_graph_stats();
+    RANK_CHECK(gs.captures == 2) << gs.captures;
+    RANK_CHECK(gs.replays + gs.eager_steps == static_cast<int64_t>(batches.size()))
+        << gs.replays << " + " << gs.eager_steps;
+    RANK_CHECK(gs.eager_steps >= 3 && gs.replays >= 1) << gs.replays << " replays, " << gs.eager_steps << " eager";
+    RANK_CHECK(ps.replays == 0 && ps.eager_steps == 0 && ps.captures == 0);
   }, 180);
 }
 #endif

@@ -87,6 +87,7 @@ def test_model_bench_runs_on_the_cpu_path(tmp_path):
         for r in s["results"]:
             assert r["graph_us"] > 0 and r["tokens_per_s"] > 0 and r["step_us_full_depth"] > 0
             assert set(r["layer_us"]) == {"dense", "moe", "rest"}
+            assert r["graph_replays"] == r["eager_steps"] == 0  # the CPU path has no graphs
     assert "B" in res.stdout and "world1" in res.stdout  # the tables
     svg = (tmp_path / "bench.svg").read_text()
     assert svg.count("ep8 B ") == 4 and svg.count("world1 B ") == 4 and "MoE layers: " in svg

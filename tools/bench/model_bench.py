@@ -21,7 +21,10 @@ q_len (1, or 2: a draft row verified, ModelOptions' speculative step):
   graph_us         the decode step as the serving engine runs it:
                    Model.step_from_host with decode_graphs (the batch's
                    bucket replayed; host copies in and out included), host
-                   wall time, median of --iters steps;
+                   wall time, median of --iters steps; graph_replays and
+                   eager_steps say how those steps ran (Model's
+                   decode_graph_stats: a batch FlashInfer schedules on
+                   another grid than the captured one runs eagerly);
   eager_us         Model.step on device tensors, no graph (CUDA events; the
                    FlashInfer plan reads the lengths back once a layer);
   layer_us         the step split by layer kind, from models of 1, 3 and
@@ -162,7 +165,15 @@ def time_model(a, timer, model, fields, ppr, full, cells):
             model.step_from_host(x["token_ids"], x["q_start"], x["kv_len"], x["block_table"], x["next_tokens"],
                                  num_decode=b, num_drafts=x["num_drafts"], accepted=x["accepted"])
 
-        r = {"graph_us": timer.host_us(from_host, a.iters, warmup=3)}
+        for _ in range(3):  # the bucket's eager step, its capture, a replay
+            from_host()
+        s0 = model.decode_graph_stats
+        r = {"graph_us": timer.host_us(from_host, a.iters, warmup=0)}
+        s1 = model.decode_graph_stats
+        # Which steps were timed: replays of the bucket's graph, or eager ones
+        # (the CPU path, or a batch FlashInfer schedules on another grid).
+        r["graph_replays"] = s1["replays"] - s0["replays"]
+        r["eager_steps"] = s1["eager_steps"] - s0["eager_steps"]
         if full and timer.gpu:
             torch = timer.torch
             d = {k: (torch.from_numpy(v).cuda() if v is not None else None) for k, v in x.items()}
@@ -175,7 +186,8 @@ def time_model(a, timer, model, fields, ppr, full, cells):
             if b in a.profile_batches:
                 r["kernels"] = profile_kernels(from_host, a.profile_iters)
         out[(b, q)] = r
-        print(f"model_bench:   B {b:4d} q {q}  graph {r['graph_us']:9.1f} us" +
+        print(f"model_bench:   B {b:4d} q {q}  graph {r['graph_us']:9.1f} us "
+              f"({r['graph_replays']} replayed, {r['eager_steps']} eager)" +
               (f"  eager {r['eager_us']:9.1f} us" if "eager_us" in r else ""), file=sys.stderr, flush=True)
     return out
 
