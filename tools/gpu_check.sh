@@ -13,7 +13,8 @@
 #   model's decode step (MOELINK_MODEL_BENCH_ARGS adds arguments).
 #   serve (not in the default): tools/bench/serve_bench.py, moelink-serve on
 #   a full-width EP8-shaped model (3 dense + 2 MoE layers of 32 experts)
-#   under load (MOELINK_SERVE_BENCH_ARGS adds arguments; the model step's
+#   under load (MOELINK_SERVE_BENCH_ARGS replaces the default 64 requests a
+#   cell at concurrency 1, 16 and 64, 64 output tokens; the model step's
 #   model.json, when there, gives the bare step beside it).
 #   internode: moelink-bench with the internode backend beside nvlink, over
 #   libfabric's shm provider (GPUs of this machine treated as nodes).
@@ -152,7 +153,7 @@ if has serve; then
   cmd=($py tools/bench/serve_bench.py --model "$model" --machine "nvidia-h200-x$ngpu" --json "$OUT/serve.json"
        --server-log "$OUT/serve-server.log"
        --serve-args "--backend nvlink --cuda-graphs --num-pages 12000 --page-size 64 --max-running 128 --token-budget 4096"
-       ${MOELINK_SERVE_BENCH_ARGS:-})
+       ${MOELINK_SERVE_BENCH_ARGS:---requests 64 --concurrency 1,16,64 --max-tokens 64})
   [[ -f $OUT/model.json ]] && cmd+=(--model-bench "$OUT/model.json")
   echo "${cmd[*]}"
   PYTHONPATH="$root/build-gpu/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
