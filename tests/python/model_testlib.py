@@ -23,6 +23,43 @@ def greedy_alone(model_dir, prompt_ids, max_tokens, eos=1, backend="cpu"):
     return eng.run()[i].tokens
 
 
+def start_raw_stream(url, prompt, max_tokens, events):
+    """A streamed greedy completion on its own socket, read until `events`
+    server-sent events came, so that a test can act (kill a worker)
+    mid-stream; returns (socket, what came so far)."""
+    import json
+    import socket
+    host, port = url[len("http://"):-len("/v1")].split(":")
+    body = json.dumps(dict(prompt=prompt, max_tokens=max_tokens, stream=True, temperature=0)).encode()
+    s = socket.create_connection((host, int(port)), timeout=60)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    got = b""
+    while got.count(b"data: ") < events:
+        chunk = s.recv(4096)
+        assert chunk, got
+        got += chunk
+    return s, got
+
+
+def finish_raw_stream(s, got):
+    """Reads the rest of start_raw_stream's stream (to [DONE], an error
+    event or the connection's end); returns (everything, seconds it took,
+    the text its completion chunks carried)."""
+    import json
+    import time
+    t0 = time.monotonic()
+    while not got.endswith(b"data: [DONE]\n\n") and b'"error"' not in got:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    s.close()
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in got.decode().split("\n")
+                   if line.startswith("data: {") and '"choices": [{' in line)
+    return got, time.monotonic() - t0, text
+
+
 def local_serving(tmp_path_factory, name, seed, pd=False):
     """moelink-serve over moelink-scheduler and two workers (a prefill and a
     decode worker with pd) on the tiny model; yields (serving, the API's

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import moelink
-from model_testlib import greedy_alone, local_serving
+from model_testlib import finish_raw_stream, greedy_alone, local_serving, start_raw_stream
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("ml_dtypes")
@@ -62,38 +62,16 @@ def test_an_engine_killed_mid_stream_ends_the_stream_and_rejoins(cluster):
     elsewhere or with an error naming the failure) within the scheduler's
     heartbeat timeout, never hangs, never repeats a token; the engine comes
     back and takes work again."""
-    import json
-    import socket
-    import time
-
     from moelink.scheduler import SchedulerClient
     serving, url, model_dir = cluster
-    host, port = url[len("http://"):-len("/v1")].split(":")
-    body = json.dumps(dict(prompt="w40 w41 w42 w43 w44", max_tokens=80, stream=True,
-                           temperature=0)).encode()
-    s = socket.create_connection((host, int(port)), timeout=60)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    got = b""
-    while got.count(b"data: ") < 2:
-        chunk = s.recv(4096)
-        assert chunk, got
-        got += chunk
+    s, got = start_raw_stream(url, "w40 w41 w42 w43 w44", 80, 2)
     with SchedulerClient(serving.scheduler.target) as sc:
         busy = [e.engine_id for e in sc.stats().engines if e.outstanding > 0]
     assert len(busy) == 1, busy
     victim = int(busy[0].split("-")[1])  # engine-<i>
     serving.kill_worker(victim)
-    t0 = time.monotonic()
-    while not got.endswith(b"data: [DONE]\n\n") and b'"error"' not in got:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        got += chunk
-    s.close()
-    assert time.monotonic() - t0 < 30, "the stream hung after its engine died"
-    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in got.decode().split("\n")
-                   if line.startswith("data: {") and '"choices": [{' in line)
+    got, seconds, text = finish_raw_stream(s, got)
+    assert seconds < 30, "the stream hung after its engine died"
     # Greedy output is the same on any engine: what came is a prefix of it,
     # so no token was sent twice or out of order.
     tok = serving.front.tokenizer

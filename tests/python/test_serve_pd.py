@@ -13,7 +13,7 @@ import os
 import pytest
 
 import moelink
-from model_testlib import greedy_alone, local_serving
+from model_testlib import finish_raw_stream, greedy_alone, local_serving, start_raw_stream
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("ml_dtypes")
@@ -60,35 +60,14 @@ def test_a_decode_worker_killed_mid_stream_ends_the_stream_and_rejoins(pd_cluste
     stream ends with an error within the heartbeat timeout (never hangs,
     never repeats a token); the worker comes back (a new hand-off address
     and cache) and requests are disaggregated through it again."""
-    import json
-    import socket
-    import time
-
     from moelink.scheduler import SchedulerClient
     serving, url, model_dir = pd_cluster
-    host, port = url[len("http://"):-len("/v1")].split(":")
     prompt = "w40 w41 w42 w43 w44"
-    body = json.dumps(dict(prompt=prompt, max_tokens=80, stream=True, temperature=0)).encode()
-    s = socket.create_connection((host, int(port)), timeout=60)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    got = b""
-    while got.count(b"data: ") < 3:  # past the first token: on the decode worker now
-        chunk = s.recv(4096)
-        assert chunk, got
-        got += chunk
+    s, got = start_raw_stream(url, prompt, 80, 3)  # past the first token: on the decode worker now
     serving.kill_worker(1)  # engine-1, the decode worker
-    t0 = time.monotonic()
-    while not got.endswith(b"data: [DONE]\n\n") and b'"error"' not in got:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        got += chunk
-    s.close()
-    assert time.monotonic() - t0 < 30, "the stream hung after its decode worker died"
+    got, seconds, text = finish_raw_stream(s, got)
+    assert seconds < 30, "the stream hung after its decode worker died"
     assert b'"error"' in got, got[-300:]
-    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in got.decode().split("\n")
-                   if line.startswith("data: {") and '"choices": [{' in line)
     tok = serving.front.tokenizer
     want = tok.decode(greedy_alone(model_dir, tok.encode(prompt, add_special_tokens=False).ids, 80))
     assert want.startswith(text), (text, want)

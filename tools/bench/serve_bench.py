@@ -46,7 +46,6 @@ import json
 import os
 import random
 import re
-import statistics
 import subprocess
 import sys
 import threading
