@@ -378,6 +378,8 @@ def main():
     for q in a.q_lens:
         if q not in (1, 2):
             raise SystemExit(f"model_bench: --q-lens: {q} is not 1 or 2")
+    if a.plan and not os.access(a.plan, os.X_OK):
+        raise SystemExit(f"model_bench: --plan {a.plan}: no such executable (build the moelink-plan target)")
     if a.moe_layers < 1 or not a.batches or min(a.batches) < 1:
         raise SystemExit("model_bench: --moe-layers and every batch must be >= 1")
     if a.checkpoint_dir is None:
