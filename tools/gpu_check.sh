@@ -151,6 +151,7 @@ if has serve; then
   [[ -f $model/tokenizer.json ]] || PYTHONPATH="$root/build-gpu/python" \
     $py -m moelink.serve.tiny_model "$model" --full-width --layers 5 --experts 32 || status=1
   cmd=($py tools/bench/serve_bench.py --model "$model" --machine "nvidia-h200-x$ngpu" --json "$OUT/serve.json"
+       --svg "$OUT/serve.svg"
        --server-log "$OUT/serve-server.log"
        --serve-args "--backend nvlink --cuda-graphs --num-pages 12000 --page-size 64 --max-running 128 --token-budget 4096"
        ${MOELINK_SERVE_BENCH_ARGS:---requests 64 --concurrency 1,16,64 --max-tokens 64})

@@ -33,7 +33,8 @@ def test_serve_bench_loads_the_server_with_and_without_prefix_caching(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "tools", "bench", "serve_bench.py"), "--model", str(tmp_path),
            "--serve-args", "--num-pages 64 --page-size 16 --max-running 4 --token-budget 64",
            "--concurrency", "1,3", "--requests", "8", "--context", "160", "--max-tokens", "4",
-           "--machine", "ci", "--server-log", str(tmp_path / "server.log"), "--json", str(out)]
+           "--machine", "ci", "--server-log", str(tmp_path / "server.log"), "--json", str(out),
+           "--svg", str(tmp_path / "serve.svg")]
     res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert res.returncode == 0, res.stderr
     rec = json.loads(out.read_text())
@@ -55,6 +56,8 @@ def test_serve_bench_loads_the_server_with_and_without_prefix_caching(tmp_path):
             assert c["cached_share"] == pytest.approx(7 * 112 / (8 * 160)), key
         else:  # the first requests of a group (or session) in flight together miss
             assert c["cached_share"] > 0.1, key
+    svg = (tmp_path / "serve.svg").read_text()
+    assert svg.count("TTFT p50, ms") == 4 and svg.count(">cache off<") == 12 and "output tok/s" in svg
 
 
 def test_serve_bench_refuses_a_url_without_the_vocabulary():

@@ -268,6 +268,27 @@ def bare_step_us(model_bench, batch):
     return r["batch"], r["graph_us"]
 
 
+def write_svg(path, rec):
+    """Per trace and concurrency: TTFT and ITL p50 (ms) and output tokens/s,
+    a bar per prefix-caching setting, each row on its own scale."""
+    from benchlib import stacked_bars_svg
+    colours = {"on": "#26a69a", "off": "#ef6c00", "as-is": "#42a5f5"}
+    cells = rec["cells"]
+    rows = []
+    for trace in dict.fromkeys(c["trace"] for c in cells):
+        for conc in dict.fromkeys(c["concurrency"] for c in cells if c["trace"] == trace):
+            mine = [c for c in cells if c["trace"] == trace and c["concurrency"] == conc]
+            for label, get in (("TTFT p50, ms", lambda c: c["ttft_ms"]["p50"]),
+                               ("ITL p50, ms", lambda c: c["itl_ms"]["p50"]),
+                               ("output tok/s", lambda c: c["output_tok_s"])):
+                bars = [(f"cache {c['prefix_caching']}", {c["prefix_caching"]: get(c) or 0.0}) for c in mine]
+                rows.append((f"{trace} C {conc}: {label}", bars))
+    title = f"moelink-serve under load on {rec['gpu'] or rec['machine']}: prefix caching on and off"
+    subtitle = (f"{rec['requests']} requests a cell, context {rec['context']}, {rec['max_tokens']} output tokens; "
+                f"{rec['date'][:10]}, commit {rec['git_commit']}")
+    stacked_bars_svg(path, title, subtitle, rows, [(k, v) for k, v in colours.items()], unit="")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)
@@ -288,6 +309,7 @@ def main():
     p.add_argument("--machine", default=os.environ.get("MOELINK_MACHINE", "nvidia-h200"))
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", default="-")
+    p.add_argument("--svg", help="also draw the cells here (bars)")
     a = p.parse_args()
     if a.model:
         with open(os.path.join(a.model, "config.json")) as f:
@@ -341,6 +363,8 @@ def main():
             if a.model:
                 server.stop()
     write_json(rec, a.json)
+    if a.svg:
+        write_svg(a.svg, rec)
     return 0
 
 
