@@ -47,7 +47,8 @@ def checkpoint_tensors(fields):
     layer -1 for the embedding, final norm and lm_head, and kind one of
     "embed" (N(0, 1)), "norm" (around 1), "linear" (a projection, N(0,
     1/fan-in); fp8 in DeepSeek-V3's own checkpoints), "router" (the MoE
-    gate, N(0, 1/fan-in), never fp8) or "bias" (the router's
+    gates and the output heads, lm_head and the MTP module's
+    shared_head.head: N(0, 1/fan-in), never fp8) or "bias" (the router's
     e_score_correction_bias). With num_nextn_predict_layers = 1, also the
     MTP module (layer num_hidden_layers: enorm, hnorm, eh_proj, a MoE
     decoder layer, shared_head)."""
