@@ -165,29 +165,6 @@ DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                    tie_word_embeddings=False, rms_norm_eps=1e-6, num_nextn_predict_layers=1)
 
 
-def _e4m3_values():
-    """The values of fp8 e4m3fn's codes 0..126 (the positive ones; 127 is NaN),
-    increasing with the code."""
-    c = np.arange(127)
-    e, m = c >> 3, (c & 7).astype(np.float64)
-    return np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7.0))
-
-
-def _to_e4m3(x):
-    """float -> fp8 e4m3fn codes (uint8), round to nearest, saturating at 448."""
-    v = _e4m3_values()
-    a = np.minimum(np.abs(x), 448.0)
-    i = np.clip(np.searchsorted(v, a), 1, 126)
-    i = np.where(a - v[i - 1] <= v[i] - a, i - 1, i)
-    return (i | np.where(x < 0, 0x80, 0)).astype(np.uint8)
-
-
-def _to_bf16(x):
-    """float32 -> bfloat16 bits (uint16), round to nearest even."""
-    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
 def write_fp8_checkpoint(directory, fields, seed, dequantized=False, pool_size=1 << 24, block_jitter=True):
     """A random checkpoint in DeepSeek-V3's own fp8 layout: every projection
     ("linear" in checkpoint_tensors) F8_E4M3 with a weight_scale_inv of
@@ -204,9 +181,12 @@ def write_fp8_checkpoint(directory, fields, seed, dequantized=False, pool_size=1
     codes with every block of a tensor at one scale (their control: a
     loader that misplaced the blocks' scales would match it)."""
     import os
+
+    import ml_dtypes
     rng = np.random.default_rng(seed)
     samples = rng.standard_normal(pool_size)
-    pools = {"fp8": _to_e4m3(samples)}
+    fp8, bf16 = ml_dtypes.float8_e4m3fn, ml_dtypes.bfloat16
+    pools = {"fp8": samples.astype(fp8)}
 
     def take(pool, n):
         if n <= pool.size:
@@ -216,10 +196,9 @@ def write_fp8_checkpoint(directory, fields, seed, dequantized=False, pool_size=1
 
     def bf16_pool(scale):
         if scale not in pools:
-            pools[scale] = _to_bf16(samples * scale)
+            pools[scale] = (samples * scale).astype(bf16)
         return pools[scale]
 
-    code_values = np.concatenate([_e4m3_values(), [np.nan]])
     weight_map, current, out = {}, None, []
 
     def flush():  # one file per layer, written once the layer is complete
@@ -235,7 +214,7 @@ def write_fp8_checkpoint(directory, fields, seed, dequantized=False, pool_size=1
             current = layer
         n = int(np.prod(shape))
         if kind == "norm":
-            out.append((name, "BF16", shape, _to_bf16(rng.uniform(0.5, 1.5, shape))))
+            out.append((name, "BF16", shape, rng.uniform(0.5, 1.5, shape).astype(bf16)))
         elif kind == "bias":
             out.append((name, "F32", shape, (rng.standard_normal(shape) * 0.05).astype(np.float32)))
         elif kind in ("embed", "router"):
@@ -248,8 +227,7 @@ def write_fp8_checkpoint(directory, fields, seed, dequantized=False, pool_size=1
             codes = take(pools["fp8"], n)
             if dequantized:
                 full = np.repeat(np.repeat(scale, 128, 0), 128, 1)[:rows, :cols]
-                value = code_values[codes & 0x7F] * np.where(codes >= 0x80, -1.0, 1.0)
-                out.append((name, "BF16", shape, _to_bf16(value.reshape(shape) * full)))
+                out.append((name, "BF16", shape, (codes.astype(np.float64).reshape(shape) * full).astype(bf16)))
             else:
                 out.append((name, "F8_E4M3", shape, codes))
                 out.append((name + "_scale_inv", "F32", scale.shape, scale.astype(np.float32)))
