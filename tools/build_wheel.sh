@@ -18,7 +18,7 @@
 #   libraries that come from the nvidia-* wheels or the system (libcuda,
 #   libcudart, libnccl, libnvshmem: never bundled).
 # - The tag is the oldest manylinux the module's glibc symbols allow
-#   (auditwheel show decides; --plat asks for one): manylinux_2_28 when built
+#   (auditwheel repair --plat auto; --plat asks for one): manylinux_2_28 when built
 #   in quay.io/pypa/manylinux_2_28_x86_64 (glibc 2.28), the build machine's
 #   glibc otherwise (Debian 12: 2.36), where the wheel installs on that
 #   glibc and newer only.
@@ -60,9 +60,8 @@ CMAKE_ARGS="$args ${CMAKE_ARGS:-}" $py -m build --wheel --outdir "$raw" "$root"
 whl=$(ls "$raw"/moelink-*.whl)
 
 echo "== auditwheel show"
-$py -m auditwheel show "$whl" | tee "$raw/show.txt"
-# auto: the oldest tag the symbols allow ("This constrains the platform tag to ...").
-plat=${plat:-auto}
+$py -m auditwheel show "$whl"
+plat=${plat:-auto}  # auto: the oldest tag the symbols allow
 echo "== auditwheel repair --plat $plat"
 mkdir -p "$out"
 $py -m auditwheel repair "$whl" --plat "$plat" -w "$out" \
