@@ -374,8 +374,9 @@ TEST(ModelCuda, ADecodeStepReplayedInACudaGraphEqualsEagerSteps) {
   run_ranks(1, [&](int, moelink::Bootstrap& boot) {
     auto eager = make_model(dir, boot, moelink::Backend::kNVLink);
     auto graphed = make_model(dir, boot, moelink::Backend::kNVLink);
-    // Three prompts (their prefill eager on both), pages 0-3, 4-7, 8-11.
-    const std::vector<std::vector<int32_t>> prompts{tokens(20, 1), tokens(33, 2), tokens(7, 3)};
+    // Three prompts (their prefill eager on both; each within max_tokens =
+    // 32 rows), pages 0-3, 4-7, 8-11.
+    const std::vector<std::vector<int32_t>> prompts{tokens(20, 1), tokens(31, 2), tokens(7, 3)};
     for (int i = 0; i < 3; ++i)
       for (auto* m : {eager.get(), graphed.get()})
         run(*m, true, {prompts[i], {0, static_cast<int32_t>(prompts[i].size())},
@@ -401,7 +402,7 @@ TEST(ModelCuda, ADecodeStepReplayedInACudaGraphEqualsEagerSteps) {
     out.logits = Tensor::contiguous(d_logits, DType::kFloat32, {B, kVocab});
     cudaStream_t s = nullptr;
     CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    std::vector<int32_t> len{20, 33, 7};
+    std::vector<int32_t> len{20, 31, 7};
     cudaGraphExec_t exec = nullptr;
     std::mt19937_64 rng(fresh_seed());
     for (int step = 0; step < 4; ++step) {
