@@ -12,7 +12,7 @@
 # its CPU parts only.
 
 cutlass_version=4.2.0.0  # CUTLASS's C++ headers (nvidia-cutlass wheel) for the expert kernels
-flashinfer_version=0.7.4  # FlashInfer's C++ headers (flashinfer-python wheel) for the MLA decode kernel
+flashinfer_version=0.7.4  # FlashInfer's C++ headers (flashinfer-python wheel) for the MLA decode and prefill kernels
 
 # FlashInfer's MLA headers with the CUTLASS and CCCL they are written
 # against, from the flashinfer-python wheel (100 MB), packed into $1
@@ -23,8 +23,8 @@ moelink_flashinfer_headers() {
   python3 -m pip download -q --no-deps --disable-pip-version-check -d "$tmp" \
     "flashinfer-python==$flashinfer_version" || { rm -rf "$tmp"; return 1; }
   python3 -m zipfile -e "$tmp"/flashinfer_python-*.whl "$tmp/w" || { rm -rf "$tmp"; return 1; }
-  tar cJf "$out" -C "$tmp/w/flashinfer/data" include cutlass/include cccl/libcudacxx/include \
-    cccl/cub/cub cccl/thrust/thrust
+  tar cJf "$out" -C "$tmp/w/flashinfer/data" include cutlass/include cutlass/tools/util/include \
+    cccl/libcudacxx/include cccl/cub/cub cccl/thrust/thrust
   rm -rf "$tmp"
 }
 

@@ -49,7 +49,7 @@ flashinfer_args=()
 flashinfer_pack=$(ls "$root"/.deps/flashinfer-*-headers.tar.xz 2>/dev/null | head -1)
 if [[ -n $flashinfer_pack ]]; then
   flashinfer_dir=/tmp/moelink-flashinfer
-  [[ -f $flashinfer_dir/include/flashinfer/attention/mla_hopper.cuh ]] ||
+  [[ -f $flashinfer_dir/cutlass/tools/util/include/cutlass/util/command_line.h ]] ||
     { mkdir -p "$flashinfer_dir" && tar xJf "$flashinfer_pack" -C "$flashinfer_dir"; }
   flashinfer_args=(-DMOELINK_FLASHINFER_DIR="$flashinfer_dir")
 fi

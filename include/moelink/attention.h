@@ -99,9 +99,20 @@ enum class MLADecodeKernel {
   kMoelink,     // always moelink's own kernel (any shape, CUDA graphs)
 };
 
+// The kernel of the prefill attention (MHA form) on CUDA.
+enum class MLAPrefillKernel {
+  // FlashInfer's Hopper prefill kernel (FA3) where it applies (a build with
+  // FlashInfer's headers, qk_nope_head_dim 128, qk_rope_head_dim 64,
+  // v_head_dim 128), else moelink's own.
+  kAuto,
+  kFlashInfer,  // always FlashInfer's (create() refuses where it cannot)
+  kMoelink,     // always moelink's own kernel (any shape; the reference)
+};
+
 struct MLAOptions {
   AttentionDevice device = AttentionDevice::kCUDA;
-  MLADecodeKernel decode_kernel = MLADecodeKernel::kAuto;  // CUDA only
+  MLADecodeKernel decode_kernel = MLADecodeKernel::kAuto;    // CUDA only
+  MLAPrefillKernel prefill_kernel = MLAPrefillKernel::kAuto;  // CUDA only
   int tp_size = 1;  // heads split over this many ranks: 1, 2, 4, 8, ... dividing num_attention_heads
   int tp_rank = 0;  // this rank's heads: tp_rank * Hq .. tp_rank * Hq + Hq - 1
   int page_size = 64;            // P: cache rows per page, a multiple of 16
@@ -195,9 +206,11 @@ class MLAAttention {
   // copies) plans on the host, so its schedule for the replay's batch is
   // made here from `batch`'s host copies (the graph's device tensors hold
   // the same values by the time it runs; the previous replay must have
-  // finished). Throws InvalidArgument, naming what, for a batch FlashInfer's
-  // captured decode cannot run (capture again or run eagerly). Nothing to
-  // do for moelink's kernel or on the CPU.
+  // finished). The graph is found by the batch's num_decode: one graph per
+  // batch size (the last capture of a size is the one replayed); eager
+  // steps in between do not disturb it. Throws InvalidArgument, naming
+  // what, for a batch FlashInfer's captured decode cannot run (capture
+  // again or run eagerly). Nothing to do for moelink's kernel or on the CPU.
   void prepare_graph_replay(const MLABatch& batch, const Tensor& kv_cache);
 
   // Waits for the work on `stream` and throws InputError for what the step

@@ -30,14 +30,23 @@ MLADecodeKernel parse_decode_kernel(const std::string& s) {
                         "' must be 'auto', 'flashinfer' or 'moelink'");
 }
 
+MLAPrefillKernel parse_prefill_kernel(const std::string& s) {
+  if (s == "auto") return MLAPrefillKernel::kAuto;
+  if (s == "flashinfer") return MLAPrefillKernel::kFlashInfer;
+  if (s == "moelink") return MLAPrefillKernel::kMoelink;
+  throw InvalidArgument("moelink: MLAAttention: prefill_kernel = '" + s +
+                        "' must be 'auto', 'flashinfer' or 'moelink'");
+}
+
 class PyMLAAttention {
  public:
   PyMLAAttention(const MLAConfig& config, const std::string& device, int tp_size, int tp_rank,
                  int page_size, int64_t max_tokens, int max_requests, int max_pages_per_request,
-                 int debug, const std::string& decode_kernel) {
+                 int debug, const std::string& decode_kernel, const std::string& prefill_kernel) {
     MLAOptions o;
     o.device = parse_device(device);
     o.decode_kernel = parse_decode_kernel(decode_kernel);
+    o.prefill_kernel = parse_prefill_kernel(prefill_kernel);
     o.tp_size = tp_size;
     o.tp_rank = tp_rank;
     o.page_size = page_size;
@@ -168,7 +177,7 @@ void bind_attention(nb::module_& m) {
       .def(nb::init<const MLAConfig&, const std::string&, int, int, int, int64_t, int, int, int,
                     const std::string&>(),
            "config"_a, "device"_a, "tp_size"_a, "tp_rank"_a, "page_size"_a, "max_tokens"_a,
-           "max_requests"_a, "max_pages_per_request"_a, "debug"_a, "decode_kernel"_a)
+           "max_requests"_a, "max_pages_per_request"_a, "debug"_a, "decode_kernel"_a, "prefill_kernel"_a)
       .def("set_weights", &PyMLAAttention::set_weights, "tensors"_a)
       .def("load_checkpoint", &PyMLAAttention::load_checkpoint, "directory"_a, "layer_index"_a)
       .def("forward", &PyMLAAttention::forward, "out"_a, "x"_a, "kv_cache"_a, "q_start"_a,

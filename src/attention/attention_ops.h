@@ -108,9 +108,11 @@ class AttentionOps : public DeviceMemory {
 };
 
 std::unique_ptr<AttentionOps> make_cpu_attention_ops();
-// Throws InvalidArgument in a build without CUDA, or for a decode kernel
-// that cannot run this attention (naming MLAOptions.decode_kernel).
+// Throws InvalidArgument in a build without CUDA, or for a decode or
+// prefill kernel that cannot run this attention (naming the MLAOptions
+// field).
 std::unique_ptr<AttentionOps> make_cuda_attention_ops(const MLAConfig& config, int local_heads,
-                                                      MLADecodeKernel decode_kernel);
+                                                      MLADecodeKernel decode_kernel,
+                                                      MLAPrefillKernel prefill_kernel);
 
 }  // namespace moelink::detail::attention

@@ -118,7 +118,7 @@ class MLAAttentionImpl {
     debug_ = o_.debug >= 0 ? o_.debug != 0 : env_flag("MOELINK_DEBUG");
     const bool host = o_.device == AttentionDevice::kCPU;
     ops_ = host ? attention::make_cpu_attention_ops()
-                : attention::make_cuda_attention_ops(c_, Hq_, o_.decode_kernel);
+                : attention::make_cuda_attention_ops(c_, Hq_, o_.decode_kernel, o_.prefill_kernel);
     rope_ = attention::rope_params(c_);
 
     const int64_t T = o_.max_tokens, D = c_.hidden_size, Rq = c_.q_lora_rank, R = c_.kv_lora_rank,

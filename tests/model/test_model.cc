@@ -37,8 +37,10 @@ constexpr int kVocab = 512, kHidden = 256, kLayers = 2;
 
 // config.json and a bf16 checkpoint of transformers' names: one dense layer,
 // one MoE layer of 16 experts (4 groups, top-4 in 2) with a shared expert;
-// MLA with the real head dims and 4 heads. Weights of variance 1 / fan-in.
-std::string write_tiny_model(uint64_t seed) {
+// MLA with the real head dims and 4 heads (or `heads` and latent
+// `kv_lora`: 128 and 512 are FlashInfer's MLA decode shape at DP attention).
+// Weights of variance 1 / fan-in.
+std::string write_tiny_model(uint64_t seed, int heads = 4, int kv_lora = 128) {
   char tmpl[] = "/tmp/moelink-model-XXXXXX";
   const std::string dir = mkdtemp(tmpl);
   std::mt19937_64 rng(seed);
@@ -62,11 +64,11 @@ std::string write_tiny_model(uint64_t seed) {
     bf16(p + "post_attention_layernorm.weight", {kHidden}, 0, true);
     proj(a + "q_a_proj.weight", 128, kHidden);
     bf16(a + "q_a_layernorm.weight", {128}, 0, true);
-    proj(a + "kv_a_proj_with_mqa.weight", 128 + 64, kHidden);
-    bf16(a + "kv_a_layernorm.weight", {128}, 0, true);
-    proj(a + "q_b_proj.weight", 4 * 192, 128);
-    proj(a + "kv_b_proj.weight", 4 * 256, 128);
-    proj(a + "o_proj.weight", kHidden, 4 * 128);
+    proj(a + "kv_a_proj_with_mqa.weight", kv_lora + 64, kHidden);
+    bf16(a + "kv_a_layernorm.weight", {kv_lora}, 0, true);
+    proj(a + "q_b_proj.weight", heads * 192, 128);
+    proj(a + "kv_b_proj.weight", heads * 256, kv_lora);
+    proj(a + "o_proj.weight", kHidden, heads * 128);
     auto mlp = [&](const std::string& q, int64_t inter) {
       proj(q + "gate_proj.weight", inter, kHidden);
       proj(q + "up_proj.weight", inter, kHidden);
@@ -88,8 +90,9 @@ std::string write_tiny_model(uint64_t seed) {
     "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
     "num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 16,
     "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
-    "norm_topk_prob": true, "routed_scaling_factor": 2.5, "num_attention_heads": 4,
-    "q_lora_rank": 128, "kv_lora_rank": 128, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "norm_topk_prob": true, "routed_scaling_factor": 2.5, "num_attention_heads": )"
+                                      << heads << R"(,
+    "q_lora_rank": 128, "kv_lora_rank": )" << kv_lora << R"(, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
     "v_head_dim": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-6})";
   return dir;
 }
@@ -474,9 +477,8 @@ TEST(ModelCuda, ADecodeStepReplayedInACudaGraphEqualsEagerSteps) {
 // bucket's graph (eager first, captured second, replayed after) give the
 // tokens of the same steps without graphs, as the batch size, the
 // lengths and the drafts change; a prefill between them runs eagerly.
-TEST(ModelCuda, DecodeGraphsGiveTheTokensOfEagerSteps) {
-  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  const std::string dir = write_tiny_model(fresh_seed());
+void check_decode_graphs(int heads, int kv_lora) {
+  const std::string dir = write_tiny_model(fresh_seed(), heads, kv_lora);
   run_ranks(1, [&](int, moelink::Bootstrap& boot) {
     moelink::ModelOptions o;
     o.moe.max_tokens = 32;
@@ -523,10 +525,13 @@ TEST(ModelCuda, DecodeGraphsGiveTheTokensOfEagerSteps) {
       last[i] = both(prompt, {0, len[i]}, {len[i]}, {4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3}, 0, {})[0];
     }
     // Decode steps: three requests (bucket 4: eager, captured, replayed),
-    // two (bucket 2), one, three again; drafts on some.
+    // two (bucket 2), one, three again; drafts on some. Before the fourth,
+    // a fourth request's prefill (eager): the replays after it must not run
+    // on its attention plan.
     std::mt19937_64 rng(fresh_seed());
     const std::vector<std::vector<int>> batches{{0, 1, 2}, {0, 1, 2}, {0, 1, 2}, {2, 0}, {1}, {0, 1, 2}, {1, 2}, {2, 1}};
     for (size_t step = 0; step < batches.size(); ++step) {
+      if (step == 3) both(tokens(5, 13), {0, 5}, {5}, {12, 13, 14, 15}, 0, {});
       const std::vector<int>& reqs = batches[step];
       std::vector<int32_t> ids, q_start{0}, kv_len, table, drafts;
       for (int i : reqs) {
@@ -553,6 +558,19 @@ TEST(ModelCuda, DecodeGraphsGiveTheTokensOfEagerSteps) {
     RANK_CHECK(gs.eager_steps >= 3 && gs.replays >= 1) << gs.replays << " replays, " << gs.eager_steps << " eager";
     RANK_CHECK(ps.replays == 0 && ps.eager_steps == 0 && ps.captures == 0);
   }, 180);
+}
+
+TEST(ModelCuda, DecodeGraphsGiveTheTokensOfEagerSteps) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  check_decode_graphs(4, 128);  // moelink's decode kernel
+}
+
+// 128 heads and latent 512: FlashInfer's MLA decode (in a build with its
+// headers), re-planned before each replay; MTP's two query rows make two
+// of its 128-row tiles per request.
+TEST(ModelCuda, FlashInferDecodeGraphsGiveTheTokensOfEagerSteps) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  check_decode_graphs(128, 512);
 }
 #endif
 

@@ -261,6 +261,37 @@ __global__ void prefill_finish_kernel(PrefillSoftmax st, uint16_t* out, int64_t 
     o[d] = bf16(sum > 0.0f ? st.acc[at * st.v_dims + d] / sum : 0.0f);
 }
 
+// Block (key, head): the head's nope dims from kv, then the shared rope dims.
+__global__ void assemble_keys_kernel(uint16_t* k, const uint16_t* kv, int64_t kv_stride, const uint16_t* k_pe,
+                                     int64_t kpe_stride, int nope_dims, int rope_dims, int v_dims) {
+  const int64_t s = blockIdx.x;
+  const int h = blockIdx.y, heads = gridDim.y, head_dim = nope_dims + rope_dims;
+  uint16_t* dst = k + (s * heads + h) * head_dim;
+  const uint16_t* nope = kv + s * kv_stride + static_cast<int64_t>(h) * (nope_dims + v_dims);
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
+    dst[d] = d < nope_dims ? nope[d] : k_pe[s * kpe_stride + d - nope_dims];
+}
+
+// Block (row, head): one call's normalized output and log2-sum-exp folded
+// into the running softmax (the state's max and sum in natural-log units).
+__global__ void prefill_merge_kernel(PrefillSoftmax st, int64_t row0, const uint16_t* o, const float* lse) {
+  const int64_t j = blockIdx.x;
+  const int h = blockIdx.y;
+  const float l = lse[j * st.heads + h] * 0.69314718f;  // log2 -> ln
+  if (!(l > -INFINITY)) return;  // the row saw no key in this call
+  const int64_t at = (row0 + j) * st.heads + h;
+  const float old_max = st.max[at], new_max = fmaxf(old_max, l);
+  const float keep = expf(old_max - new_max), add = expf(l - new_max);
+  const uint16_t* src = o + (j * st.heads + h) * st.v_dims;
+  for (int d = threadIdx.x; d < st.v_dims; d += blockDim.x)
+    st.acc[at * st.v_dims + d] = st.acc[at * st.v_dims + d] * keep + f32(src[d]) * add;
+  __syncthreads();  // every thread has read the old max
+  if (threadIdx.x == 0) {
+    st.sum[at] = st.sum[at] * keep + add;
+    st.max[at] = new_max;
+  }
+}
+
 __global__ void gather_kv_kernel(uint16_t* latent, int64_t latent_stride, int R, uint16_t* k_pe,
                                  int64_t kpe_stride, int Dr, const uint16_t* cache,
                                  const int32_t* block_row, int page_size, int64_t first) {
@@ -370,6 +401,22 @@ void launch_prefill_finish(const PrefillSoftmax& s, uint16_t* out, int64_t out_s
                            cudaStream_t stream) {
   if (s.rows == 0) return;
   prefill_finish_kernel<<<dim3(grid_rows(s.rows), s.heads), 128, 0, stream>>>(s, out, out_stride, row0);
+  MOELINK_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_assemble_keys(uint16_t* k, const uint16_t* kv, int64_t kv_stride, const uint16_t* k_pe,
+                          int64_t kpe_stride, int64_t keys, int heads, int nope_dims, int rope_dims,
+                          int v_dims, cudaStream_t stream) {
+  if (keys == 0 || heads == 0) return;
+  assemble_keys_kernel<<<dim3(grid_rows(keys), heads), 64, 0, stream>>>(k, kv, kv_stride, k_pe, kpe_stride,
+                                                                       nope_dims, rope_dims, v_dims);
+  MOELINK_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_prefill_merge(const PrefillSoftmax& s, int64_t row0, const uint16_t* o, const float* lse,
+                          int64_t rows, cudaStream_t stream) {
+  if (rows == 0 || s.heads == 0) return;
+  prefill_merge_kernel<<<dim3(grid_rows(rows), s.heads), 128, 0, stream>>>(s, row0, o, lse);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -66,6 +66,16 @@ void launch_prefill_chunk(const PrefillSoftmax& s, const uint16_t* q, int64_t q_
                           int nope_dims, int rope_dims, float scale, cudaStream_t stream);
 void launch_prefill_finish(const PrefillSoftmax& s, uint16_t* out, int64_t out_stride,
                            int64_t row0, cudaStream_t stream);
+// FlashInfer's prefill (flashinfer_prefill.h) around the same state: the
+// keys [keys, heads, nope + rope] it reads, assembled from the chunk's
+// kv_b expansion kv [keys, heads (nope + v)] and the shared k_pe [keys,
+// rope]; one call's output o [rows, heads, v] (normalized) and lse [rows,
+// heads] (log2) folded into the state's rows row0 .. row0 + rows - 1.
+void launch_assemble_keys(uint16_t* k, const uint16_t* kv, int64_t kv_stride, const uint16_t* k_pe,
+                          int64_t kpe_stride, int64_t keys, int heads, int nope_dims, int rope_dims,
+                          int v_dims, cudaStream_t stream);
+void launch_prefill_merge(const PrefillSoftmax& s, int64_t row0, const uint16_t* o, const float* lse,
+                          int64_t rows, cudaStream_t stream);
 
 void launch_set_count(int32_t* dst, int32_t value, cudaStream_t stream);
 

@@ -1,17 +1,20 @@
 // AttentionOps on the current CUDA device: cudaMalloc'd memory and the
 // kernels of attention_kernels.cu, each step on the caller's stream; the
-// decode attention on FlashInfer's MLA kernel where it applies
-// (MLAOptions.decode_kernel).
+// decode attention on FlashInfer's MLA kernel and the prefill on its Hopper
+// prefill kernel where they apply (MLAOptions.decode_kernel, prefill_kernel).
 #include <cuda_runtime_api.h>
 
 #include <cstring>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "attention/attention_ops.h"
 #include "attention/cuda/attention_kernels.h"
 #include "attention/cuda/flashinfer_mla.h"
+#include "attention/cuda/flashinfer_prefill.h"
+#include "attention/prefill_calls.h"
 #include "moelink/errors.h"
 #include "nvlink/cuda_check.h"
 #include "nvlink/cuda_memory.h"
@@ -32,7 +35,8 @@ struct CudaPrefillState final : AttentionOps::PrefillState {
 
 class CudaAttentionOps final : public CudaMemory<AttentionOps> {
  public:
-  CudaAttentionOps(const MLAConfig& c, int local_heads, MLADecodeKernel kernel) : kernel_(kernel) {
+  CudaAttentionOps(const MLAConfig& c, int local_heads, MLADecodeKernel kernel, MLAPrefillKernel prefill)
+      : kernel_(kernel) {
     const bool shapes = c.kv_lora_rank == FlashInferMLA::kLatent && c.qk_rope_head_dim == FlashInferMLA::kRope;
     if (kernel == MLADecodeKernel::kFlashInfer && !FlashInferMLA::built())
       throw InvalidArgument("moelink: MLAAttention: MLAOptions.decode_kernel = flashinfer, but this build "
@@ -43,6 +47,18 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
                             std::to_string(c.kv_lora_rank) + " and " + std::to_string(c.qk_rope_head_dim));
     if (kernel != MLADecodeKernel::kMoelink && FlashInferMLA::built() && shapes)
       flashinfer_ = FlashInferMLA::create(local_heads);
+    const bool prefill_shapes = c.qk_nope_head_dim + c.qk_rope_head_dim == FlashInferPrefill::kQkDims &&
+                                c.qk_rope_head_dim == 64 && c.v_head_dim == FlashInferPrefill::kVDims;
+    if (prefill == MLAPrefillKernel::kFlashInfer && !FlashInferPrefill::built())
+      throw InvalidArgument("moelink: MLAAttention: MLAOptions.prefill_kernel = flashinfer, but this build "
+                            "has no FlashInfer headers (configure with MOELINK_FLASHINFER_DIR)");
+    if (prefill == MLAPrefillKernel::kFlashInfer && !prefill_shapes)
+      throw InvalidArgument("moelink: MLAAttention: MLAOptions.prefill_kernel = flashinfer needs "
+                            "qk_nope_head_dim = 128, qk_rope_head_dim = 64 and v_head_dim = 128, got " +
+                            std::to_string(c.qk_nope_head_dim) + ", " + std::to_string(c.qk_rope_head_dim) +
+                            " and " + std::to_string(c.v_head_dim));
+    if (prefill != MLAPrefillKernel::kMoelink && FlashInferPrefill::built() && prefill_shapes)
+      flashinfer_prefill_ = FlashInferPrefill::create();
   }
 
   void sync(cudaStream_t stream) override { MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream)); }
@@ -141,6 +157,9 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
   void prefill_chunk(PrefillState& state, const Tensor& q, int64_t q_row0, int64_t q_rows, int64_t q_pos0,
                      const Tensor& kv, const Tensor& k_pe, int64_t k_pos0, int heads, int nope_dims,
                      int rope_dims, int v_dims, float scale, cudaStream_t stream) override {
+    if (flashinfer_prefill_)
+      return flashinfer_prefill_chunk(static_cast<CudaPrefillState&>(state).softmax, q, q_row0, q_rows, q_pos0,
+                                      kv, k_pe, k_pos0, heads, nope_dims, rope_dims, v_dims, scale, stream);
     (void)q_rows, (void)heads, (void)v_dims;  // the state's
     launch_prefill_chunk(static_cast<CudaPrefillState&>(state).softmax, bf16_data(q), q.stride[0], q_row0, q_pos0, bf16_data(kv), kv.stride[0],
                          bf16_data(k_pe), k_pe.stride[0], kv.shape[0], k_pos0, nope_dims, rope_dims, scale,
@@ -175,6 +194,7 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
     MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
     const bool capture = capturing != cudaStreamCaptureStatusNone;
     const bool host = b.host_q_start.defined() && b.host_kv_len.defined() && b.host_block_table.defined();
+    if (capture) flashinfer_graphs_.erase(b.num_decode);  // until this capture plans FlashInfer
     if (capture && !host) {
       if (kernel_ == MLADecodeKernel::kFlashInfer)
         throw InvalidArgument("moelink: MLAAttention.forward: MLAOptions.decode_kernel = flashinfer "
@@ -186,13 +206,14 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
     if (!capture && !host) MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream));  // values from the stream's work
     if (!host_schedule(b, cache, host)) return false;
     flashinfer_->plan(q_start_.data(), kv_indptr_.data(), kv_len_.data(), b.num_decode, stream);
-    captured_flashinfer_ = capture;
+    if (capture) flashinfer_graphs_.insert(b.num_decode);
     return true;
   }
 
-  // A captured FlashInfer decode: its plan for the next replay's batch.
+  // A graph captured with FlashInfer's decode at this batch size: its plan
+  // for the next replay's batch.
   void prepare_replay(const MLABatch& b, const Tensor& cache) override {
-    if (!captured_flashinfer_) return;
+    if (flashinfer_graphs_.count(b.num_decode) == 0) return;
     if (!(b.host_q_start.defined() && b.host_kv_len.defined() && b.host_block_table.defined()))
       throw InvalidArgument("moelink: MLAAttention.prepare_graph_replay: the graph runs FlashInfer's decode, "
                             "whose plan needs MLABatch's host copies (host_q_start, host_kv_len, "
@@ -240,8 +261,53 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
     return B > 0 && q_start_[B] > 0;
   }
 
+  // The chunk's keys [k_pos0, k_pos0 + keys) against the query rows at
+  // positions q_pos0 .. q_pos0 + q_rows - 1 on FlashInfer's kernel: the
+  // calls prefill_calls() splits the chunk into, each call's output and LSE
+  // folded into the running softmax.
+  void flashinfer_prefill_chunk(const PrefillSoftmax& st, const Tensor& q, int64_t q_row0, int64_t q_rows,
+                                int64_t q_pos0, const Tensor& kv, const Tensor& k_pe, int64_t k_pos0, int heads,
+                                int nope_dims, int rope_dims, int v_dims, float scale, cudaStream_t stream) {
+    const int64_t keys = kv.shape[0], head_dim = nope_dims + rope_dims;
+    if (q_rows == 0 || keys == 0) return;
+    auto* k = static_cast<uint16_t*>(prefill_keys_.get(static_cast<size_t>(keys) * heads * head_dim * 2));
+    launch_assemble_keys(k, bf16_data(kv), kv.stride[0], bf16_data(k_pe), k_pe.stride[0], keys, heads, nope_dims,
+                         rope_dims, v_dims, stream);
+    const size_t o_bytes = static_cast<size_t>(q_rows) * heads * v_dims * 2;
+    auto* o = static_cast<uint16_t*>(prefill_out_.get(o_bytes + static_cast<size_t>(q_rows) * heads * 4));
+    auto* lse = reinterpret_cast<float*>(reinterpret_cast<char*>(o) + o_bytes);
+    for (const PrefillCall& c : prefill_calls(q_pos0, q_rows, k_pos0, keys)) {
+      if (c.rows == 0) continue;
+      FlashInferPrefillArgs a{};
+      a.q = bf16_data(q) + (q_row0 + c.row_first) * q.stride[0];
+      a.q_stride_row = q.stride[0];
+      a.q_stride_head = head_dim;
+      a.k = k + (c.key_first - k_pos0) * heads * head_dim;
+      a.k_stride_row = heads * head_dim;
+      a.k_stride_head = head_dim;
+      a.v = bf16_data(kv) + (c.key_first - k_pos0) * kv.stride[0] + nope_dims;
+      a.v_stride_row = kv.stride[0];
+      a.v_stride_head = nope_dims + v_dims;
+      a.out = o;
+      a.out_stride_row = static_cast<int64_t>(heads) * v_dims;
+      a.out_stride_head = v_dims;
+      a.lse = lse;
+      a.q_rows = static_cast<int>(c.rows);
+      a.keys = static_cast<int>(c.keys);
+      a.heads = heads;
+      a.scale = scale;
+      a.causal = c.causal;
+      flashinfer_prefill_->run(a, stream);
+      launch_prefill_merge(st, c.row_first, o, lse, c.rows, stream);
+    }
+  }
+
   MLADecodeKernel kernel_;
-  bool captured_flashinfer_ = false;  // a capture planned FlashInfer: replays need prepare_replay()
+  std::unique_ptr<FlashInferPrefill> flashinfer_prefill_;  // null: moelink's prefill kernel
+  GrowingDeviceBuffer prefill_keys_, prefill_out_;        // FlashInfer's keys; one call's output and LSE
+  // Batch sizes (num_decode) whose last capture planned FlashInfer: their
+  // replays need prepare_replay(); eager plans in between leave them be.
+  std::set<int> flashinfer_graphs_;
   std::unique_ptr<FlashInferMLA> flashinfer_;
   std::vector<int32_t> q_start_, kv_len_, kv_indptr_, table_;
   GrowingDeviceBuffer prefill_memory_;  // one request's running softmax at a time
@@ -250,8 +316,9 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
 }  // namespace
 
 std::unique_ptr<AttentionOps> make_cuda_attention_ops(const MLAConfig& config, int local_heads,
-                                                      MLADecodeKernel decode_kernel) {
-  return std::make_unique<CudaAttentionOps>(config, local_heads, decode_kernel);
+                                                      MLADecodeKernel decode_kernel,
+                                                      MLAPrefillKernel prefill_kernel) {
+  return std::make_unique<CudaAttentionOps>(config, local_heads, decode_kernel, prefill_kernel);
 }
 
 }  // namespace moelink::detail::attention

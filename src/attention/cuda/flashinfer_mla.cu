@@ -2,6 +2,7 @@
 #include <flashinfer/attention/mla_hopper.cuh>
 #include <flashinfer/attention/scheduler.cuh>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -55,24 +56,26 @@ class FlashInferMLAImpl final : public FlashInferMLA {
     const size_t staged_bytes = schedule(q_indptr, kv_indptr, kv_len, batch, info_);
     MOELINK_CUDA_CHECK(cudaMemcpyAsync(int_ws_, staging_, staged_bytes, cudaMemcpyHostToDevice, stream));
     if (capture) {
-      captured_ = info_;
-      captured_bytes_ = staged_bytes;
+      captured_[batch] = {info_, staged_bytes};
     } else {
       MOELINK_CUDA_CHECK(cudaEventRecord(staged_, stream));
     }
   }
 
   void replan(const int32_t* q_indptr, const int32_t* kv_indptr, const int32_t* kv_len, int batch) override {
-    if (captured_bytes_ == 0)
-      throw InvalidArgument("moelink: FlashInfer MLA: replan without a captured plan");
+    const auto it = captured_.find(batch);
+    if (it == captured_.end())
+      throw InvalidArgument("moelink: FlashInfer MLA: replan of a batch of " + std::to_string(batch) +
+                            " requests without a captured plan of that size");
+    const Captured& c = it->second;
     MOELINK_CUDA_CHECK(cudaEventSynchronize(staged_));  // an eager plan's copy may still read staging
     flashinfer::MLAPlanInfo info{};
     const size_t staged_bytes = schedule(q_indptr, kv_indptr, kv_len, batch, info);
-    if (info.ToVector() != captured_.ToVector() || staged_bytes != captured_bytes_)
+    if (info.ToVector() != c.info.ToVector() || staged_bytes != c.bytes)
       throw InvalidArgument("moelink: MLAAttention.prepare_graph_replay: this batch's FlashInfer schedule (" +
                             std::to_string(info.num_blks_x) + " x " + std::to_string(info.num_blks_y) +
-                            " blocks) does not fit the captured one (" + std::to_string(captured_.num_blks_x) +
-                            " x " + std::to_string(captured_.num_blks_y) + "): capture the step again");
+                            " blocks) does not fit the captured one (" + std::to_string(c.info.num_blks_x) +
+                            " x " + std::to_string(c.info.num_blks_y) + "): capture the step again");
   }
 
   // MLAPlan: the schedule into the host staging buffer and `info`; the
@@ -141,8 +144,13 @@ class FlashInferMLAImpl final : public FlashInferMLA {
   void* staging_ = nullptr;
   cudaEvent_t staged_ = nullptr;
   flashinfer::MLAPlanInfo info_{};
-  flashinfer::MLAPlanInfo captured_{};  // the plan a graph captured (captured_bytes_ > 0)
-  size_t captured_bytes_ = 0;
+  // The plan each batch size's graph captured (its grid and layout, which
+  // the graph's kernel launch keeps): a replay's schedule must match it.
+  struct Captured {
+    flashinfer::MLAPlanInfo info;
+    size_t bytes;
+  };
+  std::map<int, Captured> captured_;
 };
 
 }  // namespace

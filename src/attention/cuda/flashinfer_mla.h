@@ -45,10 +45,12 @@ class FlashInferMLA {
   // rewrites before each replay.
   virtual void plan(const int32_t* q_indptr, const int32_t* kv_indptr, const int32_t* kv_len,
                     int batch, cudaStream_t stream) = 0;
-  // For the captured plan: a new batch's schedule into the staging buffer
-  // the captured copy reads (the previous replay must have finished). Throws
-  // InvalidArgument when its grid or layout differs from the captured one
-  // (capture again), or when nothing was captured.
+  // For the plan captured at this batch size (the last capture of that
+  // size; one graph per batch size): a new batch's schedule into the
+  // staging buffer the captured copy reads (the previous replay must have
+  // finished). Throws InvalidArgument when its grid or layout differs from
+  // the captured one (capture again), or when nothing of that size was
+  // captured.
   virtual void replan(const int32_t* q_indptr, const int32_t* kv_indptr, const int32_t* kv_len,
                       int batch) = 0;
   virtual void run(const FlashInferMLAArgs& a, cudaStream_t stream) = 0;
