@@ -175,7 +175,7 @@ void bind_attention(nb::module_& m) {
 
   nb::class_<PyMLAAttention>(m, "MLAAttention", "MLA attention (moelink.MLAAttention wraps this).")
       .def(nb::init<const MLAConfig&, const std::string&, int, int, int, int64_t, int, int, int,
-                    const std::string&>(),
+                    const std::string&, const std::string&>(),
            "config"_a, "device"_a, "tp_size"_a, "tp_rank"_a, "page_size"_a, "max_tokens"_a,
            "max_requests"_a, "max_pages_per_request"_a, "debug"_a, "decode_kernel"_a, "prefill_kernel"_a)
       .def("set_weights", &PyMLAAttention::set_weights, "tensors"_a)

@@ -52,6 +52,18 @@ def test_decode_kernel_is_checked():
         moelink.MLAAttention(dict(SMALL), device="cuda", decode_kernel="moelink", **kw)
 
 
+def test_prefill_kernel_is_checked():
+    kw = dict(max_tokens=4, max_requests=1, max_pages_per_request=1)
+    with pytest.raises(ValueError, match="prefill_kernel = 'fa3'"):
+        moelink.MLAAttention(dict(SMALL), device="cpu", prefill_kernel="fa3", **kw)
+    moelink.MLAAttention(dict(SMALL), device="cpu", prefill_kernel="moelink", **kw)
+    torch = _torch()
+    if moelink.with_cuda and torch is not None and torch.cuda.is_available():
+        # FlashInfer's prefill instantiation is v_head_dim 128 (or the build lacks it).
+        with pytest.raises(ValueError, match="prefill_kernel = flashinfer"):
+            moelink.MLAAttention(dict(SMALL, v_head_dim=64), device="cuda", prefill_kernel="flashinfer", **kw)
+
+
 def _numpy_weights(rng, c):
     """fp8 (uint8 codes) weights with their block scales, as a checkpoint holds them."""
     def proj(n, k):
