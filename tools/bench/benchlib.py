@@ -32,8 +32,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def median_event_us(fn, iters, warmup=3):
-    """Median time of fn() between CUDA events, one pair per call."""
+def median_event_us(fn, iters, warmup=3, sync_each=False):
+    """Median time of fn() between CUDA events, one pair per call; with
+    sync_each, the device drained after every call (no call queued behind
+    the previous one)."""
     import torch
     for _ in range(warmup):
         fn()
@@ -43,6 +45,8 @@ def median_event_us(fn, iters, warmup=3):
         s.record()
         fn()
         e.record()
+        if sync_each:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
 

@@ -53,7 +53,7 @@ import time
 import torch
 
 import moelink
-from benchlib import free_port
+from benchlib import copy_gbs, free_port, median_event_us
 from layer_report import STAGES, stage_of_kernels
 
 
@@ -71,36 +71,6 @@ def block_fp8(shape, std):
         ss.append(s.float())
     return (torch.cat(qs).reshape(shape).contiguous(),
             torch.cat(ss).reshape(*lead, n // 128, k // 128).contiguous())
-
-
-def copy_gbs():
-    """Device-copy bandwidth, bytes read + written, GB/s (eager copies: a copy
-    captured in a graph runs on the copy engine, ~2.7 TB/s on an H200)."""
-    n = 4 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(10):
-        b.copy_(a)
-    e1.record()
-    torch.cuda.synchronize()
-    return 2 * n * 10 / (e0.elapsed_time(e1) * 1e-3) / 1e9
-
-
-def timed_us(fn, iters):
-    """Median wall time of fn() in microseconds, CUDA events around each call."""
-    times = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3)
-    return statistics.median(times)
 
 
 def kernel_profile(fn, iters, by_stage):
@@ -175,7 +145,7 @@ def main():
     torch.manual_seed(1 + rank)  # this rank's experts
     w13, w13s = block_fp8((L, 2 * I, H), 0.02)
     w2, w2s = block_fp8((L, H, I), 0.02)
-    bw = copy_gbs()
+    bw = copy_gbs(10)
     rec = {"tool": "tools/bench/layer_bench.py", "machine": a.machine,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -232,7 +202,7 @@ def main():
                     fwd()
                 torch.cuda.synchronize()
                 layer.check()
-                wall = timed_us(fwd, a.iters)
+                wall = median_event_us(fwd, a.iters, warmup=0, sync_each=True)
                 r = {"batch": batch, "mode": mode, "graphs": graphs, "touched_experts": touched,
                      "wall_us": wall, "floor_bytes": floor_bytes, "floor_us": floor_us,
                      "wall_over_floor": wall / floor_us}
