@@ -122,6 +122,14 @@ class Engine:
         return self._impl.idle
 
     @property
+    def failure(self) -> str:
+        """"" while the engine serves; else why its model cannot run again
+        (a CUDA error, a peer rank gone): that step ended every request
+        with finished "error", and add() now raises moelink.SystemError.
+        (Bad batch values end only their step's requests.)"""
+        return self._impl.failure
+
+    @property
     def preemptions(self) -> int:
         return self._impl.preemptions
 

@@ -134,6 +134,7 @@ void bind_engine(nb::module_& m) {
       .def("step", &PyEngine::step)
       .def("take_kv_events", &PyEngine::take_kv_events)
       .def_prop_ro("idle", [](PyEngine& e) { return e.engine().idle(); })
+      .def_prop_ro("failure", [](PyEngine& e) { return e.engine().failure(); })
       .def_prop_ro("waiting", [](PyEngine& e) { return e.engine().waiting(); })
       .def_prop_ro("running", [](PyEngine& e) { return e.engine().running(); })
       .def_prop_ro("preemptions", [](PyEngine& e) { return e.engine().preemptions(); })

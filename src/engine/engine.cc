@@ -56,7 +56,14 @@ void Engine::check_params(const GenerateParams& p) const {
   if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) bad("top_p", "= " + std::to_string(p.top_p) + " must be in (0, 1]");
 }
 
+void Engine::check_usable(const char* call) const {
+  if (!failure_.empty())
+    throw SystemError(std::string("moelink: Engine.") + call + ": the model failed at an earlier step and " +
+                      "cannot run again (" + failure_ + "); start a new engine on a new model");
+}
+
 uint64_t Engine::add(const GenerateParams& p) {
+  check_usable("add");
   check_params(p);
   auto r = std::make_unique<Request>();
   r->id = next_id_++;
@@ -77,6 +84,7 @@ void Engine::release(uint64_t id) {
 }
 
 std::optional<Engine::Received> Engine::receive(const GenerateParams& p) {
+  check_usable("receive");
   check_params(p);
   auto r = std::make_unique<Request>();
   r->id = next_id_++;
@@ -153,8 +161,21 @@ bool Engine::emit(Request& r, uint32_t t, StepResult& result, std::vector<StepRe
   return false;
 }
 
+void Engine::fail(const std::string& error, std::vector<StepResult>& out) {
+  failure_ = error;
+  std::vector<Request*> all;
+  for (auto& [id, r] : requests_) all.push_back(r.get());
+  for (Request* r : all) {
+    auto it = std::find_if(out.begin(), out.end(), [&](const StepResult& s) { return s.id == r->id; });
+    if (it == out.end()) it = out.insert(out.end(), StepResult{r->id, {}, FinishReason::kNone, 0, {}});
+    it->error = error;
+    finish(*r, FinishReason::kError, out);
+  }
+}
+
 std::vector<StepResult> Engine::step() {
   std::vector<StepResult> out;
+  if (!failure_.empty()) return out;  // every request ended when the model failed
   // Cancelled requests end now.
   std::vector<Request*> gone;
   for (auto& [id, r] : requests_)
@@ -294,10 +315,17 @@ std::vector<StepResult> Engine::step() {
     so.draft_tokens = Tensor::contiguous(drafts.data(), DType::kInt32, {B});
   }
   std::string error;
+  bool fatal = false;  // the model cannot run again (a device error, a peer gone)
   const auto t0 = std::chrono::steady_clock::now();
   try {
     model_.step_from_host(in, so);
     model_.check();
+  } catch (const SystemError& e) {
+    error = e.what();
+    fatal = true;
+  } catch (const TimeoutError& e) {
+    error = e.what();
+    fatal = true;
   } catch (const Error& e) {
     error = e.what();
   }
@@ -347,6 +375,7 @@ std::vector<StepResult> Engine::step() {
     running_.erase(std::find(running_.begin(), running_.end(), &r));
     it->finished = FinishReason::kHandedOff;
   }
+  if (fatal) fail(error, out);  // the batch's requests ended above, the rest end here
   return out;
 }
 

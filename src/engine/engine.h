@@ -131,6 +131,13 @@ class Engine {
     double seconds = 0.0, decode_seconds = 0.0;
   };
   const StepTimes& step_times() const { return step_times_; }
+  // Empty while the engine serves. A step whose model failed in a way it
+  // cannot run again after (SystemError: a CUDA error such as an illegal
+  // address, which poisons the context; TimeoutError: a peer rank gone)
+  // ends every request with kError and that message, which stays here:
+  // step() does nothing more and add() / receive() throw SystemError. (Bad
+  // batch values, InputError, end only that step's requests.)
+  const std::string& failure() const { return failure_; }
 
  private:
   struct Request {
@@ -154,6 +161,9 @@ class Engine {
   void preempt(Request& r);
   void check_params(const GenerateParams& p) const;
   void finish(Request& r, FinishReason why, std::vector<StepResult>& out);
+  void check_usable(const char* call) const;
+  // Ends every request with kError (the model cannot run again).
+  void fail(const std::string& error, std::vector<StepResult>& out);
   // Appends a new output token; true when it ends the request.
   bool emit(Request& r, uint32_t t, StepResult& result, std::vector<StepResult>& out);
 
@@ -167,6 +177,7 @@ class Engine {
   std::deque<Request*> resumed_;   // received and resumed, until running_ has room
   int64_t preemptions_ = 0, drafts_proposed_ = 0, drafts_accepted_ = 0;
   StepTimes step_times_;
+  std::string failure_;
 };
 
 }  // namespace moelink::engine

@@ -156,3 +156,52 @@ def test_bad_requests_are_refused_naming_the_field(checkpoint):
         eng.add([1, 2], top_p=0.0)
     i = eng.add([1, 2, 3], max_tokens=2)  # and the engine still works
     assert eng.run()[i].finished == "length"
+
+
+def _rank_that_leaves(checkpoint, port, q):
+    """Rank 1: builds its half of the model, then exits without a step."""
+    try:
+        m = moelink.Model(f"{checkpoint}/config.json", max_tokens=64, num_pages=16, backend="cpu",
+                          page_size=PAGE, max_requests=4, max_pages_per_request=8, timeout_s=5.0,
+                          bootstrap=moelink.TcpBootstrap(1, 2, "127.0.0.1", port, 30.0))
+        m.load_checkpoint(checkpoint)
+        q.put("ok")
+    except Exception as e:  # reported by the parent
+        q.put(f"{type(e).__name__}: {e}")
+
+
+def test_a_peer_rank_gone_fails_the_engine_once_and_for_all(checkpoint):
+    """Rank 1 of an expert-parallel pair exits: rank 0's next step fails
+    within the timeout, every request ends "error" naming why, the engine
+    reports the failure and refuses new requests (moelink.SystemError)
+    instead of failing them one step at a time."""
+    import multiprocessing as mp
+    import time
+    port = free_port()
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    peer = ctx.Process(target=_rank_that_leaves, args=(checkpoint, port, q))
+    peer.start()
+    m = moelink.Model(f"{checkpoint}/config.json", max_tokens=64, num_pages=16, backend="cpu",
+                      page_size=PAGE, max_requests=4, max_pages_per_request=8, timeout_s=5.0,
+                      bootstrap=moelink.TcpBootstrap(0, 2, "127.0.0.1", port, 30.0))
+    m.load_checkpoint(checkpoint)
+    assert q.get(timeout=60) == "ok"
+    peer.join(timeout=30)
+    eng = _engine(m, 16)
+    assert eng.failure == ""
+    rng = np.random.default_rng(5)
+    ids = [eng.add(rng.integers(0, 512, n).tolist(), max_tokens=4) for n in (5, 30, 40)]
+    t0 = time.monotonic()
+    ended = {}
+    while len(ended) < len(ids) and time.monotonic() - t0 < 60:
+        for r in eng.step():
+            if r.finished:
+                ended[r.id] = r
+    assert time.monotonic() - t0 < 30, "the dead peer was not noticed within the timeout"
+    assert sorted(ended) == sorted(ids), "a request never ended"
+    assert all(r.finished == "error" and r.error for r in ended.values()), ended
+    assert eng.failure and eng.failure in ended[ids[0]].error + ended[ids[-1]].error
+    assert eng.idle and eng.step() == []
+    with pytest.raises(moelink.SystemError, match="failed at an earlier step"):
+        eng.add([1, 2, 3])

@@ -156,6 +156,30 @@ def test_bad_requests_get_openai_errors_naming_the_field(served):
         assert json.loads(r.read()) == {"status": "ok"}
 
 
+def test_a_failed_engine_makes_health_and_requests_say_503(served):
+    """Once the engine's model cannot run again (Engine.failure, as the
+    engine thread saw it: set here by hand; tests/python/test_engine.py
+    fails a real one), /health answers 503 naming why and requests get
+    OpenAI-style 503s instead of queueing; the server itself keeps
+    answering."""
+    server, url = served
+    server._failure = "moelink: CUDA error in cudaStreamSynchronize: an illegal memory access"
+    try:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=10)
+            raise AssertionError("/health said ok")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503
+            assert "illegal memory access" in json.loads(e.read())["error"]
+        status, body = _post(url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
+        assert status == 503 and body["error"]["type"] == "server_error"
+        assert "restart the server" in body["error"]["message"]
+    finally:
+        server._failure = ""
+    status, body = _post(url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
+    assert status == 200, body
+
+
 def test_concurrent_requests_all_finish_and_pages_come_back(served):
     server, url = served
     results, errors = [], []

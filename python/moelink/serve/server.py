@@ -151,6 +151,7 @@ class Server:
         # The engine's counts as the engine thread last saw them: only that
         # thread touches the engine (its step runs without the GIL).
         self._engine_state = (0, 0, o.num_pages)  # running, waiting, available pages
+        self._failure = ""  # Engine.failure, copied by the engine thread
         self._drafts = (0, 0)  # MTP drafts proposed, accepted
         self._steps = {key: 0 for key, _ in STEP_METRICS}  # the step loop (step_counts)
         self.metrics = _Metrics()
@@ -225,6 +226,8 @@ class Server:
                     self._jobs[job.id] = job
                 except ValueError as e:
                     job.out.put(("error", str(e)))
+                except moelink.SystemError as e:  # the engine failed since the request came in
+                    job.out.put(("failed", str(e)))
             for jid, job in list(self._jobs.items()):
                 if job.cancelled:
                     self.engine.cancel(jid)
@@ -243,6 +246,7 @@ class Server:
                                model_steps=t["steps"], model_step_seconds=t["seconds"],
                                decode_steps=t["decode_steps"], decode_step_seconds=t["decode_seconds"],
                                decode_step_requests=t["decode_requests"])
+            self._failure = e.failure
             for r in results:
                 job = self._jobs.get(r.id)
                 if job is None:
@@ -254,9 +258,19 @@ class Server:
 
     # ------------------------------------------------------------ requests
 
+    def failure(self) -> str:
+        """"" while the local engine serves; else why its model cannot run
+        again (Engine.failure, as the engine thread saw it after its last
+        step): /health says so and requests get 503."""
+        return self._failure
+
     def prepare(self, body: dict, chat: bool):
         """Checks a completions or chat body; returns (prompt ids, engine
         params, stop strings, stream, include_usage). RequestError otherwise."""
+        failure = self.failure()
+        if failure:
+            raise RequestError(503, f"the engine failed and cannot serve (restart the server): {failure}",
+                               None, kind="server_error")
         o = self.options
         model = body.get("model")
         if model is not None and model != self.model_name:
@@ -336,6 +350,8 @@ class Server:
                 item = job.out.get()
                 if item[0] == "error":
                     raise RequestError(400, item[1], None)
+                if item[0] == "failed":
+                    raise RequestError(503, item[1], None, kind="server_error")
                 _, tokens, finished, cached, error = item
                 yield tokens, finished, cached, error
                 if finished:
@@ -463,7 +479,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         s = self.server_ref
         if self.path == "/health":
-            self._json(200, {"status": "ok"})
+            failure = s.failure()
+            self._json(503 if failure else 200, {"status": "error", "error": failure} if failure else {"status": "ok"})
         elif self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [
                 {"id": s.model_name, "object": "model", "created": 0, "owned_by": "moelink"}]})
