@@ -16,7 +16,8 @@
 # - auditwheel repair copies in the libraries the module needs beyond the
 #   manylinux base (xxHash, ...), except the CUDA driver and the NVIDIA
 #   libraries that come from the nvidia-* wheels or the system (libcuda,
-#   libcudart, libnccl, libnvshmem: never bundled).
+#   libcudart, libcublasLt, libnccl, libnvshmem: never bundled; cuBLASLt
+#   alone would add 400 MB).
 # - The tag is the oldest manylinux the module's glibc symbols allow
 #   (auditwheel repair --plat auto; --plat asks for one): manylinux_2_28 when built
 #   in quay.io/pypa/manylinux_2_28_x86_64 (glibc 2.28), the build machine's
@@ -65,7 +66,8 @@ plat=${plat:-auto}  # auto: the oldest tag the symbols allow
 echo "== auditwheel repair --plat $plat"
 mkdir -p "$out"
 $py -m auditwheel repair "$whl" --plat "$plat" -w "$out" \
-  --exclude 'libcuda.so.1' --exclude 'libcudart.so.*' --exclude 'libnccl.so.*' --exclude 'libnvshmem*' \
+  --exclude 'libcuda.so.1' --exclude 'libcudart.so.*' --exclude 'libcublasLt.so.*' --exclude 'libcublas.so.*' \
+  --exclude 'libnccl.so.*' --exclude 'libnvshmem*' \
   --exclude 'libnvidia-ml.so.1' --exclude 'libfabric.so.*' --exclude 'libibverbs.so.*' \
   --exclude 'librdmacm.so.*' --exclude 'libefa.so.*' --exclude 'libpsm2.so.*' --exclude 'libnuma.so.*'
 repaired=$(ls -t "$out"/moelink-*manylinux*.whl | head -1)
