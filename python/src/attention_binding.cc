@@ -22,19 +22,14 @@ AttentionDevice parse_device(const std::string& s) {
   throw InvalidArgument("moelink: MLAAttention: device = '" + s + "' must be 'cuda' or 'cpu'");
 }
 
-MLADecodeKernel parse_decode_kernel(const std::string& s) {
-  if (s == "auto") return MLADecodeKernel::kAuto;
-  if (s == "flashinfer") return MLADecodeKernel::kFlashInfer;
-  if (s == "moelink") return MLADecodeKernel::kMoelink;
-  throw InvalidArgument("moelink: MLAAttention: decode_kernel = '" + s +
-                        "' must be 'auto', 'flashinfer' or 'moelink'");
-}
-
-MLAPrefillKernel parse_prefill_kernel(const std::string& s) {
-  if (s == "auto") return MLAPrefillKernel::kAuto;
-  if (s == "flashinfer") return MLAPrefillKernel::kFlashInfer;
-  if (s == "moelink") return MLAPrefillKernel::kMoelink;
-  throw InvalidArgument("moelink: MLAAttention: prefill_kernel = '" + s +
+// MLAOptions.decode_kernel / prefill_kernel from their names (the two
+// enums share them).
+template <class Kernel>
+Kernel parse_kernel(const char* field, const std::string& s) {
+  if (s == "auto") return Kernel::kAuto;
+  if (s == "flashinfer") return Kernel::kFlashInfer;
+  if (s == "moelink") return Kernel::kMoelink;
+  throw InvalidArgument(std::string("moelink: MLAAttention: ") + field + " = '" + s +
                         "' must be 'auto', 'flashinfer' or 'moelink'");
 }
 
@@ -45,8 +40,8 @@ class PyMLAAttention {
                  int debug, const std::string& decode_kernel, const std::string& prefill_kernel) {
     MLAOptions o;
     o.device = parse_device(device);
-    o.decode_kernel = parse_decode_kernel(decode_kernel);
-    o.prefill_kernel = parse_prefill_kernel(prefill_kernel);
+    o.decode_kernel = parse_kernel<MLADecodeKernel>("decode_kernel", decode_kernel);
+    o.prefill_kernel = parse_kernel<MLAPrefillKernel>("prefill_kernel", prefill_kernel);
     o.tp_size = tp_size;
     o.tp_rank = tp_rank;
     o.page_size = page_size;
