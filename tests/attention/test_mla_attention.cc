@@ -714,12 +714,13 @@ void check_decode_graph(const MLAConfig& c, moelink::MLADecodeKernel kernel, boo
     mem.free(p);
 }
 
-// FlashInfer's instantiation (DeepSeek's latent 512) at 16 heads, and why
-// it cannot run here: "" in a build with FlashInfer's headers.
-std::pair<MLAConfig, std::string> flashinfer_config() {
+// FlashInfer's instantiation (DeepSeek's latent 512) at 16 heads (or
+// `heads`), and why it cannot run here: "" in a build with FlashInfer's
+// headers.
+std::pair<MLAConfig, std::string> flashinfer_config(int heads = 16) {
   MLAConfig c = small_config();
   c.kv_lora_rank = 512;
-  c.num_attention_heads = 16;
+  c.num_attention_heads = heads;
   MLAOptions probe;
   probe.decode_kernel = moelink::MLADecodeKernel::kFlashInfer;
   probe.max_tokens = probe.max_requests = probe.max_pages_per_request = 1;
@@ -910,6 +911,40 @@ TEST(MLAAttentionCuda, FlashInferPrefillMatchesTheOwnKernelAndTheReference) {
   o.max_tokens = o.max_requests = o.max_pages_per_request = 1;
   expect_throw_naming<moelink::InvalidArgument>([&] { MLAAttention::create(other, o); },
                                                 {"prefill_kernel = flashinfer", "v_head_dim = 128"});
+}
+
+// At DP attention's 128 heads FlashInfer schedules two 128-row tiles per
+// request with two query rows (MTP), each split over the SMs: against
+// moelink's kernel, four requests of one and two rows (the full-width model
+// step hit an illegal address at 4 requests of 2 rows on an H100).
+TEST(MLAAttentionCuda, FlashInferDecodeAt128HeadsMatchesTheOwnKernel) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  const std::pair<MLAConfig, std::string> fc = flashinfer_config(128);
+  if (!fc.second.empty()) GTEST_SKIP() << fc.second;
+  const MLAConfig& c = fc.first;
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  using moelink::MLADecodeKernel;
+  Harness fi(AttentionDevice::kCUDA, c, seed, 40, 64, 1, true, MLADecodeKernel::kFlashInfer),
+      own(AttentionDevice::kCUDA, c, seed, 40, 64, 1, true, MLADecodeKernel::kMoelink);
+  const std::vector<int64_t> lengths{2, 65, 300, 500};
+  for (const std::vector<int64_t>& q_lens : {std::vector<int64_t>{2, 2, 2, 2}, std::vector<int64_t>{1, 2, 1, 2}}) {
+    std::vector<double> dec[2];
+    for (int k = 0; k < 2; ++k) {
+      Harness& h = k == 0 ? fi : own;
+      std::vector<int> ids;
+      for (int64_t len : lengths) ids.push_back(h.add_request(len));
+      for (size_t i = 0; i < ids.size(); ++i)
+        if (lengths[i] > q_lens[i]) h.run({{ids[i]}, {lengths[i] - q_lens[i]}, 0});
+      dec[k] = h.run({ids, q_lens, static_cast<int>(ids.size())});
+    }
+    Compare cmp;
+    cmp.rows(dec[0].data(), dec[1], c.hidden_size);
+    EXPECT_EQ(cmp.nan, 0);
+    EXPECT_LT(cmp.rel(), 3e-2) << "FlashInfer's decode at 128 heads against moelink's kernel";
+    std::printf("[ measured ] FlashInfer decode at 128 heads against moelink's kernel: relative L2 %.2e\n",
+                cmp.rel());
+  }
 }
 
 // The CUDA path against the CPU path on the same weights and steps: the
