@@ -1,7 +1,7 @@
 # Sourced by the H200 machine's scripts (gpu_check.sh, nvshmem_check.sh), after
 # they set `root` (the checkout) and `steps`: the environment of every device
 # run. Defines OUT, py, site, nccl_home, nvshmem_home, fabric_args, cutlass_args,
-# flashinfer_args, ngpu, MOELINK_GIT_COMMIT, status and has().
+# flashinfer_args, ngpu, machine, MOELINK_GIT_COMMIT, status and has().
 OUT=${OUT:-$root/gpu-out}
 mkdir -p "$OUT"
 # NVLink multicast stays off: it can take the host's GPUs out of service.
@@ -54,5 +54,9 @@ if [[ -n $flashinfer_pack ]]; then
   flashinfer_args=(-DMOELINK_FLASHINFER_DIR="$flashinfer_dir")
 fi
 ngpu=$(nvidia-smi -L | wc -l)
+# The machine as the benchmarks' JSON names it: nvidia-h200-x1, nvidia-h100-x1, ...
+# (the device tool lends H100s for H200s when those do not come).
+gpu_kind=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE 'H[0-9]+' | head -1 | tr 'A-Z' 'a-z')
+machine="nvidia-${gpu_kind:-gpu}-x$ngpu"
 # The device copy's .git may be older than its tree: a commit passed in wins.
 export MOELINK_GIT_COMMIT=${MOELINK_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}

@@ -107,7 +107,7 @@ fi
 
 if has bench; then
   echo "== moelink-bench"
-  cmd=(build-gpu/tools/bench/moelink-bench --nproc "$ngpu" --machine "nvidia-h200-x$ngpu"
+  cmd=(build-gpu/tools/bench/moelink-bench --nproc "$ngpu" --machine "$machine"
        --json "$OUT/bench.json" ${MOELINK_BENCH_ARGS:-})
   echo "${cmd[*]}"
   "${cmd[@]}" 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
@@ -116,14 +116,14 @@ if has internode; then
   echo "== moelink-bench: internode (libfabric shm, host staging) beside nvlink"
   np=${MOELINK_BENCH_NPROC:-$(( ngpu > 2 ? ngpu : 2 ))}
   cmd=(build-gpu/tools/bench/moelink-bench --nproc "$np" --backend internode --compare nvlink
-       --fabric-provider shm --machine "nvidia-h200-x$ngpu" --json "$OUT/bench-internode.json"
+       --fabric-provider shm --machine "$machine" --json "$OUT/bench-internode.json"
        ${MOELINK_INTERNODE_BENCH_ARGS:-})
   echo "${cmd[*]}"
   "${cmd[@]}" 2>&1 | tee "$OUT/bench-internode.log" | tail -45 || status=1
 fi
 if has experts; then
   echo "== expert kernels: tools/bench/experts_bench.py"
-  cmd=($py tools/bench/experts_bench.py --machine "nvidia-h200-x$ngpu" --json "$OUT/experts.json"
+  cmd=($py tools/bench/experts_bench.py --machine "$machine" --json "$OUT/experts.json"
        ${MOELINK_EXPERTS_BENCH_ARGS:-})
   echo "${cmd[*]}"
   PYTHONPATH="$root/build-gpu/python${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 | tee "$OUT/experts-bench.log" | tail -30 ||
@@ -131,7 +131,7 @@ if has experts; then
 fi
 if has layer; then
   echo "== MoE layer: tools/bench/layer_bench.py"
-  cmd=($py tools/bench/layer_bench.py --machine "nvidia-h200-x$ngpu" --json "$OUT/layer.json"
+  cmd=($py tools/bench/layer_bench.py --machine "$machine" --json "$OUT/layer.json"
        ${MOELINK_LAYER_BENCH_ARGS:-})
   echo "${cmd[*]}"
   PYTHONPATH="$root/build-gpu/python${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 | tee "$OUT/layer-bench.log" | tail -40 ||
@@ -139,7 +139,7 @@ if has layer; then
 fi
 if has model; then
   echo "== the model's decode step: tools/bench/model_bench.py"
-  cmd=($py tools/bench/model_bench.py --machine "nvidia-h200-x$ngpu" --plan build-gpu/tools/plan/moelink-plan
+  cmd=($py tools/bench/model_bench.py --machine "$machine" --plan build-gpu/tools/plan/moelink-plan
        --json "$OUT/model.json" --svg "$OUT/model.svg" ${MOELINK_MODEL_BENCH_ARGS:-})
   echo "${cmd[*]}"
   PYTHONPATH="$root/build-gpu/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
@@ -150,7 +150,7 @@ if has serve; then
   model=/dev/shm/moelink-serve-bench-ep8
   [[ -f $model/tokenizer.json ]] || PYTHONPATH="$root/build-gpu/python" \
     $py -m moelink.serve.tiny_model "$model" --full-width --layers 5 --experts 32 || status=1
-  cmd=($py tools/bench/serve_bench.py --model "$model" --machine "nvidia-h200-x$ngpu" --json "$OUT/serve.json"
+  cmd=($py tools/bench/serve_bench.py --model "$model" --machine "$machine" --json "$OUT/serve.json"
        --svg "$OUT/serve.svg"
        --server-log "$OUT/serve-server.log"
        --serve-args "--backend nvlink --cuda-graphs --num-pages 12000 --page-size 64 --max-running 128 --token-budget 4096"
