@@ -134,14 +134,20 @@ void Engine::preempt(Request& r) {
   ++preemptions_;
 }
 
+// The step's result for request `id`, appended when it has none yet (a
+// reference until the next append).
+static StepResult& result_of(std::vector<StepResult>& out, uint64_t id) {
+  auto it = std::find_if(out.begin(), out.end(), [&](const StepResult& s) { return s.id == id; });
+  if (it == out.end()) it = out.insert(out.end(), StepResult{id, {}, FinishReason::kNone, 0, {}});
+  return *it;
+}
+
 void Engine::finish(Request& r, FinishReason why, std::vector<StepResult>& out) {
   kv_.release(r.id);
   running_.erase(std::remove(running_.begin(), running_.end(), &r), running_.end());
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), &r), waiting_.end());
   resumed_.erase(std::remove(resumed_.begin(), resumed_.end(), &r), resumed_.end());
-  auto it = std::find_if(out.begin(), out.end(), [&](const StepResult& s) { return s.id == r.id; });
-  if (it == out.end()) it = out.insert(out.end(), StepResult{r.id, {}, FinishReason::kNone, 0, {}});
-  it->finished = why;
+  result_of(out, r.id).finished = why;
   requests_.erase(r.id);
 }
 
@@ -166,9 +172,7 @@ void Engine::fail(const std::string& error, std::vector<StepResult>& out) {
   std::vector<Request*> all;
   for (auto& [id, r] : requests_) all.push_back(r.get());
   for (Request* r : all) {
-    auto it = std::find_if(out.begin(), out.end(), [&](const StepResult& s) { return s.id == r->id; });
-    if (it == out.end()) it = out.insert(out.end(), StepResult{r->id, {}, FinishReason::kNone, 0, {}});
-    it->error = error;
+    result_of(out, r->id).error = error;
     finish(*r, FinishReason::kError, out);
   }
 }
@@ -341,14 +345,13 @@ std::vector<StepResult> Engine::step() {
   // ---- process
   for (int i = 0; i < B; ++i) {
     Request& r = *batch[i].r;
-    auto it = std::find_if(out.begin(), out.end(), [&](const StepResult& s) { return s.id == r.id; });
-    if (it == out.end()) it = out.insert(out.end(), StepResult{r.id, {}, FinishReason::kNone, 0, {}});
+    StepResult& result = result_of(out, r.id);
     if (!r.reported_cache) {
-      it->cached_tokens = r.cached;
+      result.cached_tokens = r.cached;
       r.reported_cache = true;
     }
     if (!error.empty()) {
-      it->error = error;
+      result.error = error;
       finish(r, FinishReason::kError, out);
       continue;
     }
@@ -360,20 +363,20 @@ std::vector<StepResult> Engine::step() {
       r.computed += 1 + accepted[i];
       const uint32_t draft = static_cast<uint32_t>(r.draft);
       r.draft = drafts[i];
-      if (accepted[i] > 0 && emit(r, draft, *it, out)) continue;
+      if (accepted[i] > 0 && emit(r, draft, result, out)) continue;
       kv_.commit(r.id, r.tokens, r.computed);
-      emit(r, static_cast<uint32_t>(next[i]), *it, out);
+      emit(r, static_cast<uint32_t>(next[i]), result, out);
       continue;
     }
     r.computed += batch[i].q_len;
     kv_.commit(r.id, r.tokens, r.computed);
     if (r.computed < static_cast<int64_t>(r.tokens.size())) continue;  // a prefill chunk mid-prompt
     r.draft = o_.speculative ? drafts[i] : -1;
-    if (emit(r, static_cast<uint32_t>(next[i]), *it, out) || !r.params.hand_off) continue;
+    if (emit(r, static_cast<uint32_t>(next[i]), result, out) || !r.params.hand_off) continue;
     // P/D prefill side: the pages stay held for the decode engine.
     r.handed_off = true;
     running_.erase(std::find(running_.begin(), running_.end(), &r));
-    it->finished = FinishReason::kHandedOff;
+    result.finished = FinishReason::kHandedOff;
   }
   if (fatal) fail(error, out);  // the batch's requests ended above, the rest end here
   return out;
