@@ -6,7 +6,6 @@
 
 #include <cstring>
 #include <memory>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -194,7 +193,7 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
     MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
     const bool capture = capturing != cudaStreamCaptureStatusNone;
     const bool host = b.host_q_start.defined() && b.host_kv_len.defined() && b.host_block_table.defined();
-    if (capture) flashinfer_graphs_.erase(b.num_decode);  // until this capture plans FlashInfer
+    if (capture) flashinfer_->forget_capture(b.num_decode);  // until this capture plans FlashInfer
     if (capture && !host) {
       if (kernel_ == MLADecodeKernel::kFlashInfer)
         throw InvalidArgument("moelink: MLAAttention.forward: MLAOptions.decode_kernel = flashinfer "
@@ -206,14 +205,13 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
     if (!capture && !host) MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream));  // values from the stream's work
     if (!host_schedule(b, cache, host)) return false;
     flashinfer_->plan(q_start_.data(), kv_indptr_.data(), kv_len_.data(), b.num_decode, stream);
-    if (capture) flashinfer_graphs_.insert(b.num_decode);
     return true;
   }
 
   // A graph captured with FlashInfer's decode at this batch size: its plan
   // for the next replay's batch.
   void prepare_replay(const MLABatch& b, const Tensor& cache) override {
-    if (flashinfer_graphs_.count(b.num_decode) == 0) return;
+    if (!flashinfer_ || !flashinfer_->captured(b.num_decode)) return;
     if (!(b.host_q_start.defined() && b.host_kv_len.defined() && b.host_block_table.defined()))
       throw InvalidArgument("moelink: MLAAttention.prepare_graph_replay: the graph runs FlashInfer's decode, "
                             "whose plan needs MLABatch's host copies (host_q_start, host_kv_len, "
@@ -305,9 +303,6 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
   MLADecodeKernel kernel_;
   std::unique_ptr<FlashInferPrefill> flashinfer_prefill_;  // null: moelink's prefill kernel
   GrowingDeviceBuffer prefill_keys_, prefill_out_;        // FlashInfer's keys; one call's output and LSE
-  // Batch sizes (num_decode) whose last capture planned FlashInfer: their
-  // replays need prepare_replay(); eager plans in between leave them be.
-  std::set<int> flashinfer_graphs_;
   std::unique_ptr<FlashInferMLA> flashinfer_;
   std::vector<int32_t> q_start_, kv_len_, kv_indptr_, table_;
   GrowingDeviceBuffer prefill_memory_;  // one request's running softmax at a time

@@ -78,6 +78,9 @@ class FlashInferMLAImpl final : public FlashInferMLA {
                             " x " + std::to_string(c.info.num_blks_y) + "): capture the step again");
   }
 
+  bool captured(int batch) const override { return captured_.count(batch) != 0; }
+  void forget_capture(int batch) override { captured_.erase(batch); }
+
   // MLAPlan: the schedule into the host staging buffer and `info`; the
   // bytes to copy to the device.
   size_t schedule(const int32_t* q_indptr, const int32_t* kv_indptr, const int32_t* kv_len, int batch,

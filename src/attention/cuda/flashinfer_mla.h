@@ -53,6 +53,11 @@ class FlashInferMLA {
   // captured.
   virtual void replan(const int32_t* q_indptr, const int32_t* kv_indptr, const int32_t* kv_len,
                       int batch) = 0;
+  // Whether the last capture at this batch size planned here (its replays
+  // need replan()); forget_capture() for a capture of that size that ran
+  // another kernel instead.
+  virtual bool captured(int batch) const = 0;
+  virtual void forget_capture(int batch) = 0;
   virtual void run(const FlashInferMLAArgs& a, cudaStream_t stream) = 0;
 };
 
