@@ -26,14 +26,17 @@ class Model:
 
     Model(config, *, max_tokens, num_pages, backend="nvlink", page_size=64,
           max_requests=64, max_pages_per_request=64, num_layers=0, overlap="auto",
-          dp_size=1, tp_size=1, tp_rank=0, mtp=False, decode_graphs=False, group=None,
-          bootstrap=None, timeout_s=None, debug=None)
+          dp_size=1, tp_size=1, tp_rank=0, mtp=False, decode_graphs=False,
+          decode_kernel="auto", prefill_kernel="auto", group=None, bootstrap=None,
+          timeout_s=None, debug=None)
 
     mtp=True also runs the checkpoint's MTP module on every step: step()
     then proposes a draft token per request (draft_tokens=), which the next
     step verifies (num_drafts=). decode_graphs=True (GPU backends) runs the
     serving engine's decode-only steps through one CUDA graph per batch-size
-    bucket (ModelOptions.decode_graphs).
+    bucket (ModelOptions.decode_graphs). decode_kernel and prefill_kernel
+    pick every layer's attention kernels as in moelink.MLAAttention
+    ("auto", "flashinfer", "moelink"; GPU backends).
 
     Collective over the ranks (expert parallelism; the same bootstrap rules
     as AllToAll). Load weights with load_checkpoint(), then call step()."""
@@ -42,8 +45,9 @@ class Model:
                  backend: str = "nvlink", page_size: int = 64, max_requests: int = 64,
                  max_pages_per_request: int = 64, num_layers: int = 0, overlap: str = "auto",
                  dp_size: int = 1, tp_size: int = 1, tp_rank: int = 0, mtp: bool = False,
-                 decode_graphs: bool = False, group=None, bootstrap=None,
-                 timeout_s: Optional[float] = None, debug: Optional[bool] = None):
+                 decode_graphs: bool = False, decode_kernel: str = "auto", prefill_kernel: str = "auto",
+                 group=None, bootstrap=None, timeout_s: Optional[float] = None,
+                 debug: Optional[bool] = None):
         cfg = model_full_config(config)
         self._host = backend in _HOST_BACKENDS
         self.page_size, self.num_pages, self.mtp = int(page_size), int(num_pages), bool(mtp)
@@ -55,7 +59,7 @@ class Model:
                               -1 if debug is None else int(bool(debug)), int(num_layers),
                               int(num_pages), int(page_size), int(max_requests),
                               int(max_pages_per_request), int(tp_size), int(tp_rank), bool(mtp),
-                              bool(decode_graphs))
+                              bool(decode_graphs), str(decode_kernel), str(prefill_kernel))
 
     @property
     def config(self):

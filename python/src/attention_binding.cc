@@ -22,17 +22,6 @@ AttentionDevice parse_device(const std::string& s) {
   throw InvalidArgument("moelink: MLAAttention: device = '" + s + "' must be 'cuda' or 'cpu'");
 }
 
-// MLAOptions.decode_kernel / prefill_kernel from their names (the two
-// enums share them).
-template <class Kernel>
-Kernel parse_kernel(const char* field, const std::string& s) {
-  if (s == "auto") return Kernel::kAuto;
-  if (s == "flashinfer") return Kernel::kFlashInfer;
-  if (s == "moelink") return Kernel::kMoelink;
-  throw InvalidArgument(std::string("moelink: MLAAttention: ") + field + " = '" + s +
-                        "' must be 'auto', 'flashinfer' or 'moelink'");
-}
-
 class PyMLAAttention {
  public:
   PyMLAAttention(const MLAConfig& config, const std::string& device, int tp_size, int tp_rank,
@@ -40,8 +29,8 @@ class PyMLAAttention {
                  int debug, const std::string& decode_kernel, const std::string& prefill_kernel) {
     MLAOptions o;
     o.device = parse_device(device);
-    o.decode_kernel = parse_kernel<MLADecodeKernel>("decode_kernel", decode_kernel);
-    o.prefill_kernel = parse_kernel<MLAPrefillKernel>("prefill_kernel", prefill_kernel);
+    o.decode_kernel = parse_kernel<MLADecodeKernel>("MLAAttention", "decode_kernel", decode_kernel);
+    o.prefill_kernel = parse_kernel<MLAPrefillKernel>("MLAAttention", "prefill_kernel", prefill_kernel);
     o.tp_size = tp_size;
     o.tp_rank = tp_rank;
     o.page_size = page_size;

@@ -4,8 +4,25 @@
 
 #include <nanobind/nanobind.h>
 
+#include <string>
+
+#include "moelink/attention.h"
+#include "moelink/errors.h"
+
 namespace moelink::python {
 
 void bind_attention(nanobind::module_& m);
+
+// MLAOptions.decode_kernel / prefill_kernel from their names (the two
+// enums share them); `owner` names the class in the error (MLAAttention,
+// Model).
+template <class Kernel>
+Kernel parse_kernel(const char* owner, const char* field, const std::string& s) {
+  if (s == "auto") return Kernel::kAuto;
+  if (s == "flashinfer") return Kernel::kFlashInfer;
+  if (s == "moelink") return Kernel::kMoelink;
+  throw InvalidArgument(std::string("moelink: ") + owner + ": " + field + " = '" + s +
+                        "' must be 'auto', 'flashinfer' or 'moelink'");
+}
 
 }  // namespace moelink::python

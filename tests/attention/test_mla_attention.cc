@@ -340,12 +340,37 @@ TEST_P(MLAAttentionTest, PrefillThenDecodeWithMixedLengthsMatchesReference) {
   }
 }
 
-TEST_P(MLAAttentionTest, ChunkedPrefillEqualsOneShotAndMixesWithDecode) {
+// Whether this build and GPU run FlashInfer's prefill for config c (its
+// refusal otherwise, for the skip message).
+std::string flashinfer_prefill_refusal(const MLAConfig& c) {
+  MLAOptions probe;
+  probe.prefill_kernel = moelink::MLAPrefillKernel::kFlashInfer;
+  probe.max_tokens = probe.max_requests = probe.max_pages_per_request = 1;
+  try {
+    MLAAttention::create(c, probe);
+  } catch (const moelink::InvalidArgument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// One prompt in three chunks (the second beside a decode) against the same
+// prompt at once, on one prefill kernel. moelink's kernel keeps each
+// request's softmax in fp32 across chunks: chunking changes only the order
+// of fp32 sums (bound 2e-3). FlashInfer's (FA3) rounds each call's
+// probabilities to bf16 against that call's own maximum and returns each
+// call's output in bf16 before the fp32 merge, so where the chunks split
+// the keys changes those roundings: 7.8e-3 measured on an H100 (bound
+// 2e-2); a key range left out or counted twice moves the rows by tens of
+// percent.
+void check_chunked_prefill(AttentionDevice device, moelink::MLAPrefillKernel kernel, double bound) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const MLAConfig c = small_config();
   const int64_t D = c.hidden_size, L = 150;
-  Harness one(device(), c, seed, 16, 32), chunked(device(), c, seed, 16, 32);
+  const auto decode = moelink::MLADecodeKernel::kAuto;
+  Harness one(device, c, seed, 16, 32, 1, true, decode, kernel),
+      chunked(device, c, seed, 16, 32, 1, true, decode, kernel);
   const int a = one.add_request(L), b = chunked.add_request(L);
   const std::vector<double> whole = one.run({{a}, {L}, 0});
   // The same tokens in three chunks; the second shares its step with a
@@ -360,7 +385,8 @@ TEST_P(MLAAttentionTest, ChunkedPrefillEqualsOneShotAndMixesWithDecode) {
   Compare cmp;
   cmp.rows(parts.data(), whole, D);
   EXPECT_EQ(cmp.nan, 0);
-  EXPECT_LT(cmp.rel(), 2e-3) << "chunked prefill against one-shot prefill";
+  EXPECT_LT(cmp.rel(), bound) << "chunked prefill against one-shot prefill";
+  std::printf("[ measured ] chunked prefill against one-shot: relative L2 %.2e\n", cmp.rel());
   Checks ref;
   ref.add(chunked, parts.data(), b, 0, L, D);
   expect_close(ref, "chunked prefill (40 + 70 + 40)");
@@ -376,6 +402,19 @@ TEST_P(MLAAttentionTest, ChunkedPrefillEqualsOneShotAndMixesWithDecode) {
     differ += !std::equal(r1, r1 + Dc, r2);
   }
   EXPECT_EQ(differ, 0) << "cache rows written in chunks differ from one-shot's";
+}
+
+TEST_P(MLAAttentionTest, ChunkedPrefillEqualsOneShotAndMixesWithDecode) {
+  using moelink::MLAPrefillKernel;
+  if (device() == AttentionDevice::kCPU) return check_chunked_prefill(device(), MLAPrefillKernel::kAuto, 2e-3);
+  {
+    SCOPED_TRACE("prefill_kernel = moelink");
+    check_chunked_prefill(device(), MLAPrefillKernel::kMoelink, 2e-3);
+  }
+  const std::string refusal = flashinfer_prefill_refusal(small_config());
+  if (!refusal.empty()) GTEST_SKIP() << "FlashInfer's prefill half: " << refusal;
+  SCOPED_TRACE("prefill_kernel = flashinfer");
+  check_chunked_prefill(device(), MLAPrefillKernel::kFlashInfer, 2e-2);
 }
 
 // The cache rows a prefill writes are the reference's: kv_a_layernorm of
@@ -852,16 +891,8 @@ TEST(MLAAttentionCuda, FlashInferDecodeMatchesTheOwnKernelAndTheReference) {
 TEST(MLAAttentionCuda, FlashInferPrefillMatchesTheOwnKernelAndTheReference) {
   if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   const MLAConfig c = small_config();
-  {
-    MLAOptions probe;
-    probe.prefill_kernel = moelink::MLAPrefillKernel::kFlashInfer;
-    probe.max_tokens = probe.max_requests = probe.max_pages_per_request = 1;
-    try {
-      MLAAttention::create(c, probe);
-    } catch (const moelink::InvalidArgument& e) {
-      GTEST_SKIP() << e.what();
-    }
-  }
+  const std::string refusal = flashinfer_prefill_refusal(c);
+  if (!refusal.empty()) GTEST_SKIP() << refusal;
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const int64_t D = c.hidden_size;
@@ -905,7 +936,7 @@ TEST(MLAAttentionCuda, FlashInferPrefillMatchesTheOwnKernelAndTheReference) {
     }
   }
   MLAConfig other = c;
-  other.v_head_dim = 64;
+  other.v_head_dim = 256;  // valid for the config (a multiple of 128), not for this kernel
   MLAOptions o;
   o.prefill_kernel = MLAPrefillKernel::kFlashInfer;
   o.max_tokens = o.max_requests = o.max_pages_per_request = 1;

@@ -105,8 +105,10 @@ std::string read_text(const std::string& path) {
 bool on_gpu(moelink::Backend b) { return b != moelink::Backend::kCPU; }
 
 std::unique_ptr<moelink::Model> make_model(const std::string& dir, moelink::Bootstrap& boot,
-                                           moelink::Backend backend) {
+                                           moelink::Backend backend,
+                                           moelink::MLAPrefillKernel prefill = moelink::MLAPrefillKernel::kAuto) {
   moelink::ModelOptions o;
+  o.attention.prefill_kernel = prefill;
   o.moe.max_tokens = 32;
   o.moe.all_to_all.backend = backend;
   o.attention.page_size = 16;
@@ -185,26 +187,62 @@ class ModelTest : public ::testing::TestWithParam<moelink::Backend> {
   bool gpu() const { return on_gpu(GetParam()); }
 };
 
-TEST_P(ModelTest, ChunkedPrefillEqualsOneShotAndGreedyIsTheArgmax) {
+// A 20-token prompt at once and in chunks of 8 and 12 on one prefill
+// kernel; every row's logits. moelink's kernel keeps the softmax in fp32
+// across chunks, so the logits agree to fp32 sums (bound 2e-3).
+// FlashInfer's rounds each call's probabilities and output to bf16, which
+// the chunk split changes (about 1 % in the attention, MLAAttentionTest);
+// downstream, fp8 requantization and the tiny router's near-ties amplify
+// that as they do CUDA against CPU (ModelCuda.MatchesTheCpuPath's criterion:
+// median row below 10 %, at most a quarter of the rows above 25 %; one
+// such check on an H100 gave 13 % overall).
+void check_chunked_model_prefill(moelink::Backend backend, moelink::MLAPrefillKernel kernel, bool exact) {
   const std::string dir = write_tiny_model(fresh_seed());
+  const bool gpu = on_gpu(backend);
   run_ranks(1, [&](int, moelink::Bootstrap& boot) {
-    auto m = make_model(dir, boot, backend());
+    auto m = make_model(dir, boot, backend, kernel);
     const std::vector<int32_t> ids = tokens(20, 1);
-    const std::vector<float> whole = run(*m, gpu(), {ids, {0, 20}, {20}, {0, 1}});
+    const std::vector<float> whole = run(*m, gpu, {ids, {0, 20}, {20}, {0, 1}});
     std::vector<int32_t> first(ids.begin(), ids.begin() + 8), rest(ids.begin() + 8, ids.end());
-    std::vector<float> parts = run(*m, gpu(), {first, {0, 8}, {8}, {2, 3}});
+    std::vector<float> parts = run(*m, gpu, {first, {0, 8}, {8}, {2, 3}});
     std::vector<int32_t> next;
-    const std::vector<float> tail = run(*m, gpu(), {rest, {0, 12}, {20}, {2, 3}}, &next);
+    const std::vector<float> tail = run(*m, gpu, {rest, {0, 12}, {20}, {2, 3}}, &next);
     parts.insert(parts.end(), tail.begin(), tail.end());
     for (float v : parts) RANK_CHECK(std::isfinite(v)) << "a non-finite logit";
-    RANK_CHECK(rel_l2(parts, whole) < 2e-3) << "chunked against one-shot: " << rel_l2(parts, whole);
+    if (exact) {
+      RANK_CHECK(rel_l2(parts, whole) < 2e-3) << "chunked against one-shot: " << rel_l2(parts, whole);
+    } else {
+      std::vector<double> rows;
+      for (int64_t r = 0; r < 20; ++r)
+        rows.push_back(rel_l2(std::vector<float>(parts.begin() + r * kVocab, parts.begin() + (r + 1) * kVocab),
+                              std::vector<float>(whole.begin() + r * kVocab, whole.begin() + (r + 1) * kVocab)));
+      std::vector<double> sorted = rows;
+      std::sort(sorted.begin(), sorted.end());
+      const auto far = std::count_if(rows.begin(), rows.end(), [](double e) { return e > 0.25; });
+      RANK_CHECK(sorted[10] < 0.10 && far <= 5)
+          << "chunked against one-shot: median row " << sorted[10] << ", " << far << " rows above 25 %";
+      std::printf("[ measured ] FlashInfer prefill, chunked against one-shot logits: relative L2 %.2e, "
+                  "median row %.2e, %lld rows above 25 %%\n",
+                  rel_l2(parts, whole), sorted[10], static_cast<long long>(far));
+    }
     const float* last = &tail[(12 - 1) * kVocab];
     RANK_CHECK(next.size() == 1 && next[0] == std::max_element(last, last + kVocab) - last)
         << "greedy token " << next[0] << " is not the last row's argmax";
     // A decode step after it, on the same pages.
-    const std::vector<float> d = run(*m, gpu(), {{next[0]}, {0, 1}, {21}, {2, 3}, 1});
+    const std::vector<float> d = run(*m, gpu, {{next[0]}, {0, 1}, {21}, {2, 3}, 1});
     for (float v : d) RANK_CHECK(std::isfinite(v));
   }, 120);
+}
+
+TEST_P(ModelTest, ChunkedPrefillEqualsOneShotAndGreedyIsTheArgmax) {
+  using moelink::MLAPrefillKernel;
+  if (!gpu()) return check_chunked_model_prefill(backend(), MLAPrefillKernel::kAuto, true);
+  {
+    SCOPED_TRACE("prefill_kernel = moelink");
+    check_chunked_model_prefill(backend(), MLAPrefillKernel::kMoelink, true);
+  }
+  SCOPED_TRACE("prefill_kernel = auto (FlashInfer's where the build has it)");
+  check_chunked_model_prefill(backend(), MLAPrefillKernel::kAuto, false);
 }
 
 TEST_P(ModelTest, TwoExpertParallelRanksWithDpAttentionAgreeWithOne) {

@@ -282,3 +282,9 @@ def test_sampling_and_bad_input(tmp_path):
         model.step(ids, q_start, kv_len, table, nxt, logits=np.zeros((6, 7), np.float32),
                    logits_every_row=True)
     run()  # and the object still works
+    # An unknown attention kernel is refused at construction, naming it.
+    with pytest.raises(moelink.InvalidArgument, match=r"Model: prefill_kernel = 'fa3' must be 'auto', 'flashinfer'"):
+        moelink.Model(str(tmp_path / "config.json"), max_tokens=16, num_pages=4, backend="cpu",
+                      page_size=16, max_requests=4, max_pages_per_request=2, prefill_kernel="fa3",
+                      bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", _free_port(), 30.0))
+    run()

@@ -298,3 +298,23 @@ def test_speculative_serving_gives_the_models_own_tokens(tmp_path, backend):
         assert proposed > 0 and accepted > 0, metrics
     finally:
         server.stop()
+
+
+def test_model_options_reach_the_workers_as_given():
+    """moelink-serve's model options (--num-layers, --cuda-graphs, the MLA
+    kernels) are what the engine workers it starts parse back."""
+    import argparse
+
+    from moelink.serve.server import ServerOptions, add_model_arguments, model_argv, model_options
+
+    def parser():
+        p = argparse.ArgumentParser()
+        add_model_arguments(p)
+        return p
+
+    for o in (ServerOptions(), ServerOptions(num_layers=3, cuda_graphs=True, decode_kernel="moelink",
+                                             prefill_kernel="flashinfer")):
+        back = model_options(parser().parse_args(model_argv(o)))
+        assert back == {k: getattr(o, k) for k in back}, back
+    with pytest.raises(SystemExit):  # argparse names the choices on stderr
+        parser().parse_args(["--prefill-kernel", "fa3"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .server import Server, ServerOptions
+from .server import Server, ServerOptions, add_model_arguments, model_options
 
 
 def main(argv=None) -> int:
@@ -19,10 +19,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-running", type=int, default=8, help="requests a step carries at most")
     p.add_argument("--token-budget", type=int, default=256, help="query tokens a step carries at most")
     p.add_argument("--max-model-len", type=int, default=1024, help="prompt plus output tokens at most")
-    p.add_argument("--num-layers", type=int, default=0, help="run the first N layers only (0: all)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="GPU backends: decode steps through one CUDA graph per batch-size bucket")
+    add_model_arguments(p)
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="never share KV pages between requests (the prefix cache's baseline)")
     p.add_argument("--speculative", action="store_true",
@@ -38,9 +36,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     opts = ServerOptions(num_pages=a.num_pages, page_size=a.page_size, max_running=a.max_running,
                          token_budget=a.token_budget, max_model_len=a.max_model_len,
-                         num_layers=a.num_layers, backend=a.backend,
-                         served_model_name=a.served_model_name, speculative=a.speculative,
-                         cuda_graphs=a.cuda_graphs, prefix_caching=not a.no_prefix_caching)
+                         backend=a.backend, served_model_name=a.served_model_name,
+                         speculative=a.speculative, prefix_caching=not a.no_prefix_caching,
+                         **model_options(a))
     if a.engines > 0:
         from .cluster import LocalServing
         server = LocalServing(a.model, a.engines, opts, pd=a.pd)

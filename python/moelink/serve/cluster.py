@@ -17,7 +17,7 @@ from typing import List, Optional
 
 from moelink.scheduler.local_cluster import _tail, _wait_for
 
-from .server import Server, ServerOptions
+from .server import Server, ServerOptions, model_argv
 
 
 class LocalServing:
@@ -67,6 +67,7 @@ class LocalServing:
                 "--max-running", str(o.max_running), "--token-budget", str(o.token_budget),
                 "--max-model-len", str(o.max_model_len), "--backend", o.backend, "--role", self.roles[i],
                 "--ready-file", ready]
+        args += model_argv(o)
         if o.speculative:
             args.append("--speculative")
         if not o.prefix_caching:

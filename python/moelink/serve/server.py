@@ -33,6 +33,36 @@ class ServerOptions:
     speculative: bool = False   # MTP drafts, verified each step (needs a checkpoint with an MTP module)
     cuda_graphs: bool = False   # GPU backends: decode steps through CUDA graphs (ModelOptions.decode_graphs)
     prefix_caching: bool = True  # share the KV pages of common prompt prefixes between requests
+    decode_kernel: str = "auto"   # GPU backends: MLA decode on "auto", "flashinfer" or "moelink" (MLAOptions)
+    prefill_kernel: str = "auto"  # GPU backends: MLA prefill on "auto", "flashinfer" or "moelink"
+
+
+_KERNELS = ("auto", "flashinfer", "moelink")
+
+
+def add_model_arguments(p) -> None:
+    """The model's command-line options, shared by moelink-serve and its
+    engine workers (cluster.py passes them on with model_argv)."""
+    p.add_argument("--num-layers", type=int, default=0, help="run the first N layers only (0: all)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="GPU backends: decode steps through one CUDA graph per batch-size bucket")
+    p.add_argument("--decode-kernel", default="auto", choices=_KERNELS,
+                   help="GPU backends: the MLA decode kernel (auto: FlashInfer's where it applies)")
+    p.add_argument("--prefill-kernel", default="auto", choices=_KERNELS,
+                   help="GPU backends: the MLA prefill kernel (auto: FlashInfer's where it applies)")
+
+
+def model_options(a) -> dict:
+    """ServerOptions' fields from add_model_arguments' parsed options."""
+    return dict(num_layers=a.num_layers, cuda_graphs=a.cuda_graphs, decode_kernel=a.decode_kernel,
+                prefill_kernel=a.prefill_kernel)
+
+
+def model_argv(o: ServerOptions) -> list:
+    """add_model_arguments' options that give ServerOptions o."""
+    argv = ["--num-layers", str(o.num_layers), "--decode-kernel", o.decode_kernel,
+            "--prefill-kernel", o.prefill_kernel]
+    return argv + (["--cuda-graphs"] if o.cuda_graphs else [])
 
 
 class RequestError(Exception):
@@ -115,6 +145,7 @@ def load_engine(model_dir: str, o: ServerOptions):
                           num_pages=o.num_pages, page_size=o.page_size, max_requests=o.max_running,
                           max_pages_per_request=pages_per_request, num_layers=o.num_layers,
                           mtp=o.speculative, decode_graphs=o.cuda_graphs,
+                          decode_kernel=o.decode_kernel, prefill_kernel=o.prefill_kernel,
                           bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", _free_port(), 30.0))
     model.load_checkpoint(str(d))
     return moelink.Engine(model, num_pages=o.num_pages, page_size=o.page_size,

@@ -25,7 +25,7 @@ import threading
 import zlib
 from pathlib import Path
 
-from .server import ServerOptions, load_engine
+from .server import ServerOptions, add_model_arguments, load_engine, model_options
 
 
 class EngineWorker:
@@ -261,6 +261,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--backend", default="cpu", help="the model's backend: cpu, or nvlink (the GPU path)")
     p.add_argument("--speculative", action="store_true", help="verify the model's MTP drafts")
+    add_model_arguments(p)
     p.add_argument("--no-prefix-caching", action="store_true", help="never share KV pages between requests")
     p.add_argument("--role", default="mixed", choices=("mixed", "prefill", "decode"),
                    help="P/D disaggregation: prefill (hands requests off after their first token) or "
@@ -270,7 +271,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     opts = ServerOptions(num_pages=a.num_pages, page_size=a.page_size, max_running=a.max_running,
                          token_budget=a.token_budget, max_model_len=a.max_model_len, backend=a.backend,
-                         speculative=a.speculative, prefix_caching=not a.no_prefix_caching)
+                         speculative=a.speculative, prefix_caching=not a.no_prefix_caching,
+                         **model_options(a))
     w = EngineWorker(a.model, a.scheduler, a.engine_id, opts, a.dp_rank, a.role, a.kv_provider).start()
     signal.signal(signal.SIGTERM, lambda *_: w._stop.set())
     if a.ready_file:
