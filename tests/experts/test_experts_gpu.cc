@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -249,6 +250,81 @@ TEST(GpuExpertsErrors, CountsOutOfRangeAreClampedAndReported) {
   REQUIRE_HOPPER();
   GpuMemoryOps ops(0);
   run_out_of_range_case(ExpertDevice::kCUDA, ops);
+}
+
+// gemm() on two rows splits over K into buffers it grows on the first call
+// of a larger shape (16 rows). A graph captured at two rows keeps the
+// buffers of then: replayed after the larger call, it must give the eager
+// call's bits, and (under compute-sanitizer's memcheck, tools/gpu_check.sh
+// sanitize) write no freed memory. The model's decode graphs hit this: one
+// request's graph replayed after a step of 128 wrote freed memory.
+TEST(GpuExpertsGraph, GemmReplaysAfterALargerCallGrewItsBuffers) {
+  REQUIRE_HOPPER();
+  GpuMemoryOps ops(0);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t N = 2 * 2048, K = 7168, kb = K / kGroup, nb = N / kGroup, small = 2, large = 16;
+  moelink::ExpertConfig cfg;
+  cfg.num_experts = 1, cfg.max_rows = 1, cfg.hidden_dim = 128, cfg.intermediate_dim = 128;
+  cfg.device = ExpertDevice::kCUDA;
+  cfg.debug = 0;
+  auto ex = moelink::Experts::create(cfg);
+  std::vector<uint8_t> w(N * K), x(large * K);
+  std::vector<float> ws(nb * kb), xs(large * kb);
+  random_block_weight(rng, N, K, w.data(), ws.data());
+  random_fp8_rows(rng, large, K, x.data(), xs.data());
+  void *dw = ops.alloc(w.size()), *dws = ops.alloc(ws.size() * 4), *dx = ops.alloc(x.size()),
+       *dxs = ops.alloc(xs.size() * 4), *dy = ops.alloc(large * N * 2);
+  ops.h2d(dw, w.data(), w.size());
+  ops.h2d(dws, ws.data(), ws.size() * 4);
+  ops.h2d(dx, x.data(), x.size());
+  ops.h2d(dxs, xs.data(), xs.size() * 4);
+  auto call = [&](int64_t M) {
+    ex->gemm(Tensor::contiguous(dy, DType::kBFloat16, {M, N}), Tensor::contiguous(dx, DType::kFloat8E4M3, {M, K}),
+             Tensor::contiguous(dxs, DType::kFloat32, {M, kb}), Tensor::contiguous(dw, DType::kFloat8E4M3, {N, K}),
+             Tensor::contiguous(dws, DType::kFloat32, {nb, kb}), Tensor{}, ops.stream());
+  };
+  auto output = [&](int64_t M) {
+    ops.sync();
+    ex->check(ops.stream());
+    std::vector<uint16_t> y(M * N);
+    ops.d2h(y.data(), dy, y.size() * 2);
+    return y;
+  };
+  call(small);  // the first call of the shape allocates (not allowed inside a capture)
+  const std::vector<uint16_t> eager = output(small);
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(ops.stream(), cudaStreamCaptureModeThreadLocal));
+  call(small);
+  CUDA_OK(cudaStreamEndCapture(ops.stream(), &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  call(large);  // grows the split buffers
+  output(large);
+  // Memory the old buffers' addresses may now belong to (allocations of
+  // their sizes: scales 448 B and 7 KiB, partial sums 32 KiB a slice),
+  // busy with other data.
+  std::vector<std::pair<void*, size_t>> others;
+  for (size_t bytes : {size_t{448}, size_t{7168}, size_t{65536}, size_t{131072}, size_t{262144}})
+    for (int i = 0; i < 4; ++i) {
+      others.emplace_back(ops.alloc(bytes), bytes);
+      ops.fill(others.back().first, 0x5A, bytes);
+    }
+  ops.fill(dy, 0x7F, large * N * 2);
+  CUDA_OK(cudaGraphLaunch(exec, ops.stream()));
+  const std::vector<uint16_t> replayed = output(small);
+  EXPECT_EQ(std::memcmp(replayed.data(), eager.data(), eager.size() * 2), 0)
+      << "the graph captured at " << small << " rows, replayed after a call of " << large
+      << ", differs from the eager call";
+  for (const auto& [p, bytes] : others) {
+    std::vector<uint8_t> back(bytes);
+    ops.d2h(back.data(), p, bytes);
+    EXPECT_TRUE(std::all_of(back.begin(), back.end(), [](uint8_t b) { return b == 0x5A; }))
+        << "the replay wrote into memory allocated after the larger call (" << bytes << " bytes)";
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
 }
 
 // forward() captured once in a CUDA graph, replayed with new counts and new

@@ -8,6 +8,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "experts/cuda/block_scaled_gemm.h"
 #include "experts/cuda/device_buffer.h"
@@ -231,11 +232,17 @@ class CudaExperts final : public ExpertsImpl {
                           x_scale_split_bytes(groups, rows, k) <= x_scale_split_.bytes &&
                           w_scale_split_bytes(groups, n, k) <= w_scale_split_.bytes);
   }
-  // Grows the split buffers to hold a split GEMM of these dimensions.
+  // Grows the split buffers to hold a split GEMM of these dimensions. The
+  // buffers they replace stay allocated until this object goes: a CUDA
+  // graph captured on an earlier, smaller call keeps their addresses (the
+  // model's decode graph of one request, replayed after a step of 128 had
+  // grown them, wrote freed memory: an illegal address on an H100).
   void reserve_split(int64_t groups, int64_t rows, int64_t n, int64_t k, int split) {
     if (split <= 1) return;
-    auto grow = [](SizedBuffer& b, size_t bytes) {
-      if (b.bytes < bytes) b = {experts::device_alloc(bytes), bytes};
+    auto grow = [this](SizedBuffer& b, size_t bytes) {
+      if (b.bytes >= bytes) return;
+      if (b.bytes > 0) retired_split_.push_back(std::move(b.mem));
+      b = {experts::device_alloc(bytes), bytes};
     };
     grow(partial_, partial_bytes(groups, rows, n, split));
     grow(x_scale_split_, x_scale_split_bytes(groups, rows, k));
@@ -355,6 +362,7 @@ class CudaExperts final : public ExpertsImpl {
     size_t bytes = 0;
   };
   SizedBuffer partial_, x_scale_split_, w_scale_split_;  // split GEMMs' (GemmOperands)
+  std::vector<experts::DeviceBuffer> retired_split_;  // outgrown, perhaps still in a graph (reserve_split)
   std::map<std::pair<int, int>, std::unique_ptr<BlockScaledGemm>> split_gemms_;  // by groups, CTAs
   experts::DeviceBuffer workspace_, error_buffer_;
   size_t workspace_bytes_ = 0;
