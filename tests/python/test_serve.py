@@ -318,3 +318,47 @@ def test_model_options_reach_the_workers_as_given():
         assert back == {k: getattr(o, k) for k in back}, back
     with pytest.raises(SystemExit):  # argparse names the choices on stderr
         parser().parse_args(["--prefill-kernel", "fa3"])
+
+
+def test_a_worker_whose_engine_failed_reports_everything_failed_and_exits():
+    """An engine worker (behind moelink-scheduler) whose engine failed
+    (Engine.failure) reports its requests and the runs still queued for it
+    as FAILED, answers a pending hand-off call with the error, and stops
+    with EngineFailedError (the process exits 1 for a new one to start)."""
+    pytest.importorskip("grpc")
+    import queue as queue_
+
+    from moelink.scheduler import FAILED
+    from moelink.serve.worker import EngineFailedError, EngineWorker
+
+    class FailedEngine:
+        failure = "moelink: CUDA error in cudaStreamSynchronize: an illegal memory access"
+        idle, running, waiting, available_pages = True, 0, 0, 8
+
+    class Client:
+        def __init__(self):
+            self.reports = []
+
+        def report(self, load, events, reports):
+            self.reports += list(reports)
+
+    class Run:
+        request_id = "queued"
+
+    w = EngineWorker.__new__(EngineWorker)  # no scheduler, no model: the failure path alone
+    w.engine, w.client, w.engine_id = FailedEngine(), Client(), "e0"
+    w._inbox, w._stop, w._counts = queue_.Queue(), threading.Event(), (0, 0, 8)
+    w._by_engine, w._by_request = {7: ["running", 3]}, {"running": 7}
+    reply = queue_.Queue()
+    w._inbox.put(("run", Run()))
+    w._inbox.put(("handoff", ({"op": "receive"}, reply)))
+    w.step_once = lambda: None  # the step that failed has run
+    with pytest.raises(EngineFailedError, match="illegal memory access"):
+        w.serve_forever()
+    got = {r.request_id: r for r in w.client.reports}
+    assert set(got) == {"running", "queued"}
+    assert all(r.phase == FAILED and "engine 'e0' failed" in r.finish_reason for r in got.values())
+    assert got["running"].token_offset == 3
+    answer = reply.get_nowait()
+    assert answer["ok"] is False and "illegal memory access" in answer["error"]
+    assert not w._by_engine and not w._by_request

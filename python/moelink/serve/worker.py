@@ -28,6 +28,11 @@ from pathlib import Path
 from .server import ServerOptions, add_model_arguments, load_engine, model_options
 
 
+class EngineFailedError(RuntimeError):
+    """The worker's engine cannot run again (Engine.failure: a CUDA error, a
+    dead peer); only a new process serves again."""
+
+
 class EngineWorker:
     def __init__(self, model_dir: str, scheduler: str, engine_id: str,
                  options: ServerOptions = ServerOptions(), dp_rank: int = 0, role: str = "mixed",
@@ -170,8 +175,33 @@ class EngineWorker:
             self.engine.release(eid)
 
     def serve_forever(self) -> None:
+        """Steps until stopped. Once the engine has failed (Engine.failure),
+        reports every request it held or was sent as FAILED, answers pending
+        hand-off calls with the error and raises EngineFailedError: the
+        process must go for a new one to serve (main() exits with status 1)."""
         while not self._stop.is_set():
             self.step_once()
+            if self.engine.failure:
+                self._fail_everything()
+                raise EngineFailedError(f"engine '{self.engine_id}' failed: {self.engine.failure}")
+
+    def _fail_everything(self) -> None:
+        from moelink.scheduler import FAILED, progress
+        why = f"engine '{self.engine_id}' failed: {self.engine.failure}"[:200]
+        reports = [progress(rid, FAILED, (), offset, 0, why) for rid, offset in self._by_engine.values()]
+        self._by_engine.clear()
+        self._by_request.clear()
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "run":
+                reports.append(progress(item.request_id, FAILED, (), 0, 0, why))
+            elif kind == "handoff":
+                item[1].put({"ok": False, "error": why})
+        if reports:
+            self.client.report(self._load(), (), reports)
 
     def step_once(self) -> None:
         from moelink.scheduler import FINISHED, RUNNING, STARTED, progress
@@ -279,6 +309,9 @@ def main(argv=None) -> int:
         Path(a.ready_file).write_text("ready\n")
     try:
         w.serve_forever()
+    except EngineFailedError as e:
+        print(f"moelink.serve.worker: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         w.stop()
     return 0
