@@ -125,8 +125,18 @@ class MoELayer {
   // Collective over the ranks of `bootstrap`: creates the AllToAll(s) and
   // allocates the weights and workspaces. GPU backends use the current CUDA
   // device.
+  //
+  // share_with: another layer whose AllToAll(s), expert kernels and
+  // workspaces this one uses too, allocating only its weights (no
+  // collective then: every rank passes one alike). For layers that run one
+  // after another on one stream, as a model's do: nothing in them outlives
+  // a forward(). It must have the same shapes (hidden_size, experts, top-k,
+  // intermediate sizes), max_tokens, overlap, cuda_graphs, dp_size, backend
+  // and ranks (InvalidArgument naming the field otherwise). The scratch
+  // lives as long as any layer using it: share_with may go first.
   static std::unique_ptr<MoELayer> create(const MoEModelConfig& model,
-                                          const MoELayerOptions& options, Bootstrap& bootstrap);
+                                          const MoELayerOptions& options, Bootstrap& bootstrap,
+                                          const MoELayer* share_with = nullptr);
   ~MoELayer();
   MoELayer(const MoELayer&) = delete;
   MoELayer& operator=(const MoELayer&) = delete;

@@ -27,15 +27,20 @@ class MoELayer:
 
     MoELayer(model="deepseek-v3", *, max_tokens, backend="nvlink", overlap="auto",
              micro_batch_min_tokens=32, cuda_graphs=False, dp_size=1, group=None,
-             bootstrap=None, timeout_s=None, debug=None, profile=None, **model_fields)
+             bootstrap=None, timeout_s=None, debug=None, profile=None, share_with=None,
+             **model_fields)
 
     Collective over the ranks (the same bootstrap rules as AllToAll). Give it
-    weights with set_weights() or load_checkpoint(), then call forward()."""
+    weights with set_weights() or load_checkpoint(), then call forward().
+    share_with=other: use other's AllToAlls, expert kernels and workspaces
+    (only the weights are this layer's; no collective), for layers called one
+    after another on one stream; the same shapes and options are required."""
 
     def __init__(self, model: Any = "deepseek-v3", *, max_tokens: int, backend: str = "nvlink",
                  overlap: str = "auto", micro_batch_min_tokens: int = 32, cuda_graphs: bool = False,
                  dp_size: int = 1, group=None, bootstrap=None, timeout_s: Optional[float] = None,
-                 debug: Optional[bool] = None, profile: Optional[bool] = None, **model_fields):
+                 debug: Optional[bool] = None, profile: Optional[bool] = None,
+                 share_with: Optional["MoELayer"] = None, **model_fields):
         if overlap not in _OVERLAPS:
             raise ValueError(f"moelink: MoELayer: overlap = {overlap!r} must be one of "
                              + ", ".join(repr(o) for o in _OVERLAPS))
@@ -48,7 +53,8 @@ class MoELayer:
                                  int(micro_batch_min_tokens), bool(cuda_graphs), int(dp_size),
                                  -1.0 if timeout_s is None else float(timeout_s),
                                  -1 if debug is None else int(bool(debug)),
-                                 -1 if profile is None else int(bool(profile)))
+                                 -1 if profile is None else int(bool(profile)),
+                                 None if share_with is None else share_with._impl)
 
     def _stream(self, stream, like) -> int:
         return 0 if self._host else stream_handle(stream, like)

@@ -59,13 +59,14 @@ class PyMoELayer {
  public:
   PyMoELayer(const MoEModelConfig& model, Bootstrap& boot, int64_t max_tokens,
              const std::string& backend, const std::string& overlap, int64_t micro_batch_min_tokens,
-             bool cuda_graphs, int dp_size, double timeout_s, int debug, int profile) {
+             bool cuda_graphs, int dp_size, double timeout_s, int debug, int profile,
+             const PyMoELayer* share_with) {
     const MoELayerOptions o = moe_layer_options(max_tokens, backend, overlap, micro_batch_min_tokens,
                                                 cuda_graphs, dp_size, timeout_s, debug, profile);
     host_ = backend_uses_host_memory(o.all_to_all.backend);
     nb::gil_scoped_release release;
     if (!host_) device_ = current_cuda_device();
-    impl_ = MoELayer::create(model, o, boot);
+    impl_ = MoELayer::create(model, o, boot, share_with != nullptr ? share_with->impl_.get() : nullptr);
   }
 
   ConvertContext context(const char* call) const {
@@ -186,10 +187,10 @@ void bind_moe_layer(nb::module_& m) {
 
   nb::class_<PyMoELayer>(m, "MoELayer", "A MoE layer (moelink.MoELayer wraps this).")
       .def(nb::init<const MoEModelConfig&, Bootstrap&, int64_t, const std::string&, const std::string&,
-                    int64_t, bool, int, double, int, int>(),
+                    int64_t, bool, int, double, int, int, const PyMoELayer*>(),
            "model"_a, "bootstrap"_a, "max_tokens"_a, "backend"_a, "overlap"_a,
            "micro_batch_min_tokens"_a, "cuda_graphs"_a, "dp_size"_a, "timeout_s"_a, "debug"_a,
-           "profile"_a)
+           "profile"_a, "share_with"_a.none())
       .def("set_weights", &PyMoELayer::set_weights, "gate"_a, "gate_bias"_a.none(), "w13"_a,
            "w13_scale"_a.none(), "w2"_a, "w2_scale"_a.none(), "shared_w13"_a.none(),
            "shared_w13_scale"_a.none(), "shared_w2"_a.none(), "shared_w2_scale"_a.none())

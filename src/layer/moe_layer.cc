@@ -47,9 +47,25 @@ Tensor first_rows_per_expert(Tensor t, int64_t rows) {
 
 }  // namespace
 
+// What a forward() needs besides the layer's weights: the AllToAlls, the
+// expert kernels with their workspaces, the activations between the stages.
+// Nothing in it lives from one forward() to the next, so layers that run
+// one after another on one stream (a model's) share one (about 0.3 GB a
+// DeepSeek-V3 layer at an EP8 rank's 256 tokens, 58 times over).
+struct MoELayerScratch {
+  static constexpr int64_t kSmallSharedRows = 32;
+  std::unique_ptr<LayerDevice> dev;  // allocates the buffers below (so it goes last)
+  std::unique_ptr<AllToAll> a2a, mb[2];
+  // The shared expert; shared_small for calls of at most kSmallSharedRows
+  // rows when max_tokens is larger (GPU backends).
+  std::unique_ptr<Experts> experts, shared, shared_small;
+  OwnedBuffer xq, xs, logits, indices, weights, counts, ex_x, ex_xs, ex_y, bounds, x_f32, x_static, out_static;
+};
+
 class MoELayerImpl {
  public:
-  MoELayerImpl(const MoEModelConfig& model, const MoELayerOptions& options, Bootstrap& boot)
+  MoELayerImpl(const MoEModelConfig& model, const MoELayerOptions& options, Bootstrap& boot,
+               const MoELayerImpl* share_with)
       : model_(model), options_(options), router_(layer::router_params(model)) {
     model_.validate();
     if (options_.max_tokens < 1 || options_.max_tokens > kMaxTokens)
@@ -86,6 +102,17 @@ class MoELayerImpl {
                                   (options_.overlap == MoEOverlap::kAuto && world_ > 1 &&
                                    T >= options_.micro_batch_min_tokens));
     half_ = (T + 1) / 2;
+    allocate_weights();
+    error_ = Buffer(*dev_, sizeof(layer::LayerErrorRecord));
+    if (share_with != nullptr) {
+      check_shareable(*share_with);
+      s_ = share_with->s_;
+      G_ = share_with->G_;
+      C_ = share_with->C_;
+      return;
+    }
+    s_ = std::make_shared<MoELayerScratch>();
+    s_->dev = host ? layer::make_cpu_layer_device() : layer::make_cuda_layer_device();
     auto make_a2a = [&](int64_t tokens) {
       Config c;
       c.max_num_tokens = tokens;
@@ -100,12 +127,12 @@ class MoELayerImpl {
       c.dp_size = options_.dp_size;
       return AllToAll::create(c, boot, options_.all_to_all);
     };
-    if (full) a2a_ = make_a2a(T);
+    if (full) s_->a2a = make_a2a(T);
     if (micro) {
-      mb_[0] = make_a2a(half_);
-      mb_[1] = make_a2a(half_);
+      s_->mb[0] = make_a2a(half_);
+      s_->mb[1] = make_a2a(half_);
     }
-    const AllToAll& any = full ? *a2a_ : *mb_[0];
+    const AllToAll& any = full ? *s_->a2a : *s_->mb[0];
     G_ = any.config().num_dp_groups();
     // Rows per expert: a micro-batch's receive takes rows [part * half G,
     // (part + 1) * half G) and counts of its own, so the second one neither
@@ -121,37 +148,45 @@ class MoELayerImpl {
     ec.device = host ? ExpertDevice::kCPU : ExpertDevice::kCUDA;
     // Rows an expert gets on average: the tile choice.
     ec.expected_rows = std::max<int64_t>(1, std::min<int64_t>(C_, T * G_ * k / E));
-    experts_ = Experts::create(ec);
+    s_->experts = Experts::create(ec);
     if (model_.n_shared_experts > 0) {
       ExpertConfig sc = ec;
       sc.num_experts = 1;
       sc.max_rows = T;
       sc.intermediate_dim = model_.shared_intermediate_size();
       sc.expected_rows = T;
-      shared_ = Experts::create(sc);
+      s_->shared = Experts::create(sc);
       if (T > kSmallSharedRows && !host) {
         // Decode-sized calls get their own: weight-major tiles split over K
         // (docs/experts.md), where T's tiles would leave most SMs idle.
         sc.max_rows = sc.expected_rows = kSmallSharedRows;
-        shared_small_ = Experts::create(sc);
+        s_->shared_small = Experts::create(sc);
       }
     }
 
     // Workspaces.
+    LayerDevice& sd = *s_->dev;
+    s_->xq = Buffer(sd, T * H);
+    s_->xs = Buffer(sd, T * (H / 128) * 4);
+    s_->logits = Buffer(sd, T * E * 4);
+    s_->indices = Buffer(sd, T * k * 4);
+    s_->weights = Buffer(sd, T * k * 4);
+    s_->counts = Buffer(sd, 2 * L_ * 4);  // one set per micro-batch
+    s_->ex_x = Buffer(sd, L_ * C_ * H);
+    s_->ex_xs = Buffer(sd, L_ * C_ * (H / 128) * 4);
+    s_->ex_y = Buffer(sd, L_ * C_ * H * 2);
+    s_->bounds = Buffer(sd, 4 * 4);  // m of the two micro-batches, the staged m
+    if (options_.cuda_graphs) {
+      s_->x_static = Buffer(sd, T * H * 2);
+      s_->out_static = Buffer(sd, T * H * 2);
+    }
+  }
+
+  // The weights' memory (the gate as fp32 at most).
+  void allocate_weights() {
     LayerDevice& d = *dev_;
-    const int64_t I = model_.moe_intermediate_size, Is = model_.shared_intermediate_size();
-    xq_ = Buffer(d, T * H);
-    xs_ = Buffer(d, T * (H / 128) * 4);
-    logits_ = Buffer(d, T * E * 4);
-    indices_ = Buffer(d, T * k * 4);
-    weights_ = Buffer(d, T * k * 4);
-    counts_ = Buffer(d, 2 * L_ * 4);  // one set per micro-batch
-    ex_x_ = Buffer(d, L_ * C_ * H);
-    ex_xs_ = Buffer(d, L_ * C_ * (H / 128) * 4);
-    ex_y_ = Buffer(d, L_ * C_ * H * 2);
-    bounds_ = Buffer(d, 4 * 4);  // m of the two micro-batches, the staged m
-    error_ = Buffer(d, sizeof(layer::LayerErrorRecord));
-    // Weights (the gate as fp32 at most).
+    const int64_t E = model_.n_routed_experts, H = model_.hidden_size, I = model_.moe_intermediate_size,
+                  Is = model_.shared_intermediate_size();
     gate_ = Buffer(d, E * H * 4);
     bias_ = Buffer(d, E * 4);
     w13_ = Buffer(d, L_ * 2 * I * H);
@@ -164,10 +199,31 @@ class MoELayerImpl {
       sw2_ = Buffer(d, H * Is);
       sw2s_ = Buffer(d, (H / 128) * (Is / 128) * 4);
     }
-    if (options_.cuda_graphs) {
-      x_static_ = Buffer(d, T * H * 2);
-      out_static_ = Buffer(d, T * H * 2);
-    }
+  }
+
+  // share_with's scratch fits this layer: the same shapes, tokens, modes
+  // and ranks (what sized its AllToAlls, expert kernels and buffers).
+  void check_shareable(const MoELayerImpl& o) const {
+    auto same = [&](const char* field, int64_t mine, int64_t theirs) {
+      if (mine != theirs)
+        throw InvalidArgument("moelink: MoELayer.create: share_with has " + std::string(field) + " = " +
+                              std::to_string(theirs) + ", this layer " + std::to_string(mine) +
+                              " (layers share scratch only with the same shapes and options)");
+    };
+    same("hidden_size", model_.hidden_size, o.model_.hidden_size);
+    same("n_routed_experts", model_.n_routed_experts, o.model_.n_routed_experts);
+    same("num_experts_per_tok", model_.num_experts_per_tok, o.model_.num_experts_per_tok);
+    same("moe_intermediate_size", model_.moe_intermediate_size, o.model_.moe_intermediate_size);
+    same("n_shared_experts", model_.n_shared_experts, o.model_.n_shared_experts);
+    same("max_tokens", options_.max_tokens, o.options_.max_tokens);
+    same("overlap", static_cast<int>(options_.overlap), static_cast<int>(o.options_.overlap));
+    same("micro_batch_min_tokens", options_.micro_batch_min_tokens, o.options_.micro_batch_min_tokens);
+    same("cuda_graphs", options_.cuda_graphs, o.options_.cuda_graphs);
+    same("dp_size", options_.dp_size, o.options_.dp_size);
+    same("all_to_all.backend", static_cast<int>(options_.all_to_all.backend),
+         static_cast<int>(o.options_.all_to_all.backend));
+    same("rank", rank_, o.rank_);
+    same("world size", world_, o.world_);
   }
 
   // ------------------------------------------------------------ weights
@@ -183,8 +239,8 @@ class MoELayerImpl {
     dev_->copy_in(gate_.get(), w.gate.data, E * H * dtype_size(w.gate.dtype));
     // An fp32 gate multiplies an fp32 copy of x: its buffer exists from
     // here, so that no forward() (a CUDA-graph capture above all) allocates.
-    if (gate_dtype_ == DType::kFloat32 && !x_f32_.get())
-      x_f32_ = Buffer(*dev_, options_.max_tokens * H * 4);
+    if (gate_dtype_ == DType::kFloat32 && !s_->x_f32.get())
+      s_->x_f32 = Buffer(*s_->dev, options_.max_tokens * H * 4);
     if (model_.score_correction_bias) {
       check_tensor(call, "gate_bias", w.gate_bias, {DType::kFloat32}, {}, false);
       if (w.gate_bias.shape[0] != E) bad(call, "gate_bias", "has shape " + shape_str(w.gate_bias) + ", expected [" + std::to_string(E) + "] (e_score_correction_bias)");
@@ -219,7 +275,7 @@ class MoELayerImpl {
 
   MoEOverlap overlap_for(int64_t tokens) const {
     if (options_.overlap != MoEOverlap::kAuto) return options_.overlap;
-    return mb_[0] && tokens >= options_.micro_batch_min_tokens ? MoEOverlap::kMicroBatch
+    return s_->mb[0] && tokens >= options_.micro_batch_min_tokens ? MoEOverlap::kMicroBatch
                                                                : MoEOverlap::kDispatchOverlap;
   }
 
@@ -243,14 +299,14 @@ class MoELayerImpl {
     while (bucket < tokens) bucket *= 2;
     bucket = std::min(bucket, options_.max_tokens);
     const int64_t H = model_.hidden_size;
-    const Tensor xs = Tensor::contiguous(x_static_.get(), DType::kBFloat16, {bucket, H});
-    const Tensor os = Tensor::contiguous(out_static_.get(), DType::kBFloat16, {bucket, H});
-    int32_t* staged_m = bounds_.as<int32_t>() + 2;
+    const Tensor xs = Tensor::contiguous(s_->x_static.get(), DType::kBFloat16, {bucket, H});
+    const Tensor os = Tensor::contiguous(s_->out_static.get(), DType::kBFloat16, {bucket, H});
+    int32_t* staged_m = s_->bounds.as<int32_t>() + 2;
     const Tensor sm = Tensor::contiguous(staged_m, DType::kInt32, {1});
     // The graph runs on `bucket` rows, which may be more than x has: the
     // staging copy checks bound_m against x's own rows (eager calls have
     // the kernels that read it do so) and hands the graph m clamped.
-    dev_->copy_rows(x_static_.get(), H * 2, x.data, x.stride[0] * 2, H * 2,
+    dev_->copy_rows(s_->x_static.get(), H * 2, x.data, x.stride[0] * 2, H * 2,
                     static_cast<const int32_t*>(bound_m.data), std::min(rows, bucket), staged_m,
                     error_record(), stream);
     auto key = std::make_pair(bucket, static_cast<int>(mode));
@@ -262,14 +318,14 @@ class MoELayerImpl {
       } catch (...) {
         // Nothing captured ever ran: the AllToAlls go back to expecting a
         // dispatch, so the next call starts fresh.
-        for (AllToAll* a : {a2a_.get(), mb_[0].get(), mb_[1].get()})
+        for (AllToAll* a : {s_->a2a.get(), s_->mb[0].get(), s_->mb[1].get()})
           if (a != nullptr) a->reset_call_order();
         throw;
       }
       it = graphs_.emplace(key, std::move(graph)).first;
     }
     dev_->replay(*it->second, stream);
-    dev_->copy_rows(out.data, out.stride[0] * 2, out_static_.get(), H * 2, H * 2,
+    dev_->copy_rows(out.data, out.stride[0] * 2, s_->out_static.get(), H * 2, H * 2,
                     static_cast<const int32_t*>(bound_m.data), std::min(rows, bucket), nullptr,
                     nullptr, stream);
   }
@@ -299,12 +355,12 @@ class MoELayerImpl {
   void check(cudaStream_t stream) {
     ErrorCollector errors;
     errors.take([&] { check_own(stream); });
-    if (a2a_) errors.take([&] { a2a_->check(); });
-    for (auto& m : mb_)
+    if (s_->a2a) errors.take([&] { s_->a2a->check(); });
+    for (auto& m : s_->mb)
       if (m) errors.take([&] { m->check(); });
-    errors.take([&] { experts_->check(stream); });
-    if (shared_) errors.take([&] { shared_->check(stream); });
-    if (shared_small_) errors.take([&] { shared_small_->check(stream); });
+    errors.take([&] { s_->experts->check(stream); });
+    if (s_->shared) errors.take([&] { s_->shared->check(stream); });
+    if (s_->shared_small) errors.take([&] { s_->shared_small->check(stream); });
     errors.raise();
   }
 
@@ -377,29 +433,29 @@ class MoELayerImpl {
       if (timed_) dev_->mark(static_cast<int>(s), stream);
     };
     const Tensor xv = rows_of(x, 0, rows), outv = rows_of(out, 0, rows);
-    const Tensor xq = Tensor::contiguous(xq_.get(), DType::kFloat8E4M3, {rows, H});
-    const Tensor xs = Tensor::contiguous(xs_.get(), DType::kFloat32, {rows, H / 128});
+    const Tensor xq = Tensor::contiguous(s_->xq.get(), DType::kFloat8E4M3, {rows, H});
+    const Tensor xs = Tensor::contiguous(s_->xs.get(), DType::kFloat32, {rows, H / 128});
     mark(kStart);
-    experts_->quantize(xq, xs, xv, bound_m, stream);
+    s_->experts->quantize(xq, xs, xv, bound_m, stream);
     mark(kQuantized);
-    route_into(xv, bound_m, rows, indices_.as<int32_t>(), weights_.as<float>(), stream);
+    route_into(xv, bound_m, rows, s_->indices.as<int32_t>(), s_->weights.as<float>(), stream);
     mark(kRouted);
-    const bool shared = shared_ != nullptr;
+    const bool shared = s_->shared != nullptr;
     auto shared_expert = [&] {
       if (shared) run_shared(outv, xq, xs, bound_m, stream);
     };
     if (mode == MoEOverlap::kMicroBatch) {
-      int32_t* m01 = bounds_.as<int32_t>();
+      int32_t* m01 = s_->bounds.as<int32_t>();
       dev_->split_bound(m, rows, half_, m01, m01 + 1, stream);
       const int64_t h = std::min(half_, rows);
-      const Batch a{mb_[0].get(), 0, h, Tensor::contiguous(m01, DType::kInt32, {1}), 0};
+      const Batch a{s_->mb[0].get(), 0, h, Tensor::contiguous(m01, DType::kInt32, {1}), 0};
       // With rows <= half (one token, say) the second half is empty, but it
       // still takes part in its AllToAll's collective calls (the peers may
       // have tokens): m1 = 0 on a one-row view of row 0 that nothing reads
       // or writes, since an AllToAll takes 1..T rows.
       const Tensor m1 = Tensor::contiguous(m01 + 1, DType::kInt32, {1});
-      const Batch b = rows > h ? Batch{mb_[1].get(), h, rows - h, m1, 1}
-                               : Batch{mb_[1].get(), 0, 1, m1, 1};
+      const Batch b = rows > h ? Batch{s_->mb[1].get(), h, rows - h, m1, 1}
+                               : Batch{s_->mb[1].get(), 0, 1, m1, 1};
       dispatch(a, xq, xs, true, false, stream);
       dispatch(b, xq, xs, true, false, stream);
       shared_expert();
@@ -414,7 +470,7 @@ class MoELayerImpl {
       mark(kDone);
       return;
     }
-    const Batch all{a2a_.get(), 0, rows, bound_m, 0};
+    const Batch all{s_->a2a.get(), 0, rows, bound_m, 0};
     if (mode == MoEOverlap::kNone) {
       shared_expert();
       mark(kShared);
@@ -445,7 +501,7 @@ class MoELayerImpl {
 
   int64_t batch_capacity(const Batch& b) const { return b.a2a->config().expert_capacity(); }
   Tensor batch_counts(const Batch& b) const {
-    return Tensor::contiguous(counts_.as<int32_t>() + b.part * L_, DType::kInt32, {L_});
+    return Tensor::contiguous(s_->counts.as<int32_t>() + b.part * L_, DType::kInt32, {L_});
   }
   // [L, capacity, cols] of an expert buffer: the batch's rows of each expert.
   Tensor batch_rows(const Buffer& buf, DType t, int64_t cols, const Batch& b) const {
@@ -457,8 +513,8 @@ class MoELayerImpl {
   void dispatch(const Batch& b, const Tensor& xq, const Tensor& xs, bool send, bool recv,
                 cudaStream_t stream) {
     const int64_t H = model_.hidden_size;
-    b.a2a->dispatch(batch_counts(b), batch_rows(ex_x_, DType::kFloat8E4M3, H, b),
-                    batch_rows(ex_xs_, DType::kFloat32, H / 128, b), rows_of(xq, b.row0, b.rows),
+    b.a2a->dispatch(batch_counts(b), batch_rows(s_->ex_x, DType::kFloat8E4M3, H, b),
+                    batch_rows(s_->ex_xs, DType::kFloat32, H / 128, b), rows_of(xq, b.row0, b.rows),
                     rows_of(xs, b.row0, b.rows), rows_of(indices_tensor(), b.row0, b.rows),
                     rows_of(weights_tensor(), b.row0, b.rows), b.bound_m, stream, send, recv);
   }
@@ -469,11 +525,11 @@ class MoELayerImpl {
   template <class Mark>
   void experts(const Batch& b, cudaStream_t stream, const Mark* mark) {
     const int64_t H = model_.hidden_size, I = model_.moe_intermediate_size, C = batch_capacity(b);
-    const Tensor y = batch_rows(ex_y_, DType::kBFloat16, H, b), count = batch_counts(b),
-                 x = batch_rows(ex_x_, DType::kFloat8E4M3, H, b),
-                 xs = batch_rows(ex_xs_, DType::kFloat32, H / 128, b);
+    const Tensor y = batch_rows(s_->ex_y, DType::kBFloat16, H, b), count = batch_counts(b),
+                 x = batch_rows(s_->ex_x, DType::kFloat8E4M3, H, b),
+                 xs = batch_rows(s_->ex_xs, DType::kFloat32, H / 128, b);
     if (mark == nullptr) {
-      experts_->forward(y, count, x, xs, w13(), w13_scale(), w2(), w2_scale(), stream);
+      s_->experts->forward(y, count, x, xs, w13(), w13_scale(), w2(), w2_scale(), stream);
       return;
     }
     if (!profile_gu_.get()) {
@@ -484,11 +540,11 @@ class MoELayerImpl {
     const Tensor gu = expert_tensor(profile_gu_, DType::kBFloat16, 2 * I, C),
                  act = expert_tensor(profile_act_, DType::kFloat8E4M3, I, C),
                  acts = expert_tensor(profile_acts_, DType::kFloat32, I / 128, C);
-    experts_->grouped_gemm(gu, count, x, xs, w13(), w13_scale(), stream);
+    s_->experts->grouped_gemm(gu, count, x, xs, w13(), w13_scale(), stream);
     (*mark)(kGemm1);
-    experts_->silu_mul_quant(act, acts, gu, count, stream);
+    s_->experts->silu_mul_quant(act, acts, gu, count, stream);
     (*mark)(kSiluMul);
-    experts_->grouped_gemm(y, count, act, acts, w2(), w2_scale(), stream);
+    s_->experts->grouped_gemm(y, count, act, acts, w2(), w2_scale(), stream);
     (*mark)(kGemm2);
   }
 
@@ -496,7 +552,7 @@ class MoELayerImpl {
                cudaStream_t stream) {
     const int64_t H = model_.hidden_size;
     b.a2a->combine(rows_of(out, b.row0, b.rows), rows_of(indices_tensor(), b.row0, b.rows),
-                   rows_of(weights_tensor(), b.row0, b.rows), batch_rows(ex_y_, DType::kBFloat16, H, b),
+                   rows_of(weights_tensor(), b.row0, b.rows), batch_rows(s_->ex_y, DType::kBFloat16, H, b),
                    b.bound_m, stream, send, recv, accumulate);
   }
 
@@ -505,7 +561,7 @@ class MoELayerImpl {
   void run_shared(const Tensor& out, const Tensor& xq, const Tensor& xs, const Tensor& bound_m,
                   cudaStream_t stream) {
     const int64_t H = model_.hidden_size, Is = model_.shared_intermediate_size();
-    Experts& shared = shared_small_ && out.shape[0] <= kSmallSharedRows ? *shared_small_ : *shared_;
+    Experts& shared = s_->shared_small && out.shape[0] <= kSmallSharedRows ? *s_->shared_small : *s_->shared;
     shared.forward(as_single_expert(out), bound_m, as_single_expert(xq), as_single_expert(xs),
                      Tensor::contiguous(sw13_.get(), DType::kFloat8E4M3, {1, 2 * Is, H}),
                      Tensor::contiguous(sw13s_.get(), DType::kFloat32, {1, 2 * Is / 128, H / 128}),
@@ -516,9 +572,9 @@ class MoELayerImpl {
   void route_into(const Tensor& x, const Tensor& bound_m, int64_t rows, int32_t* indices,
                   float* weights, cudaStream_t stream) {
     const int32_t* m = static_cast<const int32_t*>(bound_m.data);
-    dev_->gate_logits(logits_.as<float>(), x, gate_.get(), gate_dtype_, model_.n_routed_experts, m,
-                      x_f32_.as<float>(), stream);
-    dev_->route(logits_.as<float>(), model_.score_correction_bias ? bias_.as<float>() : nullptr,
+    dev_->gate_logits(s_->logits.as<float>(), x, gate_.get(), gate_dtype_, model_.n_routed_experts, m,
+                      s_->x_f32.as<float>(), stream);
+    dev_->route(s_->logits.as<float>(), model_.score_correction_bias ? bias_.as<float>() : nullptr,
                 router_, m, rows, indices, weights, stream);
   }
 
@@ -527,11 +583,11 @@ class MoELayerImpl {
     return first_rows_per_expert(Tensor::contiguous(buf.get(), t, {L_, C_, cols}), rows);
   }
   Tensor indices_tensor() const {
-    return Tensor::contiguous(indices_.get(), DType::kInt32,
+    return Tensor::contiguous(s_->indices.get(), DType::kInt32,
                               {options_.max_tokens, model_.num_experts_per_tok});
   }
   Tensor weights_tensor() const {
-    return Tensor::contiguous(weights_.get(), DType::kFloat32,
+    return Tensor::contiguous(s_->weights.get(), DType::kFloat32,
                               {options_.max_tokens, model_.num_experts_per_tok});
   }
   Tensor w13() const {
@@ -661,13 +717,12 @@ class MoELayerImpl {
   std::unique_ptr<LayerDevice> dev_;
   int rank_ = 0, world_ = 1, L_ = 0;
   int64_t G_ = 1, C_ = 0, half_ = 0;
-  std::unique_ptr<AllToAll> a2a_, mb_[2];
-  // The shared expert; shared_small_ for calls of at most kSmallSharedRows
-  // rows when max_tokens is larger (GPU backends).
-  static constexpr int64_t kSmallSharedRows = 32;
-  std::unique_ptr<Experts> experts_, shared_, shared_small_;
-  Buffer xq_, xs_, logits_, indices_, weights_, counts_, ex_x_, ex_xs_, ex_y_, bounds_, x_f32_, error_;
-  Buffer gate_, bias_, w13_, w13s_, w2_, w2s_, sw13_, sw13s_, sw2_, sw2s_, x_static_, out_static_;
+  // The AllToAlls, expert kernels and buffers, perhaps shared with other
+  // layers (MoELayer::create's share_with).
+  std::shared_ptr<MoELayerScratch> s_;
+  static constexpr int64_t kSmallSharedRows = MoELayerScratch::kSmallSharedRows;
+  Buffer error_;
+  Buffer gate_, bias_, w13_, w13s_, w2_, w2s_, sw13_, sw13s_, sw2_, sw2s_;
   DType gate_dtype_ = DType::kBFloat16;
   Buffer profile_gu_, profile_act_, profile_acts_;  // experts' intermediates when timed
   bool has_weights_ = false;
@@ -679,9 +734,9 @@ class MoELayerImpl {
 }  // namespace detail
 
 std::unique_ptr<MoELayer> MoELayer::create(const MoEModelConfig& model, const MoELayerOptions& options,
-                                           Bootstrap& bootstrap) {
-  return std::unique_ptr<MoELayer>(
-      new MoELayer(std::make_unique<detail::MoELayerImpl>(model, options, bootstrap)));
+                                           Bootstrap& bootstrap, const MoELayer* share_with) {
+  return std::unique_ptr<MoELayer>(new MoELayer(std::make_unique<detail::MoELayerImpl>(
+      model, options, bootstrap, share_with != nullptr ? share_with->impl_.get() : nullptr)));
 }
 
 MoELayer::MoELayer(std::unique_ptr<detail::MoELayerImpl> impl) : impl_(std::move(impl)) {}

@@ -110,7 +110,7 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
 // The dense MLP of the first layers: an Experts of one expert whose row
 // count is the step's rows (as the MoE layer's shared expert).
 struct DenseMlp {
-  std::unique_ptr<Experts> experts;
+  std::shared_ptr<Experts> experts;  // the kernels and workspace, one for every dense layer
   ModelBuffer w13, w13_scale, w2, w2_scale;
 };
 
@@ -145,6 +145,11 @@ class ModelImpl {
     const int caches = layers_ + (o_.mtp ? 1 : 0);
     cache_bytes_ = o_.num_pages * ao.page_size * c_.attention.cache_row() * 2;
     kv_region_ = ModelBuffer(*ops_, static_cast<size_t>(cache_bytes_ * caches));
+    // The layers run one after another: the dense ones share one Experts
+    // (kernels and workspace), the MoE ones the first's AllToAlls, expert
+    // kernels and workspaces (MoELayer::create's share_with).
+    std::shared_ptr<Experts> dense_experts;
+    const MoELayer* first_moe = nullptr;
     for (int l = 0; l < caches; ++l) {
       Layer layer;
       layer.attention = MLAAttention::create(c_.attention, ao);
@@ -157,10 +162,12 @@ class ModelImpl {
         ec.intermediate_dim = c_.intermediate_size;
         ec.expected_rows = T;
         ec.device = host_ ? ExpertDevice::kCPU : ExpertDevice::kCUDA;
+        if (!dense_experts) dense_experts = Experts::create(ec);
         layer.dense = std::make_unique<DenseMlp>();
-        layer.dense->experts = Experts::create(ec);
+        layer.dense->experts = dense_experts;
       } else {
-        layer.moe = MoELayer::create(c_.moe, o_.moe, boot);
+        layer.moe = MoELayer::create(c_.moe, o_.moe, boot, first_moe);
+        if (first_moe == nullptr) first_moe = layer.moe.get();
       }
       layers_v_.push_back(std::move(layer));
     }

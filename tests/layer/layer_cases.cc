@@ -120,6 +120,17 @@ std::vector<LayerCase> layer_cases(Backend backend) {
   dp.dp_size = 2;
   dp.overlap = MoEOverlap::kMicroBatch;
   cases.push_back(dp);
+  // Two layers on one scratch (a model's MoE layers), every mode, 2 ranks.
+  for (const auto& [mode, mode_name] : modes) {
+    LayerCase c;
+    c.name = "DeepSeekLike_W2_" + std::string(mode_name) + "_SharedScratch";
+    c.model = deepseek_like_model();
+    c.backend = backend;
+    c.overlap = mode;
+    c.shared_scratch = true;
+    c.rounds = 3;
+    cases.push_back(c);
+  }
   return cases;
 }
 
@@ -167,6 +178,15 @@ void run_layer_case(const LayerCase& c) {
           view.gate = Tensor::contiguous(gate_f32.data(), DType::kFloat32, {m.n_routed_experts, m.hidden_size});
         }
         layer->set_weights(view);
+        // A second layer on the first's scratch (AllToAlls, expert kernels,
+        // workspaces) with weights of its own, called after it each round.
+        std::unique_ptr<moelink::MoELayer> second;
+        LayerWeights w2;
+        if (c.shared_scratch) {
+          second = moelink::MoELayer::create(m, o, boot, layer.get());
+          w2 = random_layer_weights(m, seed ^ 0x5BD1E995u);
+          second->set_weights(w2.view(m, rank, second->num_local_experts()));
+        }
         const int64_t T = c.max_tokens, H = m.hidden_size;
         void* dx = ops->alloc(T * H * 2);
         void* dout = ops->alloc(T * H * 2);
@@ -206,24 +226,28 @@ void run_layer_case(const LayerCase& c) {
                                                      when + ", bound_m past x's rows");
           }
           ops->h2d(dm, &mm, 4);
+          for (int which = 0; which < (second ? 2 : 1); ++which) {
+          moelink::MoELayer& lay = which == 0 ? *layer : *second;
+          const LayerWeights& lw = which == 0 ? w : w2;
           ops->fill(dout, 0x7F, T * H * 2);
-          layer->forward(tout, tx, tm, ops->stream(), num_tokens);
-          layer->check(ops->stream());
+          lay.forward(tout, tx, tm, ops->stream(), num_tokens);
+          lay.check(ops->stream());
           std::vector<uint16_t> out(T * H);
           ops->d2h(out.data(), dout, out.size() * 2);
           for (int64_t t = 0; t < T; ++t) {
             const uint16_t* row = &out[t * H];
             if (t >= mm) {
               RANK_CHECK(std::all_of(row, row + H, [](uint16_t v) { return v == 0x7F7F; }))
-                  << "round " << round << " row " << t << " >= m = " << mm << " was written";
+                  << "layer " << which << ", round " << round << " row " << t << " >= m = " << mm
+                  << " was written";
               continue;
             }
-            const RefRoute r = ref_route(m, w, &x[t * H]);
+            const RefRoute r = ref_route(m, lw, &x[t * H]);
             if (r.margin < 1e-4) {  // the kernels' fp32 may choose the other expert
               ++st.near_ties;
               continue;
             }
-            const std::vector<double> ref = ref_layer_row(m, w, &x[t * H], r);
+            const std::vector<double> ref = ref_layer_row(m, lw, &x[t * H], r);
             double e2 = 0, r2 = 0;
             for (int64_t h = 0; h < H; ++h) {
               const double d = bf16_to_double(row[h]) - ref[h];
@@ -234,6 +258,7 @@ void run_layer_case(const LayerCase& c) {
             st.ref2 += r2;
             st.worst_row = std::max(st.worst_row, std::sqrt(e2 / std::max(r2, 1e-30)));
             ++st.rows;
+          }
           }
         }
         // The layer's fp8 data flow, reproduced by the reference, leaves bf16

@@ -46,6 +46,10 @@ struct LayerCase {
   bool bad_calls = false;
   // The router weight given in fp32 (the same values as the bf16 one).
   bool fp32_gate = false;
+  // A second layer created with share_with = the first (MoELayer::create),
+  // its own weights, called after the first each round: both must match
+  // their references.
+  bool shared_scratch = false;
 };
 
 // Every overlap mode on worlds 1, 2 and 4 (and DP 2) for the three models.

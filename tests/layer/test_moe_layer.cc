@@ -67,6 +67,23 @@ std::vector<LayerCase> gpu_layer_cases() {
       if (ch == '-') ch = '_';
     cases.push_back(c);
   }
+  // Two layers on one scratch, each with its graphs (captured on the
+  // shared staging buffers and AllToAlls), replayed alternately.
+  for (MoEOverlap mode : {MoEOverlap::kDispatchOverlap, MoEOverlap::kMicroBatch}) {
+    LayerCase c;
+    c.model = deepseek_like_model();
+    c.backend = Backend::kNVLink;
+    c.world = 2;
+    c.overlap = mode;
+    c.cuda_graphs = true;
+    c.shared_scratch = true;
+    c.max_tokens = 8;
+    c.ms = {3, 8, 1, 0, 5};
+    c.name = std::string("DeepSeekLike_W2_Graphs_") + moelink::moe_overlap_name(mode) + "_SharedScratch";
+    for (char& ch : c.name)
+      if (ch == '-') ch = '_';
+    cases.push_back(c);
+  }
   // Graphs with 0-3 tokens after bad calls, in every mode, with the router
   // weight in fp32 (its staging buffer once was allocated inside the
   // capture) and in bf16; an eager fp32 router too.
@@ -569,6 +586,19 @@ TEST(MoELayerArguments, BadCallsAreNamed) {
     moelink::MoELayerOptions g = o;
     g.cuda_graphs = true;
     check_throws([&] { moelink::MoELayer::create(m, g, boot); }, "cuda_graphs needs a GPU backend");
+    // share_with of other shapes or options: refused naming the field; the
+    // layer it names still runs.
+    moelink::MoELayerOptions more = o;
+    more.max_tokens = 8;
+    check_throws([&] { moelink::MoELayer::create(m, more, boot, layer.get()); },
+                 "share_with has max_tokens = 4, this layer 8");
+    MoEModelConfig wider = m;
+    wider.moe_intermediate_size *= 2;
+    check_throws([&] { moelink::MoELayer::create(wider, o, boot, layer.get()); }, "moe_intermediate_size");
+    check_throws([&] { moelink::MoELayer::create(mixtral_like_model(), o, boot, layer.get()); },
+                 "n_routed_experts");
+    layer->forward(tout, tx, tm);
+    layer->check();
   }, 60);
 }
 

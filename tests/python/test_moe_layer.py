@@ -74,6 +74,49 @@ def test_cpu_layer_forward_route_and_errors():
         layer.forward(out, np.zeros((8, 128), bf16), np.array([6], np.int32))
 
 
+@pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes (bf16 numpy)")
+def test_layers_sharing_scratch_give_the_outputs_of_layers_alone():
+    """share_with: two layers on one layer's AllToAll, kernels and buffers,
+    called alternately, give the same bits as each layer alone; other
+    shapes are refused naming the field."""
+    rng = np.random.default_rng()
+    E, H, I = 16, 256, 128
+    bf16 = ml_dtypes.bfloat16
+
+    def weights():
+        return dict(gate=(rng.standard_normal((E, H)) / 16).astype(bf16),
+                    w13=(rng.standard_normal((E, 2 * I, H)) * 0.05).astype(np.float32),
+                    w2=(rng.standard_normal((E, H, I)) * 0.05).astype(np.float32),
+                    gate_bias=np.zeros(E, np.float32),
+                    shared_w13=(rng.standard_normal((2 * I, H)) * 0.05).astype(np.float32),
+                    shared_w2=(rng.standard_normal((H, I)) * 0.05).astype(np.float32))
+
+    def make(share_with=None):
+        return moelink.MoELayer("deepseek-v3", max_tokens=8, backend="cpu", bootstrap=_boot(),
+                                share_with=share_with, **SMALL)
+
+    wa, wb = weights(), weights()
+    first = make()
+    second = make(share_with=first)
+    alone_a, alone_b = make(), make()
+    for layer, w in ((first, wa), (second, wb), (alone_a, wa), (alone_b, wb)):
+        w = dict(w)
+        layer.set_weights(w.pop("gate"), w.pop("w13"), w.pop("w2"), **w)
+    for m in (8, 3, 1):
+        x = rng.standard_normal((8, H)).astype(bf16)
+        got = []
+        for layer in (first, second, alone_a, alone_b):
+            out = np.zeros((8, H), bf16)
+            layer.forward(out, x, np.array([m], np.int32))
+            layer.check()
+            got.append(out.view(np.uint16))
+        assert np.array_equal(got[0], got[2]) and np.array_equal(got[1], got[3]), f"m = {m}"
+        assert not np.array_equal(got[0], got[1]), "the two layers' weights differ"
+    with pytest.raises(moelink.InvalidArgument, match="share_with has max_tokens = 8, this layer 4"):
+        moelink.MoELayer("deepseek-v3", max_tokens=4, backend="cpu", bootstrap=_boot(), share_with=first,
+                         **SMALL)
+
+
 # ------------------------------------------------------------ CUDA: Hugging Face
 
 def _torch_hopper():
