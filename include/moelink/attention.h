@@ -170,7 +170,16 @@ class MLAAttentionImpl;
 
 class MLAAttention {
  public:
-  static std::unique_ptr<MLAAttention> create(const MLAConfig& config, const MLAOptions& options);
+  // share_with: another layer whose scratch this one uses too (the
+  // attention ops with FlashInfer's workspaces and plans, the GEMMs'
+  // workspaces, the activations), allocating only its own weights. For
+  // layers that run one after another on one stream, as a model's do:
+  // nothing in it outlives a forward(), and FlashInfer's decode plans a
+  // batch once for all of them. It must have the same config shapes and
+  // options (InvalidArgument naming the field otherwise); the scratch lives
+  // as long as any layer using it.
+  static std::unique_ptr<MLAAttention> create(const MLAConfig& config, const MLAOptions& options,
+                                              const MLAAttention* share_with = nullptr);
   ~MLAAttention();
   MLAAttention(const MLAAttention&) = delete;
   MLAAttention& operator=(const MLAAttention&) = delete;

@@ -25,7 +25,7 @@ class MLAAttention:
     MLAAttention(config="deepseek-v3", *, max_tokens, max_requests,
                  max_pages_per_request, page_size=64, tp_size=1, tp_rank=0,
                  device="cuda", decode_kernel="auto", prefill_kernel="auto", debug=None,
-                 **config_fields)
+                 share_with=None, **config_fields)
 
     decode_kernel (CUDA): "auto" (FlashInfer's MLA kernel where it applies:
     kv_lora_rank 512, rotary 64, an eager call; else moelink's own),
@@ -33,20 +33,26 @@ class MLAAttention:
     Hopper prefill kernel where it applies: qk_nope_head_dim 128, rotary 64,
     v_head_dim 128; else moelink's own), "flashinfer" or "moelink".
 
+    share_with=other: use other's scratch (activations, GEMM and FlashInfer
+    workspaces; only the weights are this layer's), for layers called one
+    after another on one stream; the same config and options are required.
+
     Give it weights with set_weights() (Hugging Face's self_attn names) or
     load_checkpoint(), then call forward() once per step."""
 
     def __init__(self, config: Any = "deepseek-v3", *, max_tokens: int, max_requests: int,
                  max_pages_per_request: int, page_size: int = 64, tp_size: int = 1,
                  tp_rank: int = 0, device: str = "cuda", decode_kernel: str = "auto",
-                 prefill_kernel: str = "auto", debug: Optional[bool] = None, **config_fields):
+                 prefill_kernel: str = "auto", debug: Optional[bool] = None,
+                 share_with: Optional["MLAAttention"] = None, **config_fields):
         cfg = mla_config(config, **config_fields)
         self._host = device == "cpu"
         if not self._host:
             sync_cuda_device()
         self._impl = _C.MLAAttention(cfg, device, int(tp_size), int(tp_rank), int(page_size),
                                      int(max_tokens), int(max_requests), int(max_pages_per_request),
-                                     -1 if debug is None else int(bool(debug)), str(decode_kernel), str(prefill_kernel))
+                                     -1 if debug is None else int(bool(debug)), str(decode_kernel), str(prefill_kernel),
+                                     None if share_with is None else share_with._impl)
 
     @property
     def config(self):

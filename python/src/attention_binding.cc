@@ -26,7 +26,8 @@ class PyMLAAttention {
  public:
   PyMLAAttention(const MLAConfig& config, const std::string& device, int tp_size, int tp_rank,
                  int page_size, int64_t max_tokens, int max_requests, int max_pages_per_request,
-                 int debug, const std::string& decode_kernel, const std::string& prefill_kernel) {
+                 int debug, const std::string& decode_kernel, const std::string& prefill_kernel,
+                 const PyMLAAttention* share_with) {
     MLAOptions o;
     o.device = parse_device(device);
     o.decode_kernel = parse_kernel<MLADecodeKernel>("MLAAttention", "decode_kernel", decode_kernel);
@@ -41,7 +42,7 @@ class PyMLAAttention {
     host_ = o.device == AttentionDevice::kCPU;
     nb::gil_scoped_release release;
     if (!host_) device_ = current_cuda_device();
-    impl_ = MLAAttention::create(config, o);
+    impl_ = MLAAttention::create(config, o, share_with != nullptr ? share_with->impl_.get() : nullptr);
   }
 
   ConvertContext context(const char* call, bool any_place) const {
@@ -159,9 +160,10 @@ void bind_attention(nb::module_& m) {
 
   nb::class_<PyMLAAttention>(m, "MLAAttention", "MLA attention (moelink.MLAAttention wraps this).")
       .def(nb::init<const MLAConfig&, const std::string&, int, int, int, int64_t, int, int, int,
-                    const std::string&, const std::string&>(),
+                    const std::string&, const std::string&, const PyMLAAttention*>(),
            "config"_a, "device"_a, "tp_size"_a, "tp_rank"_a, "page_size"_a, "max_tokens"_a,
-           "max_requests"_a, "max_pages_per_request"_a, "debug"_a, "decode_kernel"_a, "prefill_kernel"_a)
+           "max_requests"_a, "max_pages_per_request"_a, "debug"_a, "decode_kernel"_a, "prefill_kernel"_a,
+           "share_with"_a.none())
       .def("set_weights", &PyMLAAttention::set_weights, "tensors"_a)
       .def("load_checkpoint", &PyMLAAttention::load_checkpoint, "directory"_a, "layer_index"_a)
       .def("forward", &PyMLAAttention::forward, "out"_a, "x"_a, "kv_cache"_a, "q_start"_a,

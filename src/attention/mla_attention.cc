@@ -87,9 +87,24 @@ std::string step_error_text(const StepErrorRecord& e) {
 
 }  // namespace
 
+// What a forward() needs besides the layer's weights: the attention ops
+// (FlashInfer's workspaces and plans inside), the GEMMs with their
+// workspaces, the activations between the steps and the step's row plan.
+// Nothing in it lives from one forward() to the next, so the layers of a
+// model, which run one after another on one stream, share one (at
+// DeepSeek-V3's 128 heads and 4096 tokens a step about 0.7 GB a layer).
+struct MLAScratch {
+  std::unique_ptr<AttentionOps> ops;  // allocates every buffer (so it goes last)
+  std::unique_ptr<Experts> gemm, bmm;
+  OwnedBuffer xn, xq, xs, qkv, qa, q, latent, attn, qn, hq, hs, qlat, olat, oh;
+  OwnedBuffer chunk_latent, chunk_kpe, chunk_kv;
+  OwnedBuffer plan_request, plan_position, plan_counts;
+};
+
 class MLAAttentionImpl {
  public:
-  MLAAttentionImpl(const MLAConfig& config, const MLAOptions& options) : c_(config), o_(options) {
+  MLAAttentionImpl(const MLAConfig& config, const MLAOptions& options, const MLAAttentionImpl* share_with)
+      : c_(config), o_(options) {
     c_.validate();
     const char* call = "MLAOptions";
     auto bad_option = [&](const char* field, int64_t v, const std::string& rule) {
@@ -117,14 +132,53 @@ class MLAAttentionImpl {
       bad_option("max_pages_per_request", o_.max_pages_per_request, "must be in [1, 2^24]");
     debug_ = o_.debug >= 0 ? o_.debug != 0 : env_flag("MOELINK_DEBUG");
     const bool host = o_.device == AttentionDevice::kCPU;
-    ops_ = host ? attention::make_cpu_attention_ops()
-                : attention::make_cuda_attention_ops(c_, Hq_, o_.decode_kernel, o_.prefill_kernel);
     rope_ = attention::rope_params(c_);
-
     const int64_t T = o_.max_tokens, D = c_.hidden_size, Rq = c_.q_lora_rank, R = c_.kv_lora_rank,
                   Dn = c_.qk_nope_head_dim, Dr = c_.qk_rope_head_dim, Dv = c_.v_head_dim;
     Nqkv_ = Rq + (R + Dr + kBlock - 1) / kBlock * kBlock;
     Nd_ = std::min<int64_t>(T, 2 * int64_t{o_.max_requests});
+    if (share_with != nullptr) {
+      check_shareable(*share_with);
+      s_ = share_with->s_;
+    } else {
+      s_ = std::make_shared<MLAScratch>();
+      s_->ops = host ? attention::make_cpu_attention_ops()
+                     : attention::make_cuda_attention_ops(c_, Hq_, o_.decode_kernel, o_.prefill_kernel);
+      allocate_scratch(host, T, D, Rq, R, Dn, Dr, Dv);
+    }
+    AttentionOps& ops = *s_->ops;
+    error_ = OpsBuffer(ops, sizeof(StepErrorRecord));
+    inv_freq_ = OpsBuffer(ops, rope_.inv_freq.size() * 4);
+    ops.copy_in(inv_freq_.as(), rope_.inv_freq.data(), rope_.inv_freq.size() * 4);
+  }
+
+  // share_with's scratch fits this layer: the same config and options.
+  void check_shareable(const MLAAttentionImpl& o) const {
+    auto same = [&](const char* field, int64_t mine, int64_t theirs) {
+      if (mine != theirs)
+        throw InvalidArgument("moelink: MLAAttention.create: share_with has " + std::string(field) + " = " +
+                              std::to_string(theirs) + ", this layer " + std::to_string(mine) +
+                              " (layers share scratch only with the same shapes and options)");
+    };
+    same("hidden_size", c_.hidden_size, o.c_.hidden_size);
+    same("num_attention_heads", c_.num_attention_heads, o.c_.num_attention_heads);
+    same("q_lora_rank", c_.q_lora_rank, o.c_.q_lora_rank);
+    same("kv_lora_rank", c_.kv_lora_rank, o.c_.kv_lora_rank);
+    same("qk_nope_head_dim", c_.qk_nope_head_dim, o.c_.qk_nope_head_dim);
+    same("qk_rope_head_dim", c_.qk_rope_head_dim, o.c_.qk_rope_head_dim);
+    same("v_head_dim", c_.v_head_dim, o.c_.v_head_dim);
+    same("device", static_cast<int>(o_.device), static_cast<int>(o.o_.device));
+    same("tp_size", o_.tp_size, o.o_.tp_size);
+    same("page_size", o_.page_size, o.o_.page_size);
+    same("max_tokens", o_.max_tokens, o.o_.max_tokens);
+    same("max_requests", o_.max_requests, o.o_.max_requests);
+    same("max_pages_per_request", o_.max_pages_per_request, o.o_.max_pages_per_request);
+    same("decode_kernel", static_cast<int>(o_.decode_kernel), static_cast<int>(o.o_.decode_kernel));
+    same("prefill_kernel", static_cast<int>(o_.prefill_kernel), static_cast<int>(o.o_.prefill_kernel));
+  }
+
+  void allocate_scratch(bool host, int64_t T, int64_t D, int64_t Rq, int64_t R, int64_t Dn, int64_t Dr,
+                        int64_t Dv) {
     ExpertConfig dense;  // quantize() and gemm() take any shapes
     dense.num_experts = 1;
     dense.max_rows = T;
@@ -132,38 +186,35 @@ class MLAAttentionImpl {
     dense.intermediate_dim = static_cast<int>(kBlock);
     dense.device = host ? ExpertDevice::kCPU : ExpertDevice::kCUDA;
     dense.debug = 0;
-    gemm_ = Experts::create(dense);
+    s_->gemm = Experts::create(dense);
     ExpertConfig bmm = dense;  // the heads' batched GEMMs on the decode rows
     bmm.num_experts = Hq_;
     bmm.max_rows = Nd_;
     bmm.expected_rows = Nd_;
-    bmm_ = Experts::create(bmm);
+    s_->bmm = Experts::create(bmm);
 
-    AttentionOps& ops = *ops_;
+    AttentionOps& ops = *s_->ops;
     const int64_t qcols = std::max({D, Rq, R, int64_t{Hq_} * Dv});
-    xn_ = OpsBuffer(ops, T * D * 2);
-    xq_ = OpsBuffer(ops, T * qcols);
-    xs_ = OpsBuffer(ops, T * (qcols / kBlock) * 4);
-    qkv_ = OpsBuffer(ops, T * Nqkv_ * 2);
-    qa_ = OpsBuffer(ops, T * Rq * 2);
-    q_ = OpsBuffer(ops, T * Hq_ * (Dn + Dr) * 2);
-    latent_ = OpsBuffer(ops, T * R * 2);
-    attn_ = OpsBuffer(ops, T * Hq_ * Dv * 2);
-    qn_ = OpsBuffer(ops, Hq_ * Nd_ * std::max(Dn, R) * 2);
-    hq_ = OpsBuffer(ops, Hq_ * Nd_ * std::max(Dn, R));
-    hs_ = OpsBuffer(ops, Hq_ * Nd_ * (std::max(Dn, R) / kBlock) * 4);
-    qlat_ = OpsBuffer(ops, Hq_ * Nd_ * R * 2);
-    olat_ = OpsBuffer(ops, Hq_ * Nd_ * R * 2);
-    oh_ = OpsBuffer(ops, Hq_ * Nd_ * Dv * 2);
-    chunk_latent_ = OpsBuffer(ops, kPrefillChunk * R * 2);
-    chunk_kpe_ = OpsBuffer(ops, kPrefillChunk * Dr * 2);
-    chunk_kv_ = OpsBuffer(ops, kPrefillChunk * Hq_ * (Dn + Dv) * 2);
-    plan_request_ = OpsBuffer(ops, T * 4);
-    plan_position_ = OpsBuffer(ops, T * 4);
-    plan_counts_ = OpsBuffer(ops, (2 + Hq_) * 4);  // rows, a chunk's rows, decode rows per head
-    error_ = OpsBuffer(ops, sizeof(StepErrorRecord));
-    inv_freq_ = OpsBuffer(ops, rope_.inv_freq.size() * 4);
-    ops.copy_in(inv_freq_.as(), rope_.inv_freq.data(), rope_.inv_freq.size() * 4);
+    s_->xn = OpsBuffer(ops, T * D * 2);
+    s_->xq = OpsBuffer(ops, T * qcols);
+    s_->xs = OpsBuffer(ops, T * (qcols / kBlock) * 4);
+    s_->qkv = OpsBuffer(ops, T * Nqkv_ * 2);
+    s_->qa = OpsBuffer(ops, T * Rq * 2);
+    s_->q = OpsBuffer(ops, T * Hq_ * (Dn + Dr) * 2);
+    s_->latent = OpsBuffer(ops, T * R * 2);
+    s_->attn = OpsBuffer(ops, T * Hq_ * Dv * 2);
+    s_->qn = OpsBuffer(ops, Hq_ * Nd_ * std::max(Dn, R) * 2);
+    s_->hq = OpsBuffer(ops, Hq_ * Nd_ * std::max(Dn, R));
+    s_->hs = OpsBuffer(ops, Hq_ * Nd_ * (std::max(Dn, R) / kBlock) * 4);
+    s_->qlat = OpsBuffer(ops, Hq_ * Nd_ * R * 2);
+    s_->olat = OpsBuffer(ops, Hq_ * Nd_ * R * 2);
+    s_->oh = OpsBuffer(ops, Hq_ * Nd_ * Dv * 2);
+    s_->chunk_latent = OpsBuffer(ops, kPrefillChunk * R * 2);
+    s_->chunk_kpe = OpsBuffer(ops, kPrefillChunk * Dr * 2);
+    s_->chunk_kv = OpsBuffer(ops, kPrefillChunk * Hq_ * (Dn + Dv) * 2);
+    s_->plan_request = OpsBuffer(ops, T * 4);
+    s_->plan_position = OpsBuffer(ops, T * 4);
+    s_->plan_counts = OpsBuffer(ops, (2 + Hq_) * 4);  // rows, a chunk's rows, decode rows per head
   }
 
   const MLAConfig& config() const { return c_; }
@@ -171,7 +222,7 @@ class MLAAttentionImpl {
   int local_heads() const { return Hq_; }
 
   void set_weights(const MLAWeights& w) {
-    AttentionOps& ops = *ops_;
+    AttentionOps& ops = *s_->ops;
     const attention::HostMLAWeights h = attention::prepare_mla_weights(
         "MLAAttention.set_weights", w, c_, o_.tp_size, o_.tp_rank,
         [&](void* dst, const void* src, size_t bytes) { ops.copy_out(dst, src, bytes); });
@@ -221,9 +272,9 @@ class MLAAttentionImpl {
     const int max_pages = check_batch(call, b);
     if (b.num_requests == 0) return;
 
-    AttentionOps& ops = *ops_;
-    const RowPlan plan{plan_request_.as<int32_t>(), plan_position_.as<int32_t>(),
-                       plan_counts_.as<int32_t>(), plan_counts_.as<int32_t>() + 2};
+    AttentionOps& ops = *s_->ops;
+    const RowPlan plan{s_->plan_request.as<int32_t>(), s_->plan_position.as<int32_t>(),
+                       s_->plan_counts.as<int32_t>(), s_->plan_counts.as<int32_t>() + 2};
     const attention::StepBounds bounds{n, pages, max_pages, o_.page_size};
     ops.plan_step(b, n, bounds, Hq_, plan, error_.as<StepErrorRecord>(), stream);
     const Tensor rows = Tensor::contiguous(plan.rows, DType::kInt32, {1});
@@ -231,24 +282,24 @@ class MLAAttentionImpl {
     // Projections: qkv_a, the norms, q_b.
     Tensor h = x;
     if (input_norm_.as()) {
-      h = Tensor::contiguous(xn_.as(), DType::kBFloat16, {n, D});
+      h = Tensor::contiguous(s_->xn.as(), DType::kBFloat16, {n, D});
       ops.rms_norm(h, x, input_norm_.as<float>(), eps(), plan.rows, stream);
     }
-    const Tensor qkv = Tensor::contiguous(qkv_.as(), DType::kBFloat16, {n, Nqkv_});
+    const Tensor qkv = Tensor::contiguous(s_->qkv.as(), DType::kBFloat16, {n, Nqkv_});
     project(qkv, h, qkv_a_, rows, stream);
-    const Tensor qa = Tensor::contiguous(qa_.as(), DType::kBFloat16, {n, Rq});
+    const Tensor qa = Tensor::contiguous(s_->qa.as(), DType::kBFloat16, {n, Rq});
     ops.rms_norm(qa, columns(qkv, 0, Rq), q_a_norm_.as<float>(), eps(), plan.rows, stream);
-    const Tensor q = Tensor::contiguous(q_.as(), DType::kBFloat16, {n, Hq_ * (Dn + Dr)});
+    const Tensor q = Tensor::contiguous(s_->q.as(), DType::kBFloat16, {n, Hq_ * (Dn + Dr)});
     project(q, qa, q_b_, rows, stream);
     ops.rope_q(q, Hq_, static_cast<int>(Dn + Dr), static_cast<int>(Dr), plan,
                inv_freq_.as<float>(), rope_.attention_factor, c_.rope_interleave, stream);
     // The new tokens' cache rows.
-    const Tensor latent = Tensor::contiguous(latent_.as(), DType::kBFloat16, {n, R});
+    const Tensor latent = Tensor::contiguous(s_->latent.as(), DType::kBFloat16, {n, R});
     ops.rms_norm(latent, columns(qkv, Rq, R), kv_a_norm_.as<float>(), eps(), plan.rows, stream);
     ops.append_kv(cache, latent, columns(qkv, Rq + R, Dr), b, plan, inv_freq_.as<float>(),
                   rope_.attention_factor, c_.rope_interleave, stream);
 
-    const Tensor attn = Tensor::contiguous(attn_.as(), DType::kBFloat16, {n, Hq_ * Dv});
+    const Tensor attn = Tensor::contiguous(s_->attn.as(), DType::kBFloat16, {n, Hq_ * Dv});
     if (b.num_decode > 0) decode(attn, q, cache, b, plan, stream);
     if (b.num_decode < b.num_requests) prefill(attn, q, cache, b, bounds, stream);
     project(out, attn, o_proj_, rows, stream);
@@ -256,15 +307,15 @@ class MLAAttentionImpl {
   }
 
   void prepare_graph_replay(const MLABatch& batch, const Tensor& kv_cache) {
-    if (batch.num_decode > 0) ops_->prepare_replay(batch, kv_cache);
+    if (batch.num_decode > 0) s_->ops->prepare_replay(batch, kv_cache);
   }
 
   void check(cudaStream_t stream) {
     // The GEMMs' row counts come from the checked plan: an error there is
     // moelink's own, reported first; the batch's is kept until then.
-    gemm_->check(stream);
-    bmm_->check(stream);
-    const StepErrorRecord e = ops_->take_error(error_.as<StepErrorRecord>(), stream);
+    s_->gemm->check(stream);
+    s_->bmm->check(stream);
+    const StepErrorRecord e = s_->ops->take_error(error_.as<StepErrorRecord>(), stream);
     if (e.code != 0)
       throw InputError("moelink: MLAAttention.forward: " + step_error_text(e));
   }
@@ -284,22 +335,22 @@ class MLAAttentionImpl {
   void project(const Tensor& y, const Tensor& x, const DeviceMatrix& w, const Tensor& rows,
                cudaStream_t stream) {
     const int64_t n = x.shape[0], K = x.shape[1];
-    const Tensor xq = Tensor::contiguous(xq_.as(), DType::kFloat8E4M3, {n, K});
-    const Tensor xs = Tensor::contiguous(xs_.as(), DType::kFloat32, {n, K / kBlock});
-    gemm_->quantize(xq, xs, x, rows, stream);
-    gemm_->gemm(y, xq, xs, w.w(), w.w_scale(), rows, stream);
+    const Tensor xq = Tensor::contiguous(s_->xq.as(), DType::kFloat8E4M3, {n, K});
+    const Tensor xs = Tensor::contiguous(s_->xs.as(), DType::kFloat32, {n, K / kBlock});
+    s_->gemm->quantize(xq, xs, x, rows, stream);
+    s_->gemm->gemm(y, xq, xs, w.w(), w.w_scale(), rows, stream);
   }
 
   // y [Hq, Nd, N] = quantize(x [Hq, Nd, K]) . w[h]^T for the decode rows.
   void project_heads(const Tensor& y, const Tensor& x, const DeviceMatrix& w, const int32_t* counts,
                      cudaStream_t stream) {
     const int64_t K = x.shape[2];
-    const Tensor xq = Tensor::contiguous(hq_.as(), DType::kFloat8E4M3, {Hq_, Nd_, K});
-    const Tensor xs = Tensor::contiguous(hs_.as(), DType::kFloat32, {Hq_, Nd_, K / kBlock});
-    gemm_->quantize(Tensor::contiguous(xq.data, DType::kFloat8E4M3, {Hq_ * Nd_, K}),
+    const Tensor xq = Tensor::contiguous(s_->hq.as(), DType::kFloat8E4M3, {Hq_, Nd_, K});
+    const Tensor xs = Tensor::contiguous(s_->hs.as(), DType::kFloat32, {Hq_, Nd_, K / kBlock});
+    s_->gemm->quantize(Tensor::contiguous(xq.data, DType::kFloat8E4M3, {Hq_ * Nd_, K}),
                     Tensor::contiguous(xs.data, DType::kFloat32, {Hq_ * Nd_, K / kBlock}),
                     Tensor::contiguous(x.data, DType::kBFloat16, {Hq_ * Nd_, K}), {}, stream);
-    bmm_->grouped_gemm(y, Tensor::contiguous(const_cast<int32_t*>(counts), DType::kInt32, {Hq_}),
+    s_->bmm->grouped_gemm(y, Tensor::contiguous(const_cast<int32_t*>(counts), DType::kInt32, {Hq_}),
                        xq, xs, w.w(), w.w_scale(), stream);
   }
 
@@ -307,17 +358,17 @@ class MLAAttentionImpl {
               const RowPlan& plan, cudaStream_t stream) {
     const int64_t Dn = c_.qk_nope_head_dim, Dr = c_.qk_rope_head_dim, R = c_.kv_lora_rank,
                   Dv = c_.v_head_dim;
-    AttentionOps& ops = *ops_;
+    AttentionOps& ops = *s_->ops;
     // q_nope into the latent space: [Hq, Nd, Dn] -> [Hq, Nd, R].
-    const Tensor qn = Tensor::contiguous(qn_.as(), DType::kBFloat16, {Hq_, Nd_, Dn});
+    const Tensor qn = Tensor::contiguous(s_->qn.as(), DType::kBFloat16, {Hq_, Nd_, Dn});
     ops.split_heads(qn, q, Hq_, Dn + Dr, 0, plan.decode_rows, stream);
-    const Tensor qlat = Tensor::contiguous(qlat_.as(), DType::kBFloat16, {Hq_, Nd_, R});
+    const Tensor qlat = Tensor::contiguous(s_->qlat.as(), DType::kBFloat16, {Hq_, Nd_, R});
     project_heads(qlat, qn, w_uk_t_, plan.decode_rows, stream);
-    const Tensor olat = Tensor::contiguous(olat_.as(), DType::kBFloat16, {Hq_, Nd_, R});
+    const Tensor olat = Tensor::contiguous(s_->olat.as(), DType::kBFloat16, {Hq_, Nd_, R});
     ops.decode_attention(olat, qlat, q, cache, b, plan, Hq_, static_cast<int>(Dn),
                          static_cast<float>(c_.softmax_scale()), stream);
     // The latent output through W_UV: [Hq, Nd, R] -> [Hq, Nd, Dv] -> rows.
-    const Tensor oh = Tensor::contiguous(oh_.as(), DType::kBFloat16, {Hq_, Nd_, Dv});
+    const Tensor oh = Tensor::contiguous(s_->oh.as(), DType::kBFloat16, {Hq_, Nd_, Dv});
     project_heads(oh, olat, w_uv_, plan.decode_rows, stream);
     ops.merge_heads(attn, oh, Hq_, plan.decode_rows, stream);
   }
@@ -328,7 +379,7 @@ class MLAAttentionImpl {
                const attention::StepBounds& bounds, cudaStream_t stream) {
     const int64_t Dn = c_.qk_nope_head_dim, Dr = c_.qk_rope_head_dim, R = c_.kv_lora_rank,
                   Dv = c_.v_head_dim, B = b.num_requests;
-    AttentionOps& ops = *ops_;
+    AttentionOps& ops = *s_->ops;
     std::vector<int32_t> q_start(B + 1), kv_len(B), block_row(bounds.max_pages);
     ops.sync(stream);  // the batch's values may come from work on the stream
     ops.copy_out(q_start.data(), b.q_start.data, (B + 1) * 4);
@@ -336,7 +387,7 @@ class MLAAttentionImpl {
     StepErrorRecord scratch{};  // plan_step has recorded the failures already
     if (attention::step_rows(q_start.data(), b.num_requests, b.num_decode, bounds.rows, &scratch) == 0)
       return;
-    int32_t* chunk_rows = plan_counts_.as<int32_t>() + 1;
+    int32_t* chunk_rows = s_->plan_counts.as<int32_t>() + 1;
     for (int i = b.num_decode; i < b.num_requests; ++i) {
       const int64_t row0 = q_start[i], q_rows = q_start[i + 1] - q_start[i];
       if (q_rows == 0) continue;
@@ -353,10 +404,10 @@ class MLAAttentionImpl {
       for (int64_t k0 = 0; k0 < len; k0 += kPrefillChunk) {
         const int64_t count = std::min(kPrefillChunk, len - k0);
         ops.set_count(chunk_rows, static_cast<int32_t>(count), stream);
-        const Tensor lat = Tensor::contiguous(chunk_latent_.as(), DType::kBFloat16, {count, R});
-        const Tensor kpe = Tensor::contiguous(chunk_kpe_.as(), DType::kBFloat16, {count, Dr});
+        const Tensor lat = Tensor::contiguous(s_->chunk_latent.as(), DType::kBFloat16, {count, R});
+        const Tensor kpe = Tensor::contiguous(s_->chunk_kpe.as(), DType::kBFloat16, {count, Dr});
         ops.gather_kv(lat, kpe, cache, block_row_dev, o_.page_size, k0, count, stream);
-        const Tensor kv = Tensor::contiguous(chunk_kv_.as(), DType::kBFloat16, {count, Hq_ * (Dn + Dv)});
+        const Tensor kv = Tensor::contiguous(s_->chunk_kv.as(), DType::kBFloat16, {count, Hq_ * (Dn + Dv)});
         project(kv, lat, kv_b_, Tensor::contiguous(chunk_rows, DType::kInt32, {1}), stream);
         ops.prefill_chunk(*state, q, row0, q_rows, len - q_rows, kv, kpe, k0, Hq_,
                           static_cast<int>(Dn), static_cast<int>(Dr), static_cast<int>(Dv),
@@ -427,20 +478,20 @@ class MLAAttentionImpl {
   int64_t Nqkv_ = 0, Nd_ = 0;
   bool debug_ = false, has_weights_ = false;
   attention::RopeParams rope_;
-  std::unique_ptr<AttentionOps> ops_;
-  std::unique_ptr<Experts> gemm_, bmm_;
-  OpsBuffer xn_, xq_, xs_, qkv_, qa_, q_, latent_, attn_, qn_, hq_, hs_, qlat_, olat_, oh_;
-  OpsBuffer chunk_latent_, chunk_kpe_, chunk_kv_;
-  OpsBuffer plan_request_, plan_position_, plan_counts_, error_, inv_freq_;
+  // Perhaps shared with other layers (MLAAttention::create's share_with);
+  // its ops allocated the buffers below, so it goes after them.
+  std::shared_ptr<MLAScratch> s_;
+  OpsBuffer error_, inv_freq_;
   OpsBuffer input_norm_, q_a_norm_, kv_a_norm_;
   DeviceMatrix qkv_a_, q_b_, kv_b_, w_uk_t_, w_uv_, o_proj_;
 };
 
 }  // namespace detail
 
-std::unique_ptr<MLAAttention> MLAAttention::create(const MLAConfig& config, const MLAOptions& options) {
-  return std::unique_ptr<MLAAttention>(
-      new MLAAttention(std::make_unique<detail::MLAAttentionImpl>(config, options)));
+std::unique_ptr<MLAAttention> MLAAttention::create(const MLAConfig& config, const MLAOptions& options,
+                                                   const MLAAttention* share_with) {
+  return std::unique_ptr<MLAAttention>(new MLAAttention(std::make_unique<detail::MLAAttentionImpl>(
+      config, options, share_with != nullptr ? share_with->impl_.get() : nullptr)));
 }
 
 MLAAttention::MLAAttention(std::unique_ptr<detail::MLAAttentionImpl> impl) : impl_(std::move(impl)) {}

@@ -145,14 +145,15 @@ class ModelImpl {
     const int caches = layers_ + (o_.mtp ? 1 : 0);
     cache_bytes_ = o_.num_pages * ao.page_size * c_.attention.cache_row() * 2;
     kv_region_ = ModelBuffer(*ops_, static_cast<size_t>(cache_bytes_ * caches));
-    // The layers run one after another: the dense ones share one Experts
-    // (kernels and workspace), the MoE ones the first's AllToAlls, expert
-    // kernels and workspaces (MoELayer::create's share_with).
+    // The layers run one after another: the attentions share the first's
+    // scratch, the dense MLPs one Experts (kernels and workspace), the MoE
+    // layers the first's AllToAlls, expert kernels and workspaces.
     std::shared_ptr<Experts> dense_experts;
     const MoELayer* first_moe = nullptr;
     for (int l = 0; l < caches; ++l) {
       Layer layer;
-      layer.attention = MLAAttention::create(c_.attention, ao);
+      // Every layer's attention on the first's scratch (MLAAttention::create's share_with).
+      layer.attention = MLAAttention::create(c_.attention, ao, l > 0 ? layers_v_[0].attention.get() : nullptr);
       layer.post_norm = ModelBuffer(*ops_, D * 4);
       if (l < c_.first_k_dense_replace && l < layers_) {
         ExpertConfig ec;

@@ -60,7 +60,7 @@ class Harness {
   Harness(AttentionDevice device, const MLAConfig& c, uint64_t seed, int num_pages, int page_size,
           int tp_size = 1, bool input_norm = true,
           moelink::MLADecodeKernel kernel = moelink::MLADecodeKernel::kAuto,
-          moelink::MLAPrefillKernel prefill = moelink::MLAPrefillKernel::kAuto)
+          moelink::MLAPrefillKernel prefill = moelink::MLAPrefillKernel::kAuto, Harness* share_with = nullptr)
       : c_(c), w_(random_mla_weights(c, seed, input_norm)), rng_(seed ^ 0xA5A5), page_(page_size),
         gpu_(gpu_memory_if(device == AttentionDevice::kCUDA)) {
     cache_.assign(static_cast<size_t>(num_pages) * page_size * c.cache_row(), kNaN);
@@ -78,7 +78,7 @@ class Harness {
       o.max_tokens = 512;
       o.max_requests = 8;
       o.max_pages_per_request = 96;
-      ranks_.push_back(MLAAttention::create(c, o));
+      ranks_.push_back(MLAAttention::create(c, o, share_with ? &share_with->rank(r) : nullptr));
       ranks_.back()->set_weights(w_.view());
     }
   }
@@ -338,6 +338,47 @@ TEST_P(MLAAttentionTest, PrefillThenDecodeWithMixedLengthsMatchesReference) {
                           std::to_string(q_lens[i]));
     row += q_lens[i];
   }
+}
+
+// Two layers on one scratch (MLAAttention::create's share_with), each with
+// its own weights and cache, stepped alternately through prefill chunks, a
+// decode beside a chunk, MTP's two-row decodes: each gives the bits it
+// gives alone (on CUDA also FlashInfer's decode, planned once for both).
+void check_shared_scratch(AttentionDevice device, const MLAConfig& c, moelink::MLADecodeKernel kernel) {
+  const uint64_t s1 = fresh_seed(), s2 = fresh_seed();
+  SCOPED_TRACE("seeds " + std::to_string(s1) + ", " + std::to_string(s2));
+  const auto prefill = moelink::MLAPrefillKernel::kAuto;
+  Harness a(device, c, s1, 24, 64, 1, true, kernel), a_alone(device, c, s1, 24, 64, 1, true, kernel),
+      b(device, c, s2, 24, 64, 1, true, kernel, prefill, &a), b_alone(device, c, s2, 24, 64, 1, true, kernel);
+  Harness* all[] = {&a, &b, &a_alone, &b_alone};
+  for (Harness* h : all) {
+    h->give_host_copies();  // FlashInfer's decode plans from them
+    for (int64_t len : {300, 10, 64}) h->add_request(len);
+  }
+  const std::vector<Harness::Step> steps{
+      {{0, 1}, {100, 5}, 0},
+      {{1, 0}, {1, 150}, 1},
+      {{0, 1, 2}, {1, 1, 60}, 2},
+      {{0, 1, 2}, {2, 1, 1}, 3},
+      {{2, 0, 1}, {2, 2, 1}, 3},
+  };
+  for (size_t i = 0; i < steps.size(); ++i) {
+    std::vector<double> got[4];
+    for (int k = 0; k < 4; ++k) got[k] = all[k]->run(steps[i]);
+    EXPECT_TRUE(got[0] == got[2]) << "step " << i << ": the first layer on the shared scratch differs from it alone";
+    EXPECT_TRUE(got[1] == got[3]) << "step " << i << ": the second layer (share_with) differs from it alone";
+    EXPECT_FALSE(got[0] == got[1]) << "step " << i << ": the two layers' weights should give other outputs";
+  }
+  EXPECT_TRUE(b.cache() == b_alone.cache()) << "the second layer's cache rows differ from it alone";
+  // Other shapes or options: refused naming the field.
+  MLAOptions o = a.rank(0).options();
+  o.max_tokens = 256;
+  expect_throw_naming<moelink::InvalidArgument>([&] { MLAAttention::create(c, o, &a.rank(0)); },
+                                                {"share_with has max_tokens = 512, this layer 256"});
+}
+
+TEST_P(MLAAttentionTest, LayersSharingScratchGiveTheirOwnOutputs) {
+  check_shared_scratch(device(), small_config(), moelink::MLADecodeKernel::kAuto);
 }
 
 // Whether this build and GPU run FlashInfer's prefill for config c (its
@@ -942,6 +983,15 @@ TEST(MLAAttentionCuda, FlashInferPrefillMatchesTheOwnKernelAndTheReference) {
   o.max_tokens = o.max_requests = o.max_pages_per_request = 1;
   expect_throw_naming<moelink::InvalidArgument>([&] { MLAAttention::create(other, o); },
                                                 {"prefill_kernel = flashinfer", "v_head_dim = 128"});
+}
+
+// FlashInfer's decode on a scratch two layers share: one plan a batch, the
+// workspaces of one, each layer's bits as alone.
+TEST(MLAAttentionCuda, FlashInferLayersSharingScratchGiveTheirOwnOutputs) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  const std::pair<MLAConfig, std::string> fc = flashinfer_config();
+  if (!fc.second.empty()) GTEST_SKIP() << fc.second;
+  check_shared_scratch(AttentionDevice::kCUDA, fc.first, moelink::MLADecodeKernel::kFlashInfer);
 }
 
 // At DP attention's 128 heads FlashInfer schedules two 128-row tiles per

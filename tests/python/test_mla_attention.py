@@ -61,7 +61,21 @@ def test_prefill_kernel_is_checked():
     if moelink.with_cuda and torch is not None and torch.cuda.is_available():
         # FlashInfer's prefill instantiation is v_head_dim 128 (or the build lacks it).
         with pytest.raises(ValueError, match="prefill_kernel = flashinfer"):
-            moelink.MLAAttention(dict(SMALL, v_head_dim=64), device="cuda", prefill_kernel="flashinfer", **kw)
+            moelink.MLAAttention(dict(SMALL, v_head_dim=256), device="cuda", prefill_kernel="flashinfer", **kw)
+
+
+def test_share_with_takes_the_same_shapes_only():
+    """share_with: a second layer on the first's scratch is made (its own
+    weights to come); another max_tokens or head count is refused, naming it."""
+    kw = dict(max_tokens=4, max_requests=1, max_pages_per_request=1)
+    first = moelink.MLAAttention(dict(SMALL), device="cpu", **kw)
+    second = moelink.MLAAttention(dict(SMALL), device="cpu", share_with=first, **kw)
+    assert second.local_heads == first.local_heads
+    with pytest.raises(ValueError, match="share_with has max_tokens = 4, this layer 8"):
+        moelink.MLAAttention(dict(SMALL), device="cpu", share_with=first, **dict(kw, max_tokens=8))
+    with pytest.raises(ValueError, match="share_with has num_attention_heads"):
+        moelink.MLAAttention(dict(SMALL, num_attention_heads=SMALL["num_attention_heads"] * 2), device="cpu",
+                             share_with=first, **kw)
 
 
 def _numpy_weights(rng, c):

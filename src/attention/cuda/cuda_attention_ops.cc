@@ -193,7 +193,7 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
     MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
     const bool capture = capturing != cudaStreamCaptureStatusNone;
     const bool host = b.host_q_start.defined() && b.host_kv_len.defined() && b.host_block_table.defined();
-    if (capture) flashinfer_->forget_capture(b.num_decode);  // until this capture plans FlashInfer
+    if (capture) flashinfer_->forget_capture(b.num_decode, stream);  // until this capture plans FlashInfer
     if (capture && !host) {
       if (kernel_ == MLADecodeKernel::kFlashInfer)
         throw InvalidArgument("moelink: MLAAttention.forward: MLAOptions.decode_kernel = flashinfer "

@@ -47,19 +47,24 @@ class FlashInferMLAImpl final : public FlashInferMLA {
 
   void plan(const int32_t* q_indptr, const int32_t* kv_indptr, const int32_t* kv_len, int batch,
             cudaStream_t stream) override {
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-    const bool capture = capturing != cudaStreamCaptureStatusNone;
+    const uint64_t capture = capture_id(stream);
+    // The layers of a model step plan the same batch one after another:
+    // the schedule already on its way into the workspace serves them all.
+    const PlanInputs inputs(q_indptr, kv_indptr, kv_len, batch, capture, stream);
+    if (planned_valid_ && planned_ == inputs) return;
     // The staging buffer may still feed the previous plan's copy (not
     // while capturing: nothing runs then, and the capture may not wait).
-    if (!capture) MOELINK_CUDA_CHECK(cudaEventSynchronize(staged_));
+    if (capture == 0) MOELINK_CUDA_CHECK(cudaEventSynchronize(staged_));
     const size_t staged_bytes = schedule(q_indptr, kv_indptr, kv_len, batch, info_);
     MOELINK_CUDA_CHECK(cudaMemcpyAsync(int_ws_, staging_, staged_bytes, cudaMemcpyHostToDevice, stream));
-    if (capture) {
-      captured_[batch] = {info_, staged_bytes};
+    if (capture != 0) {
+      captured_[batch] = {info_, staged_bytes, capture};
     } else {
       MOELINK_CUDA_CHECK(cudaEventRecord(staged_, stream));
     }
+    planned_ = inputs;
+    planned_valid_ = true;
+    replanned_valid_ = false;  // staging now holds this plan
   }
 
   void replan(const int32_t* q_indptr, const int32_t* kv_indptr, const int32_t* kv_len, int batch) override {
@@ -68,7 +73,12 @@ class FlashInferMLAImpl final : public FlashInferMLA {
       throw InvalidArgument("moelink: FlashInfer MLA: replan of a batch of " + std::to_string(batch) +
                             " requests without a captured plan of that size");
     const Captured& c = it->second;
+    // The replay's copy will overwrite the workspace: no eager plan is there.
+    planned_valid_ = false;
+    const PlanInputs inputs(q_indptr, kv_indptr, kv_len, batch, 0, nullptr);
+    if (replanned_valid_ && replanned_ == inputs) return;  // another layer of the same replay
     MOELINK_CUDA_CHECK(cudaEventSynchronize(staged_));  // an eager plan's copy may still read staging
+    replanned_valid_ = false;
     flashinfer::MLAPlanInfo info{};
     const size_t staged_bytes = schedule(q_indptr, kv_indptr, kv_len, batch, info);
     if (info.ToVector() != c.info.ToVector() || staged_bytes != c.bytes)
@@ -76,10 +86,24 @@ class FlashInferMLAImpl final : public FlashInferMLA {
                             std::to_string(info.num_blks_x) + " x " + std::to_string(info.num_blks_y) +
                             " blocks) does not fit the captured one (" + std::to_string(c.info.num_blks_x) +
                             " x " + std::to_string(c.info.num_blks_y) + "): capture the step again");
+    replanned_ = inputs;
+    replanned_valid_ = true;
   }
 
   bool captured(int batch) const override { return captured_.count(batch) != 0; }
-  void forget_capture(int batch) override { captured_.erase(batch); }
+  void forget_capture(int batch, cudaStream_t stream) override {
+    const auto it = captured_.find(batch);
+    // Not the plan an earlier layer of this same capture made.
+    if (it != captured_.end() && it->second.capture != capture_id(stream)) captured_.erase(it);
+  }
+
+  // The id of the capture under way on `stream`; 0 when none is.
+  static uint64_t capture_id(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    MOELINK_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, &id));
+    return status == cudaStreamCaptureStatusNone ? 0 : static_cast<uint64_t>(id);
+  }
 
   // MLAPlan: the schedule into the host staging buffer and `info`; the
   // bytes to copy to the device.
@@ -147,11 +171,32 @@ class FlashInferMLAImpl final : public FlashInferMLA {
   void* staging_ = nullptr;
   cudaEvent_t staged_ = nullptr;
   flashinfer::MLAPlanInfo info_{};
+  // A plan's inputs: the batch, and where its copy was enqueued (the
+  // stream and the capture, 0 for none).
+  struct PlanInputs {
+    PlanInputs() = default;
+    PlanInputs(const int32_t* q, const int32_t* kv, const int32_t* len, int b, uint64_t c, cudaStream_t s)
+        : q_indptr(q, q + b + 1), kv_indptr(kv, kv + b), kv_len(len, len + b), batch(b), capture(c), stream(s) {}
+    bool operator==(const PlanInputs& o) const {
+      return batch == o.batch && capture == o.capture && stream == o.stream && q_indptr == o.q_indptr &&
+             kv_indptr == o.kv_indptr && kv_len == o.kv_len;
+    }
+    std::vector<int32_t> q_indptr, kv_indptr, kv_len;
+    int batch = 0;
+    uint64_t capture = 0;
+    cudaStream_t stream = nullptr;
+  };
+  // What the workspace holds once the stream reaches the last plan's copy
+  // (invalid after a replan: the replay copies its own), and what the
+  // staging buffer holds for the next replay.
+  PlanInputs planned_, replanned_;
+  bool planned_valid_ = false, replanned_valid_ = false;
   // The plan each batch size's graph captured (its grid and layout, which
   // the graph's kernel launch keeps): a replay's schedule must match it.
   struct Captured {
     flashinfer::MLAPlanInfo info;
     size_t bytes;
+    uint64_t capture;  // cudaStreamGetCaptureInfo's id
   };
   std::map<int, Captured> captured_;
 };

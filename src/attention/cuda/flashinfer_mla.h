@@ -42,22 +42,27 @@ class FlashInferMLA {
   // kv_len[i] tokens, its pages block_table[kv_indptr[i] ...] (host arrays).
   // Inside a CUDA graph capture the plan's copy to the device is captured:
   // it reads the host staging buffer when the graph runs, which replan()
-  // rewrites before each replay.
+  // rewrites before each replay. One object may serve the layers of a
+  // model (MLAAttention's share_with), which plan the same batch one after
+  // another: a plan of the inputs the last one had, on the same stream and
+  // in the same capture (or none), is that one (nothing is planned again).
   virtual void plan(const int32_t* q_indptr, const int32_t* kv_indptr, const int32_t* kv_len,
                     int batch, cudaStream_t stream) = 0;
   // For the plan captured at this batch size (the last capture of that
   // size; one graph per batch size): a new batch's schedule into the
   // staging buffer the captured copy reads (the previous replay must have
-  // finished). Throws InvalidArgument when its grid or layout differs from
-  // the captured one (capture again), or when nothing of that size was
+  // finished); the same batch again (the replay's next layer) is that one.
+  // Throws InvalidArgument when its grid or layout differs from the
+  // captured one (capture again), or when nothing of that size was
   // captured.
   virtual void replan(const int32_t* q_indptr, const int32_t* kv_indptr, const int32_t* kv_len,
                       int batch) = 0;
   // Whether the last capture at this batch size planned here (its replays
-  // need replan()); forget_capture() for a capture of that size that ran
-  // another kernel instead.
+  // need replan()); forget_capture() for a capture of that size on `stream`
+  // that runs another kernel instead (a plan an earlier layer of that same
+  // capture made stays).
   virtual bool captured(int batch) const = 0;
-  virtual void forget_capture(int batch) = 0;
+  virtual void forget_capture(int batch, cudaStream_t stream) = 0;
   virtual void run(const FlashInferMLAArgs& a, cudaStream_t stream) = 0;
 };
 
