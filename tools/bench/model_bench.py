@@ -31,6 +31,9 @@ q_len (1, or 2: a draft row verified, ModelOptions' speculative step):
                    3 + M layers on the same checkpoint (graph_us
                    differences): "dense" and "moe" per layer, "rest" the
                    embedding, final norm, lm_head and sampling;
+  device_mib       (per shape) the device memory of each model depth, and
+                   what one more dense or MoE layer adds (its weights and
+                   KV cache: the layers of a kind share one scratch);
   tokens_per_s     output tokens per second of this GPU: B x (1 + the
                    accepted drafts, --acceptance of them at q_len 2) per
                    graph_us;
@@ -127,8 +130,21 @@ class Timer:
         return median_event_us(fn, iters, warmup)
 
 
+def device_used_bytes():
+    """Device memory in use on this GPU (every process's), after the queue drains."""
+    import torch
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # torch's cached blocks are not the model's
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 def make_model(a, fields, ckpt, num_layers, max_b, max_q):
+    """The model of num_layers layers, loaded; its pages a request; the device
+    memory it took (weights, KV cache and scratch; None on the CPU path)."""
     pages_per_request = math.ceil((a.kv + max_q) / a.page_size)
+    gpu = a.backend not in HOST_BACKENDS
+    before = device_used_bytes() if gpu else None
     m = moelink.Model(os.path.join(ckpt, "config.json"), backend=a.backend, max_tokens=max_b * max_q,
                       num_pages=max_b * pages_per_request, page_size=a.page_size, max_requests=max_b,
                       max_pages_per_request=pages_per_request, num_layers=num_layers,
@@ -138,9 +154,13 @@ def make_model(a, fields, ckpt, num_layers, max_b, max_q):
     m.load_checkpoint(ckpt)
     print(f"model_bench: {num_layers} layers loaded in {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
     region = m.kv_cache_region()
-    if a.backend not in HOST_BACKENDS:  # a context of random values, not zeros
+    if gpu:  # a context of random values, not zeros
         region.view(__import__("torch").bfloat16).normal_()
-    return m, pages_per_request
+    used = (device_used_bytes() - before) if gpu else None
+    if used is not None:
+        print(f"model_bench: {num_layers} layers take {used / 2**20:.0f} MiB of device memory", file=sys.stderr,
+              flush=True)
+    return m, pages_per_request, used
 
 
 def step_inputs(fields, b, q, kv, pages_per_request, seed):
@@ -263,10 +283,10 @@ def run_shape(a, timer, shape, rec):
     K = fields["first_k_dense_replace"]
     cells = [(b, q) for q in a.q_lens for b in a.batches]
     max_b, max_q = max(a.batches), max(a.q_lens)
-    times = {}
+    times, device_bytes = {}, {}
     for layers in (1, K, K + a.moe_layers):
         print(f"model_bench: {shape}: {layers} layers", file=sys.stderr, flush=True)
-        model, ppr = make_model(a, fields, ckpt, layers, max_b, max_q)
+        model, ppr, device_bytes[layers] = make_model(a, fields, ckpt, layers, max_b, max_q)
         times[layers] = time_model(a, timer, model, fields, ppr, layers == K + a.moe_layers, cells)
         del model
         gc.collect()
@@ -289,8 +309,17 @@ def run_shape(a, timer, shape, rec):
         if a.plan and not a.tiny:
             r["plan_us"] = plan_us(a.plan, shape, b, q, a.kv, a.acceptance)
         results.append(r)
-    return {"shape": shape, "fields": {k: v for k, v in fields.items() if k != "rope_scaling"},
-            "checkpoint": ckpt, "models_layers": [1, K, K + a.moe_layers], "results": results}
+    out = {"shape": shape, "fields": {k: v for k, v in fields.items() if k != "rope_scaling"},
+           "checkpoint": ckpt, "models_layers": [1, K, K + a.moe_layers], "results": results}
+    if device_bytes[1] is not None:
+        # The models' device memory (weights, KV caches, scratch) and what
+        # one more layer of each kind adds: its weights and KV cache (the
+        # scratch is shared by the layers of a kind).
+        mib = {n: b / 2**20 for n, b in device_bytes.items()}
+        out["device_mib"] = {str(n): v for n, v in mib.items()}
+        out["device_mib_per_layer"] = {"dense": (mib[K] - mib[1]) / (K - 1),
+                                       "moe": (mib[K + a.moe_layers] - mib[K]) / a.moe_layers}
+    return out
 
 
 def full_depth(a, fields):
