@@ -154,11 +154,8 @@ class MLAAttentionImpl {
 
   // share_with's scratch fits this layer: the same config and options.
   void check_shareable(const MLAAttentionImpl& o) const {
-    auto same = [&](const char* field, int64_t mine, int64_t theirs) {
-      if (mine != theirs)
-        throw InvalidArgument("moelink: MLAAttention.create: share_with has " + std::string(field) + " = " +
-                              std::to_string(theirs) + ", this layer " + std::to_string(mine) +
-                              " (layers share scratch only with the same shapes and options)");
+    auto same = [](const char* field, int64_t mine, int64_t theirs) {
+      require_same_as_shared("MLAAttention.create", field, mine, theirs);
     };
     same("hidden_size", c_.hidden_size, o.c_.hidden_size);
     same("num_attention_heads", c_.num_attention_heads, o.c_.num_attention_heads);

@@ -48,6 +48,13 @@ std::string shape_str(const Tensor& t) {
   throw InvalidArgument(std::string("moelink: ") + call + ": " + field + " " + what);
 }
 
+void require_same_as_shared(const char* call, const char* field, int64_t mine, int64_t theirs) {
+  if (mine != theirs)
+    throw InvalidArgument(std::string("moelink: ") + call + ": share_with has " + field + " = " +
+                          std::to_string(theirs) + ", this layer " + std::to_string(mine) +
+                          " (layers share scratch only with the same shapes and options)");
+}
+
 // Checks ndim, dtype and the trailing dimensions; returns shape[0].
 int64_t check_tensor(const char* call, const char* field, const Tensor& t,
                      std::initializer_list<DType> dtypes, std::initializer_list<int64_t> tail,

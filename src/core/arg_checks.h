@@ -21,6 +21,11 @@ std::string shape_str(const Tensor& t);  // "[2, 3]"
 
 [[noreturn]] void bad(const char* call, const char* field, const std::string& what);
 
+// A layer made with share_with (MoELayer, MLAAttention) needs the field that
+// sized the scratch it takes to be the same as the other layer's: `call`
+// ("MoELayer.create") refuses another value, naming both.
+void require_same_as_shared(const char* call, const char* field, int64_t mine, int64_t theirs);
+
 // Checks ndim, dtype and the trailing dimensions; returns shape[0]. With
 // row_contiguous also stride 1 in the last dimension, a 16-byte aligned
 // pointer and strides of multiples of 16 bytes.

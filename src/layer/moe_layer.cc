@@ -204,11 +204,8 @@ class MoELayerImpl {
   // share_with's scratch fits this layer: the same shapes, tokens, modes
   // and ranks (what sized its AllToAlls, expert kernels and buffers).
   void check_shareable(const MoELayerImpl& o) const {
-    auto same = [&](const char* field, int64_t mine, int64_t theirs) {
-      if (mine != theirs)
-        throw InvalidArgument("moelink: MoELayer.create: share_with has " + std::string(field) + " = " +
-                              std::to_string(theirs) + ", this layer " + std::to_string(mine) +
-                              " (layers share scratch only with the same shapes and options)");
+    auto same = [](const char* field, int64_t mine, int64_t theirs) {
+      require_same_as_shared("MoELayer.create", field, mine, theirs);
     };
     same("hidden_size", model_.hidden_size, o.model_.hidden_size);
     same("n_routed_experts", model_.n_routed_experts, o.model_.n_routed_experts);

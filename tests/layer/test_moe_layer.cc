@@ -53,37 +53,26 @@ TEST_P(GpuMoELayer, MatchesReference) {
 }
 std::vector<LayerCase> gpu_layer_cases() {
   std::vector<LayerCase> cases = layer_cases(Backend::kNVLink);
-  // CUDA graphs: a bucket captured once and replayed with new tokens and m.
-  for (MoEOverlap mode : {MoEOverlap::kDispatchOverlap, MoEOverlap::kMicroBatch}) {
-    LayerCase c;
-    c.model = deepseek_like_model();
-    c.backend = Backend::kNVLink;
-    c.world = 2;
-    c.overlap = mode;
-    c.cuda_graphs = true;
-    c.rounds = 4;
-    c.name = std::string("DeepSeekLike_W2_Graphs_") + moelink::moe_overlap_name(mode);
-    for (char& ch : c.name)
-      if (ch == '-') ch = '_';
-    cases.push_back(c);
-  }
-  // Two layers on one scratch, each with its graphs (captured on the
+  // CUDA graphs: a bucket captured once and replayed with new tokens and m;
+  // and two layers on one scratch, each with its graphs (captured on the
   // shared staging buffers and AllToAlls), replayed alternately.
-  for (MoEOverlap mode : {MoEOverlap::kDispatchOverlap, MoEOverlap::kMicroBatch}) {
-    LayerCase c;
-    c.model = deepseek_like_model();
-    c.backend = Backend::kNVLink;
-    c.world = 2;
-    c.overlap = mode;
-    c.cuda_graphs = true;
-    c.shared_scratch = true;
-    c.max_tokens = 8;
-    c.ms = {3, 8, 1, 0, 5};
-    c.name = std::string("DeepSeekLike_W2_Graphs_") + moelink::moe_overlap_name(mode) + "_SharedScratch";
-    for (char& ch : c.name)
-      if (ch == '-') ch = '_';
-    cases.push_back(c);
-  }
+  for (bool shared : {false, true})
+    for (MoEOverlap mode : {MoEOverlap::kDispatchOverlap, MoEOverlap::kMicroBatch}) {
+      LayerCase c;
+      c.model = deepseek_like_model();
+      c.backend = Backend::kNVLink;
+      c.world = 2;
+      c.overlap = mode;
+      c.cuda_graphs = true;
+      c.rounds = 4;
+      c.shared_scratch = shared;
+      if (shared) c.max_tokens = 8, c.ms = {3, 8, 1, 0, 5};
+      c.name = std::string("DeepSeekLike_W2_Graphs_") + moelink::moe_overlap_name(mode) +
+               (shared ? "_SharedScratch" : "");
+      for (char& ch : c.name)
+        if (ch == '-') ch = '_';
+      cases.push_back(c);
+    }
   // Graphs with 0-3 tokens after bad calls, in every mode, with the router
   // weight in fp32 (its staging buffer once was allocated inside the
   // capture) and in bf16; an eager fp32 router too.
