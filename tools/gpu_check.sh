@@ -11,6 +11,11 @@
 #   stage by stage (MOELINK_LAYER_BENCH_ARGS adds arguments).
 #   model (not in the default): tools/bench/model_bench.py, the full-width
 #   model's decode step (MOELINK_MODEL_BENCH_ARGS adds arguments).
+#   model-sanitize (not in the default): compute-sanitizer memcheck over a
+#   short model_bench.py run (the ep8 model of one layer, every batch, q_len
+#   1 then 2, graphed steps replayed after other buckets' steps: where the
+#   stale-buffer illegal addresses showed; MOELINK_MODEL_SANITIZE_ARGS
+#   replaces the arguments).
 #   serve (not in the default): tools/bench/serve_bench.py, moelink-serve on
 #   a full-width EP8-shaped model (3 dense + 2 MoE layers of 32 experts)
 #   under load (MOELINK_SERVE_BENCH_ARGS replaces the default 64 requests a
@@ -34,7 +39,7 @@ cd "$root"
 steps=${*:-build test python sanitize bench internode experts}
 source "$root/tools/device_env.sh"
 python_build=OFF
-{ has python || has experts || has layer || has model || has serve; } && python_build=ON
+{ has python || has experts || has layer || has model || has model-sanitize || has serve; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
@@ -144,6 +149,16 @@ if has model; then
   echo "${cmd[*]}"
   PYTHONPATH="$root/build-gpu/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
     tee "$OUT/model-bench.log" | tail -40 || status=1
+fi
+if has model-sanitize; then
+  echo "== compute-sanitizer memcheck over the model's graphed decode steps (model_bench.py)"
+  cmd=(compute-sanitizer --tool memcheck --print-limit 30 --error-exitcode 9 $py tools/bench/model_bench.py
+       ${MOELINK_MODEL_SANITIZE_ARGS:---shapes ep8 --moe-layers 1 --iters 1 --profile-batches 0}
+       --machine "$machine" --json "$OUT/model-sanitize.json")
+  echo "${cmd[*]}"
+  PYTHONPATH="$root/build-gpu/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" \
+    >"$OUT/sanitizer-model-memcheck.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|Invalid|Device Frame|model_bench:   B" "$OUT/sanitizer-model-memcheck.log" | cut -c1-240 | head -40
 fi
 if has serve; then
   echo "== moelink-serve under load: tools/bench/serve_bench.py"
