@@ -5,7 +5,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstddef>
+#include <vector>
 
 #include "nvlink/cuda_check.h"
 #include "nvlink/cuda_release.h"
@@ -31,30 +33,44 @@ class CudaMemory : public Base {
   }
 };
 
-// Device memory that grows to the largest size asked for. Growing waits
-// for the device (eager steps only), so nothing in flight still uses the
-// old memory.
+// Device memory that grows to the largest size asked for. What it outgrows
+// stays allocated until it goes: a CUDA graph captured on an earlier,
+// smaller call keeps those addresses (the model's decode graphs of small
+// batches, replayed after a larger step grew a buffer, wrote freed memory:
+// an illegal address on an H100). It grows to twice its capacity at least,
+// so what it keeps stays below what it holds; growing allocates (not inside
+// a capture in the global mode) but never waits for the device.
 class GrowingDeviceBuffer {
  public:
   GrowingDeviceBuffer() = default;
   GrowingDeviceBuffer(const GrowingDeviceBuffer&) = delete;
   GrowingDeviceBuffer& operator=(const GrowingDeviceBuffer&) = delete;
-  ~GrowingDeviceBuffer() { release_device_memory(p_); }
+  ~GrowingDeviceBuffer() {
+    for (void* p : outgrown_) release_device_memory(p);
+    release_device_memory(p_);
+  }
+  // Memory of `bytes` at least.
   void* get(size_t bytes) {
-    if (bytes > bytes_) {
-      MOELINK_CUDA_CHECK(cudaDeviceSynchronize());
-      release_device_memory(p_);
-      p_ = nullptr;
-      bytes_ = 0;
-      MOELINK_CUDA_CHECK(cudaMalloc(&p_, bytes));
-      bytes_ = bytes;
+    if (bytes > capacity_) {
+      const size_t grown = std::max(bytes, 2 * capacity_);
+      outgrown_.reserve(outgrown_.size() + 1);  // no throw once allocated
+      void* p = nullptr;
+      MOELINK_CUDA_CHECK(cudaMalloc(&p, grown));
+      if (p_ != nullptr) outgrown_.push_back(p_);
+      p_ = p;
+      capacity_ = grown;
     }
+    asked_ = std::max(asked_, bytes);
     return p_;
   }
+  void* data() const { return p_; }
+  // The largest size asked for (what callers may use; the allocation may be larger).
+  size_t bytes() const { return asked_; }
 
  private:
   void* p_ = nullptr;
-  size_t bytes_ = 0;
+  size_t capacity_ = 0, asked_ = 0;
+  std::vector<void*> outgrown_;  // perhaps still in a captured graph
 };
 
 }  // namespace moelink::detail

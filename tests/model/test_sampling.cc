@@ -3,7 +3,8 @@
 // smaller index, top_p's smallest set, temperature, the counter-based draw)
 // must pick the same token; bad parameters reported the same way. And
 // draft_rules.h's plan / accept / MTP inputs on both, against a batch
-// worked out by hand.
+// worked out by hand. And the device memory the CUDA ops grow (lm_head's
+// buffers) staying valid for the graphs captured on it.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +16,12 @@
 #include "model/model_ops.h"
 #include "rank_harness.h"  // probe_gpu_count, run_ranks, RANK_CHECK
 #include "staging.h"
+#if defined(MOELINK_WITH_CUDA)
+#include <cuda_runtime_api.h>
+
+#include "gpu_memory_ops.h"  // CUDA_OK
+#include "nvlink/cuda_memory.h"
+#endif
 
 namespace moelink_test {
 namespace {
@@ -164,6 +171,47 @@ TEST(SamplingCuda, PicksTheHostLoopsToken) {
   run_ranks(1, [&](int, moelink::Bootstrap&) { check_sampling(seed); }, 120);
 }
 
+
+#if defined(MOELINK_WITH_CUDA)
+// GrowingDeviceBuffer (the model's lm_head, the expert GEMMs' split-K
+// buffers, FlashInfer's prefill): a graph captured on the memory of a
+// small call and replayed after a larger call grew it still writes that
+// memory, which must still be this buffer's (it was freed once: the model's
+// decode graphs wrote freed memory on an H100).
+TEST(GpuMemory, GrowingBufferKeepsWhatCapturedGraphsWrite) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  // In a forked rank, as SamplingCuda: the test process stays without CUDA.
+  run_ranks(1, [&](int, moelink::Bootstrap&) {
+    CUDA_OK(cudaSetDevice(0));
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreate(&stream));
+    moelink::detail::GrowingDeviceBuffer buf;
+    void* small = buf.get(256);
+    RANK_CHECK(buf.get(100) == small) << "a smaller size reuses the memory";
+    cudaGraph_t graph;
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    CUDA_OK(cudaMemsetAsync(small, 0x5A, 256, stream));
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    void* large = buf.get(size_t{64} << 20);
+    RANK_CHECK(large != small && buf.bytes() == (size_t{64} << 20));
+    cudaPointerAttributes attr{};
+    CUDA_OK(cudaPointerGetAttributes(&attr, small));
+    RANK_CHECK(attr.type == cudaMemoryTypeDevice) << "the outgrown memory was freed under the captured graph";
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    std::vector<unsigned char> back(256);
+    CUDA_OK(cudaMemcpy(back.data(), small, back.size(), cudaMemcpyDeviceToHost));
+    RANK_CHECK(std::all_of(back.begin(), back.end(), [](unsigned char b) { return b == 0x5A; }))
+        << "the replay's writes did not land in the buffer's outgrown memory";
+    CUDA_OK(cudaGraphExecDestroy(exec));
+    CUDA_OK(cudaGraphDestroy(graph));
+    CUDA_OK(cudaStreamDestroy(stream));
+  }, 60);
+}
+
+#endif
 
 }  // namespace
 }  // namespace moelink_test

@@ -8,7 +8,6 @@
 #include <string>
 #include <tuple>
 #include <utility>
-#include <vector>
 
 #include "experts/cuda/block_scaled_gemm.h"
 #include "experts/cuda/device_buffer.h"
@@ -16,6 +15,7 @@
 #include "experts/experts_impl.h"
 #include "experts/fp8_group_quant.h"
 #include "nvlink/cuda_check.h"
+#include "nvlink/cuda_memory.h"
 
 namespace moelink::detail {
 namespace {
@@ -228,25 +228,17 @@ class CudaExperts final : public ExpertsImpl {
     return static_cast<size_t>(groups * (n / kQuantGroup) * (k / kQuantGroup)) * 4;
   }
   bool split_fits(int64_t groups, int64_t rows, int64_t n, int64_t k, int split) const {
-    return split <= 1 || (partial_bytes(groups, rows, n, split) <= partial_.bytes &&
-                          x_scale_split_bytes(groups, rows, k) <= x_scale_split_.bytes &&
-                          w_scale_split_bytes(groups, n, k) <= w_scale_split_.bytes);
+    return split <= 1 || (partial_bytes(groups, rows, n, split) <= partial_.bytes() &&
+                          x_scale_split_bytes(groups, rows, k) <= x_scale_split_.bytes() &&
+                          w_scale_split_bytes(groups, n, k) <= w_scale_split_.bytes());
   }
-  // Grows the split buffers to hold a split GEMM of these dimensions. The
-  // buffers they replace stay allocated until this object goes: a CUDA
-  // graph captured on an earlier, smaller call keeps their addresses (the
-  // model's decode graph of one request, replayed after a step of 128 had
-  // grown them, wrote freed memory: an illegal address on an H100).
+  // Grows the split buffers to hold a split GEMM of these dimensions (what
+  // they outgrow stays for the graphs captured on it: GrowingDeviceBuffer).
   void reserve_split(int64_t groups, int64_t rows, int64_t n, int64_t k, int split) {
     if (split <= 1) return;
-    auto grow = [this](SizedBuffer& b, size_t bytes) {
-      if (b.bytes >= bytes) return;
-      if (b.bytes > 0) retired_split_.push_back(std::move(b.mem));
-      b = {experts::device_alloc(bytes), bytes};
-    };
-    grow(partial_, partial_bytes(groups, rows, n, split));
-    grow(x_scale_split_, x_scale_split_bytes(groups, rows, k));
-    grow(w_scale_split_, w_scale_split_bytes(groups, n, k));
+    partial_.get(partial_bytes(groups, rows, n, split));
+    x_scale_split_.get(x_scale_split_bytes(groups, rows, k));
+    w_scale_split_.get(w_scale_split_bytes(groups, n, k));
   }
 
   // GEMM objects of the same key but different use: forward()'s GEMM2,
@@ -288,9 +280,9 @@ class CudaExperts final : public ExpertsImpl {
     }
     o.split_k = split;
     o.groups = groups;
-    o.partial = static_cast<float*>(partial_.mem.get());
-    o.x_scale_split = static_cast<float*>(x_scale_split_.mem.get());
-    o.w_scale_split = static_cast<float*>(w_scale_split_.mem.get());
+    o.partial = static_cast<float*>(partial_.data());
+    o.x_scale_split = static_cast<float*>(x_scale_split_.data());
+    o.w_scale_split = static_cast<float*>(w_scale_split_.data());
     gemm.run(o, error_, stream, programmatic_);
     experts::launch_split_reduce(o, stream, programmatic_);
   }
@@ -357,12 +349,7 @@ class CudaExperts final : public ExpertsImpl {
   bool raster_auto_ = true;                   // MOELINK_EXPERTS_RASTER
   bool arguments_together_ = true;            // MOELINK_EXPERTS_ARGUMENT_KERNELS
   int split_gate_up_ = 1, split_down_ = 1;    // forward()'s GEMMs
-  struct SizedBuffer {
-    experts::DeviceBuffer mem;
-    size_t bytes = 0;
-  };
-  SizedBuffer partial_, x_scale_split_, w_scale_split_;  // split GEMMs' (GemmOperands)
-  std::vector<experts::DeviceBuffer> retired_split_;  // outgrown, perhaps still in a graph (reserve_split)
+  GrowingDeviceBuffer partial_, x_scale_split_, w_scale_split_;  // split GEMMs' (GemmOperands)
   std::map<std::pair<int, int>, std::unique_ptr<BlockScaledGemm>> split_gemms_;  // by groups, CTAs
   experts::DeviceBuffer workspace_, error_buffer_;
   size_t workspace_bytes_ = 0;
