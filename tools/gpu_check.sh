@@ -21,6 +21,8 @@
 #   under load (MOELINK_SERVE_BENCH_ARGS replaces the default 64 requests a
 #   cell at concurrency 1, 16 and 64, 64 output tokens; the model step's
 #   model.json, when there, gives the bare step beside it).
+#   serve-batch128 (not in the default): the same server decoding 128
+#   shared-prefix requests of 256 tokens at once (serve-batch128.json).
 #   internode: moelink-bench with the internode backend beside nvlink, over
 #   libfabric's shm provider (GPUs of this machine treated as nodes).
 #   fabric (not in the default): moelink-fabric-bench, the TransferEngine
@@ -39,7 +41,7 @@ cd "$root"
 steps=${*:-build test python sanitize bench internode experts}
 source "$root/tools/device_env.sh"
 python_build=OFF
-{ has python || has experts || has layer || has model || has model-sanitize || has serve; } && python_build=ON
+{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
@@ -160,20 +162,28 @@ if has model-sanitize; then
     >"$OUT/sanitizer-model-memcheck.log" 2>&1 || status=1
   grep -E "ERROR SUMMARY|Invalid|Device Frame|model_bench:   B" "$OUT/sanitizer-model-memcheck.log" | cut -c1-240 | head -40
 fi
-if has serve; then
-  echo "== moelink-serve under load: tools/bench/serve_bench.py"
-  model=/dev/shm/moelink-serve-bench-ep8
+serve_bench() {  # name args...: serve_bench.py on the full-width EP8-shaped model into $OUT/name.json
+  local name=$1; shift
+  local model=/dev/shm/moelink-serve-bench-ep8
   [[ -f $model/tokenizer.json ]] || PYTHONPATH="$root/build-gpu/python" \
     $py -m moelink.serve.tiny_model "$model" --full-width --layers 5 --experts 32 || status=1
-  cmd=($py tools/bench/serve_bench.py --model "$model" --machine "$machine" --json "$OUT/serve.json"
-       --svg "$OUT/serve.svg"
-       --server-log "$OUT/serve-server.log"
+  cmd=($py tools/bench/serve_bench.py --model "$model" --machine "$machine" --json "$OUT/$name.json"
+       --svg "$OUT/$name.svg"
+       --server-log "$OUT/$name-server.log"
        --serve-args "--backend nvlink --cuda-graphs --num-pages 12000 --page-size 64 --max-running 128 --token-budget 4096"
-       ${MOELINK_SERVE_BENCH_ARGS:---requests 64 --concurrency 1,16,64 --max-tokens 64})
+       "$@")
   [[ -f $OUT/model.json ]] && cmd+=(--model-bench "$OUT/model.json")
   echo "${cmd[*]}"
   PYTHONPATH="$root/build-gpu/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
-    tee "$OUT/serve-bench.log" | tail -40 || status=1
+    tee "$OUT/$name-bench.log" | tail -40 || status=1
+}
+if has serve; then
+  echo "== moelink-serve under load: tools/bench/serve_bench.py"
+  serve_bench serve ${MOELINK_SERVE_BENCH_ARGS:---requests 64 --concurrency 1,16,64 --max-tokens 64}
+fi
+if has serve-batch128; then
+  echo "== moelink-serve decoding 128 requests at once (issue 35's batch-128 rate against the bare step)"
+  serve_bench serve-batch128 --traces shared-prefix --cache on --requests 128 --concurrency 128 --max-tokens 256
 fi
 if has fabric; then
   for mode in yield busy-poll; do

@@ -1,5 +1,6 @@
 #include "fabric_binding.h"
 
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -46,10 +47,27 @@ const char* imm_mode_name(KvImmMode m) { return m == KvImmMode::kPerLayer ? "lay
 // A registration keeps the Python buffer it covers exported (numpy then
 // refuses to resize or free it) until it is deregistered or the engine
 // closes.
+// A registered buffer and what keeps its memory alive: the exported Python
+// buffer (host memory), or the array object itself (CUDA memory).
 struct Registration {
   MemoryRegion region;
   Py_buffer view{};
+  bool exported = false;  // view holds an export to release
+  nb::object array;       // a CUDA array, referenced while registered
+  void release() {
+    if (exported) PyBuffer_Release(&view);
+    exported = false;
+    array = nb::object();
+  }
 };
+
+// The CUDA device of a DLPack array on one (its __dlpack_device__ says
+// kDLCUDA, 2), else -1: host memory goes through the buffer protocol.
+inline int cuda_device_of(nb::handle buffer) {
+  if (!nb::hasattr(buffer, "__dlpack_device__")) return -1;
+  const nb::tuple dev = nb::cast<nb::tuple>(buffer.attr("__dlpack_device__")());
+  return nb::cast<int>(dev[0]) == 2 ? nb::cast<int>(dev[1]) : -1;
+}
 
 class PyTransfer {
  public:
@@ -87,21 +105,34 @@ class PyTransferEngine {
 
   MemoryRegion register_memory(nb::handle buffer) {
     auto reg = std::make_unique<Registration>();
-    if (PyObject_GetBuffer(buffer.ptr(), &reg->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
-      PyErr_Clear();
-      throw InvalidArgument("moelink: register_memory needs a writable C-contiguous buffer "
-                            "(a numpy array, bytearray, ...), got " +
-                            nb::cast<std::string>(buffer.type().attr("__name__")));
-    }
-    if (reg->view.len <= 0) {
-      PyBuffer_Release(&reg->view);
-      throw InvalidArgument("moelink: register_memory: the buffer is empty");
-    }
-    try {
-      reg->region = engine().register_memory(reg->view.buf, static_cast<size_t>(reg->view.len));
-    } catch (...) {
-      PyBuffer_Release(&reg->view);
-      throw;
+    const int device = cuda_device_of(buffer);
+    if (device >= 0) {
+      // GPU memory (a torch CUDA tensor, e.g. Model.kv_cache_region on a GPU
+      // backend): registered with FI_HMEM, the provider permitting.
+      nb::ndarray<nb::c_contig> a;
+      if (!nb::try_cast(buffer, a))
+        throw InvalidArgument("moelink: register_memory: a CUDA array must be C-contiguous");
+      if (a.nbytes() == 0) throw InvalidArgument("moelink: register_memory: the buffer is empty");
+      reg->region = engine().register_memory(a.data(), a.nbytes(), fabric::MemoryKind::kCuda, device);
+      reg->array = nb::borrow(buffer);
+    } else {
+      if (PyObject_GetBuffer(buffer.ptr(), &reg->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+        PyErr_Clear();
+        throw InvalidArgument("moelink: register_memory needs a writable C-contiguous buffer "
+                              "(a numpy array, bytearray, ...) or a CUDA array (DLPack), got " +
+                              nb::cast<std::string>(buffer.type().attr("__name__")));
+      }
+      reg->exported = true;
+      if (reg->view.len <= 0) {
+        reg->release();
+        throw InvalidArgument("moelink: register_memory: the buffer is empty");
+      }
+      try {
+        reg->region = engine().register_memory(reg->view.buf, static_cast<size_t>(reg->view.len));
+      } catch (...) {
+        reg->release();
+        throw;
+      }
     }
     const MemoryRegion r = reg->region;
     registrations_.emplace(r.id, std::move(reg));
@@ -114,7 +145,7 @@ class PyTransferEngine {
       throw InvalidArgument("moelink: deregister_memory: region " + std::to_string(r.id) +
                             " is not registered with this engine");
     engine().deregister_memory(it->second->region);
-    PyBuffer_Release(&it->second->view);
+    it->second->release();
     registrations_.erase(it);
   }
 
@@ -133,7 +164,7 @@ class PyTransferEngine {
         engine_->deregister_memory(reg->region);
       } catch (...) {
       }
-      PyBuffer_Release(&reg->view);
+      reg->release();
     }
     registrations_.clear();
     nb::gil_scoped_release release;
@@ -240,7 +271,9 @@ void bind_fabric(nb::module_& m) {
       .def_prop_ro("name", [](const PyTransferEngine& e) { return e.engine().address().name; })
       .def_prop_ro("num_domains", [](const PyTransferEngine& e) { return e.engine().num_domains(); })
       .def("register_memory", &PyTransferEngine::register_memory, "buffer"_a,
-           "Registers a writable C-contiguous buffer (kept exported until deregistered).")
+           "Registers a writable C-contiguous host buffer (kept exported until deregistered) or a "
+           "C-contiguous CUDA array with DLPack (e.g. a torch tensor on a GPU; kept referenced; the "
+           "provider must accept FI_HMEM).")
       .def("deregister_memory", &PyTransferEngine::deregister_memory, "region"_a)
       .def(
           "descriptor",

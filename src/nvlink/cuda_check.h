@@ -4,9 +4,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstring>
 #include <string>
 
 #include "core/layout.h"
+#include "nvlink/cuda_release.h"
 #include "moelink/errors.h"
 
 namespace moelink::detail {
@@ -29,6 +31,20 @@ namespace moelink::detail {
 
 namespace moelink::detail {
 
+inline constexpr size_t kPinnedRecordBytes = 256;
+
+// The calling thread's pinned host buffer for reading error records back
+// (allocated on first use and kept for the thread's life: freeing it at
+// thread exit could run after the CUDA runtime is gone).
+inline void* pinned_record_copy() {
+  thread_local void* buffer = nullptr;
+  if (buffer == nullptr) {
+    RelaxedCaptureMode relaxed;  // another thread may be capturing
+    MOELINK_CUDA_CHECK(cudaMallocHost(&buffer, kPinnedRecordBytes));
+  }
+  return buffer;
+}
+
 // An error record kernels write in device memory (a `code` of 0 is none),
 // read after the work on `stream` finished and cleared when `clear(record)`
 // says so. Inside a capture nothing can be waited for: reports nothing.
@@ -38,8 +54,15 @@ Record take_device_record(cudaStream_t stream, Record* device_record, Clear clea
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
   if (capturing != cudaStreamCaptureStatusNone) return e;
+  // One copy on the stream into pinned memory and one wait: a model step
+  // reads some thirty records after every step, and a synchronous
+  // cudaMemcpy to pageable memory (a wait, a staged copy, a second wait)
+  // costs several times that each.
+  static_assert(sizeof(Record) <= kPinnedRecordBytes, "an error record larger than the pinned copy");
+  void* pinned = pinned_record_copy();
+  MOELINK_CUDA_CHECK(cudaMemcpyAsync(pinned, device_record, sizeof(e), cudaMemcpyDeviceToHost, stream));
   MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream));
-  MOELINK_CUDA_CHECK(cudaMemcpy(&e, device_record, sizeof(e), cudaMemcpyDeviceToHost));
+  std::memcpy(&e, pinned, sizeof(e));
   if (e.code != 0 && clear(e)) MOELINK_CUDA_CHECK(cudaMemset(device_record, 0, sizeof(Record)));
   return e;
 }

@@ -1,13 +1,23 @@
 """Helpers of the model, engine and serve tests: the tiny model's config
-(moelink.serve.tiny_model writes it), a free port, and a request's greedy
-tokens on an engine of its own."""
+(moelink.serve.tiny_model writes it), a free port, whether the GPU
+backends can run, and a request's greedy tokens on an engine of its own."""
 
 from __future__ import annotations
 
+import moelink
 from moelink.serve.tiny_model import TINY as SMALL  # noqa: F401 (re-exported)
 from moelink.serve.tiny_model import write_checkpoint as random_checkpoint  # noqa: F401
 from ranks_testlib import free_port  # noqa: F401 (re-exported)
 
+
+
+def has_gpu():
+    """moelink built with CUDA, torch and a GPU: the GPU backends' tests run."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return moelink.with_cuda and torch.cuda.is_available()
 
 def greedy_alone(model_dir, prompt_ids, max_tokens, eos=1, backend="cpu"):
     """The model's own greedy tokens for one request, on an engine of its
@@ -60,11 +70,15 @@ def finish_raw_stream(s, got):
     return got, time.monotonic() - t0, text
 
 
-def local_serving(tmp_path_factory, name, seed, pd=False):
+def local_serving(tmp_path_factory, name, seed, pd=False, backend="cpu"):
     """moelink-serve over moelink-scheduler and two workers (a prefill and a
-    decode worker with pd) on the tiny model; yields (serving, the API's
-    URL, the model directory). Skips where the scheduler is missing."""
+    decode worker with pd) on the tiny model on `backend`; yields (serving,
+    the API's URL, the model directory). Skips where the scheduler or (a GPU
+    backend) the GPU is missing."""
     import pytest
+
+    if backend != "cpu" and not has_gpu():
+        pytest.skip("the GPU path needs a Hopper GPU (runs on the H200 device machine)")
 
     import moelink
     try:
@@ -79,7 +93,7 @@ def local_serving(tmp_path_factory, name, seed, pd=False):
     d = tmp_path_factory.mktemp(name)
     write_tiny_model(str(d), layers=2, seed=seed)
     opts = moelink.serve.ServerOptions(num_pages=24, page_size=16, max_running=4, token_budget=48,
-                                       max_model_len=96)
+                                       max_model_len=96, backend=backend)
     serving = LocalServing(str(d), engines=2, options=opts, workdir=str(d / "run"), pd=pd)
     try:
         host, port = serving.start("127.0.0.1", 0)

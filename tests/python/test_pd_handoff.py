@@ -1,5 +1,7 @@
 """Prefill/decode disaggregation's KV hand-off (moelink.serve.disagg) on the
-CPU path: a request prefilled on one engine (its model's own KV cache),
+CPU path (host memory) and on the GPU path (the models' caches in GPU
+memory, registered with FI_HMEM; skipped without a GPU or a provider that
+takes it): a request prefilled on one engine (its model's own KV cache),
 its prompt's KV rows moved over the TransferEngine (libfabric tcp and shm on
 loopback) into the pages a second engine reserved, decoded there: the same
 tokens as one engine running it alone (greedy and sampled, an MTP model
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 
 import moelink
-from model_testlib import free_port
+from model_testlib import free_port, has_gpu
 from moelink.serve.tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.skipif(not (moelink._C.with_engine and moelink.with_fabric),
@@ -34,8 +36,13 @@ def checkpoint(tmp_path_factory, request):
     return str(d), bool(request.param)
 
 
-def _engine(directory, mtp, num_pages=24):
-    model = moelink.Model(f"{directory}/config.json", max_tokens=64, num_pages=num_pages, backend="cpu",
+BACKENDS = ["cpu", "nvlink"]
+
+
+def _engine(directory, mtp, backend, num_pages=24):
+    if backend != "cpu" and not has_gpu():
+        pytest.skip("the GPU path needs a Hopper GPU (runs on the H200 device machine)")
+    model = moelink.Model(f"{directory}/config.json", max_tokens=64, num_pages=num_pages, backend=backend,
                           page_size=PAGE, max_requests=4, max_pages_per_request=8, mtp=mtp,
                           bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", free_port(), 30.0))
     model.load_checkpoint(directory)
@@ -48,18 +55,24 @@ def _ports(pm, dm, provider):
     from moelink.serve.disagg import KvPort
     try:
         p = KvPort(pm, "prefill-0", provider=provider, timeout_s=10.0)
-    except moelink.SystemError as e:
-        pytest.skip(f"libfabric provider {provider} unavailable: {e}")
+    except moelink.SystemError as e:  # no such provider, or (GPU memory) one without FI_HMEM
+        pytest.skip(f"libfabric provider {provider} unavailable for this cache: {e}")
     return p, KvPort(dm, "decode-0", provider=provider, timeout_s=10.0)
 
 
+def _host(region):
+    """A cache region's bytes on the host (numpy; a GPU tensor copied)."""
+    return region.cpu().numpy() if hasattr(region, "cpu") else region
+
+
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
-def test_handed_off_requests_decode_to_the_models_own_tokens(checkpoint, provider):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_handed_off_requests_decode_to_the_models_own_tokens(checkpoint, backend, provider):
     from moelink.serve.disagg import hand_off
     directory, mtp = checkpoint
-    _, alone = _engine(directory, mtp)
-    pm, pe = _engine(directory, mtp)
-    dm, de = _engine(directory, mtp)
+    _, alone = _engine(directory, mtp, backend)
+    pm, pe = _engine(directory, mtp, backend)
+    dm, de = _engine(directory, mtp, backend)
     prefill, decode = _ports(pm, dm, provider)
     rng = np.random.default_rng()
     shared = [int(t) for t in rng.integers(4, 512, 37)]
@@ -87,12 +100,13 @@ def test_handed_off_requests_decode_to_the_models_own_tokens(checkpoint, provide
         decode.close()
 
 
-def test_moved_pages_are_byte_equal_and_a_missing_transfer_times_out(checkpoint):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_moved_pages_are_byte_equal_and_a_missing_transfer_times_out(checkpoint, backend):
     from moelink.serve.disagg import _request
     directory, mtp = checkpoint
-    pm, pe = _engine(directory, mtp)
-    dm, de = _engine(directory, mtp)
-    prefill, decode = _ports(pm, dm, "tcp")
+    pm, pe = _engine(directory, mtp, backend)
+    dm, de = _engine(directory, mtp, backend)
+    prefill, decode = _ports(pm, dm, "tcp" if backend == "cpu" else "shm")
     try:
         prompt = [int(t) for t in np.random.default_rng().integers(4, 512, 41)]
         did, cached, dst_pages = de.receive(prompt, max_tokens=4)
@@ -108,12 +122,13 @@ def test_moved_pages_are_byte_equal_and_a_missing_transfer_times_out(checkpoint)
         prefill.engine.write_kv_cache(prefill.region, prefill.layout, decode.descriptor(), decode.layout,
                                       req).wait(10.0)
         decode.engine.wait_kv_cache(decode.layout, req, "prefill-0", timeout_s=10.0)
+        src, dst = _host(prefill.region_array), _host(decode.region_array)
         for layer in range(prefill.layout.num_layers):
             for j, (s, d) in enumerate(zip(src_pages, dst_pages)):
                 n = min(PAGE, len(prompt) - j * PAGE) * prefill.layout.bytes_per_token
                 so, do = prefill.layout.page_offset(layer, s), decode.layout.page_offset(layer, d)
-                assert np.array_equal(prefill.region_array[so:so + n], decode.region_array[do:do + n])
-                assert prefill.region_array[so:so + n].any()
+                assert np.array_equal(src[so:so + n], dst[do:do + n])
+                assert src[so:so + n].any()
         pe.release(pid)
         assert pe.available_pages == 24
         with pytest.raises(moelink.InvalidArgument, match="not waiting for its KV"):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import moelink
-from model_testlib import greedy_alone
+from model_testlib import greedy_alone, has_gpu
 
 tokenizers = pytest.importorskip("tokenizers", reason="moelink.serve needs Hugging Face tokenizers")
 pytest.importorskip("jinja2", reason="chat templates need jinja2")
@@ -29,18 +29,10 @@ from moelink.serve.tiny_model import write_tiny_model  # noqa: E402
 FIELDS = {}  # the tiny model's config, once the fixture wrote it
 
 
-def _has_gpu():
-    try:
-        import torch
-    except ImportError:
-        return False
-    return moelink.with_cuda and torch.cuda.is_available()
-
-
 @pytest.fixture(scope="module", params=["cpu", "nvlink"])
 def served(tmp_path_factory, request):
     pytest.importorskip("ml_dtypes")
-    if request.param != "cpu" and not _has_gpu():
+    if request.param != "cpu" and not has_gpu():
         pytest.skip("the GPU path needs a Hopper GPU (runs on the H200 device machine)")
     d = tmp_path_factory.mktemp("tiny-moe")
     FIELDS.update(write_tiny_model(str(d), layers=2, seed=31))
@@ -274,7 +266,7 @@ def test_speculative_serving_gives_the_models_own_tokens(tmp_path, backend):
     concurrent streams intact, the acceptance counters in /metrics."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("ml_dtypes")
-    if backend != "cpu" and not _has_gpu():
+    if backend != "cpu" and not has_gpu():
         pytest.skip("the GPU path needs a Hopper GPU (runs on the H200 device machine)")
     write_tiny_model(str(tmp_path), layers=2, seed=5, num_nextn_predict_layers=1, echo=True)
     opts = moelink.serve.ServerOptions(num_pages=24, page_size=16, max_running=4, token_budget=48,

@@ -43,11 +43,14 @@ def test_serve_bench_loads_the_server_with_and_without_prefix_caching(tmp_path):
     assert sorted(cells) == sorted((t, p, c) for t in ("shared-prefix", "multi-turn") for p in ("on", "off")
                                    for c in (1, 3))
     for key, c in cells.items():
-        assert c["errors"] == 0 and c["completed"] == c["requests"] == 8, (key, c["error_examples"])
-        assert c["output_tokens"] == 8 * 4, key  # ignore_eos: every request its max_tokens
+        n = max(8, 4 * key[2]) if key[0] == "multi-turn" else 8  # C sessions of 4 turns at least
+        assert c["errors"] == 0 and c["completed"] == c["requests"] == n, (key, c["error_examples"])
+        assert c["output_tokens"] == n * 4, key  # ignore_eos: every request its max_tokens
         assert c["ttft_ms"]["p50"] > 0 and c["itl_ms"]["p50"] > 0 and c["output_tok_s"] > 0
         s = c["server"]
         assert s["decode_step_us"] > 0 and 1 <= s["decode_batch"] <= 3 and 0 <= s["overhead_share"] < 1
+        assert s["decode_tok_s"] == pytest.approx(s["decode_batch"] / s["decode_step_us"] * 1e6)
+        assert s["graph_replays"] == s["graph_eager_steps"] == 0, key  # the CPU path: no graphs
         if key[1] == "off":
             assert c["cached_share"] == 0, key
         elif key[:3] == ("shared-prefix", "on", 1):
@@ -65,3 +68,19 @@ def test_serve_bench_refuses_a_url_without_the_vocabulary():
            "http://127.0.0.1:9/v1"]
     res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=60)
     assert res.returncode == 2 and "--url needs --vocab" in res.stderr
+
+
+def test_multi_turn_requests_spread_over_count_over_4_sessions():
+    """trace_requests gives every session its first turn before any its
+    second (so count // 4 sessions can be in flight at once), each session's
+    prompts growing in order, `count` requests in all."""
+    sys.path.insert(0, os.path.join(ROOT, "tools", "bench"))
+    from serve_bench import trace_requests
+    for count in (1, 7, 64, 256):
+        sessions = trace_requests("multi-turn", count, 5000, 1000, 8, seed=count)
+        assert sum(len(s) for s in sessions) == count
+        assert len(sessions) == max(1, count // 4), count
+        for s in sessions:
+            for a, b in zip(s, s[1:]):
+                assert len(b) > len(a) and b[:len(a)] == a  # the earlier prompt, then the new turn
+            assert all(4 <= t < 1000 for p in s for t in p) and len(s[-1]) <= 5000

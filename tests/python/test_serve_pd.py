@@ -1,7 +1,8 @@
 """moelink-serve --engines 2 --pd: moelink-scheduler routes each request to
 the prefill worker, naming the decode worker it hands the request to after
 its first token; the prompt's KV rows move over the TransferEngine (libfabric
-tcp on loopback) and the decode worker continues. Requests sent with the
+tcp on loopback for the CPU path's host caches, shm for the GPU path's
+caches in GPU memory) and the decode worker continues. Requests sent with the
 official openai client, streamed and not, give the model's own greedy
 output token for token; the scheduler counts the hand-offs and each
 worker's pages come back."""
@@ -23,9 +24,10 @@ pytestmark = pytest.mark.skipif(not (moelink._C.with_engine and moelink.with_fab
 os.environ.setdefault("FI_TCP_IFACE", "lo")
 
 
-@pytest.fixture(scope="module")
-def pd_cluster(tmp_path_factory):
-    yield from local_serving(tmp_path_factory, "tiny-pd", 43, pd=True)
+@pytest.fixture(scope="module", params=["cpu", "nvlink"])
+def pd_cluster(tmp_path_factory, request):
+    # nvlink: the workers' caches in GPU memory, moved over libfabric's shm provider (FI_HMEM).
+    yield from local_serving(tmp_path_factory, "tiny-pd", 43, pd=True, backend=request.param)
 
 
 def test_disaggregated_requests_give_the_models_own_tokens(pd_cluster):
@@ -37,7 +39,8 @@ def test_disaggregated_requests_give_the_models_own_tokens(pd_cluster):
     prompts = ["w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20 w21 w22 w23 w24 w25 w26 w27 w28",
                "w300 w301 w302 w303", "w7"]
     for p in prompts:
-        want = tok.decode(greedy_alone(model_dir, tok.encode(p, add_special_tokens=False).ids, 7))
+        want = tok.decode(greedy_alone(model_dir, tok.encode(p, add_special_tokens=False).ids, 7,
+                                    backend=serving.options.backend))
         r = client.completions.create(model=serving.front.model_name, prompt=p, max_tokens=7, temperature=0)
         assert r.choices[0].text == want, (p, serving.logs())
         assert r.usage.completion_tokens == 7
@@ -69,14 +72,16 @@ def test_a_decode_worker_killed_mid_stream_ends_the_stream_and_rejoins(pd_cluste
     assert seconds < 30, "the stream hung after its decode worker died"
     assert b'"error"' in got, got[-300:]
     tok = serving.front.tokenizer
-    want = tok.decode(greedy_alone(model_dir, tok.encode(prompt, add_special_tokens=False).ids, 80))
+    want = tok.decode(greedy_alone(model_dir, tok.encode(prompt, add_special_tokens=False).ids, 80,
+                                    backend=serving.options.backend))
     assert want.startswith(text), (text, want)
     serving.start_worker(1)
     with SchedulerClient(serving.scheduler.target) as sc:
         before = sc.stats().handed_off
     client = openai.OpenAI(base_url=url, api_key="none")
     for p in ("w60 w61", "w62 w63 w64"):
-        want = tok.decode(greedy_alone(model_dir, tok.encode(p, add_special_tokens=False).ids, 4))
+        want = tok.decode(greedy_alone(model_dir, tok.encode(p, add_special_tokens=False).ids, 4,
+                                    backend=serving.options.backend))
         r = client.completions.create(model=serving.front.model_name, prompt=p, max_tokens=4, temperature=0)
         assert r.choices[0].text == want, serving.logs()
     with SchedulerClient(serving.scheduler.target) as sc:

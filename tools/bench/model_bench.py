@@ -21,7 +21,11 @@ q_len (1, or 2: a draft row verified, ModelOptions' speculative step):
   graph_us         the decode step as the serving engine runs it:
                    Model.step_from_host with decode_graphs (the batch's
                    bucket replayed; host copies in and out included), host
-                   wall time, median of --iters steps; graph_replays and
+                   wall time, median of --iters steps, each step's
+                   contexts a token longer than the last's (FlashInfer's
+                   plan runs every step, as in serving) and Model.check
+                   after each (the engine's reading of the step's error
+                   records; check_us times it alone); graph_replays and
                    eager_steps say how those steps ran (Model's
                    decode_graph_stats: a batch FlashInfer schedules on
                    another grid than the captured one runs eagerly);
@@ -142,7 +146,7 @@ def device_used_bytes():
 def make_model(a, fields, ckpt, num_layers, max_b, max_q):
     """The model of num_layers layers, loaded; its pages a request; the device
     memory it took (weights, KV cache and scratch; None on the CPU path)."""
-    pages_per_request = math.ceil((a.kv + max_q) / a.page_size)
+    pages_per_request = math.ceil((a.kv + max_q + KV_GROWTH) / a.page_size)
     gpu = a.backend not in HOST_BACKENDS
     before = device_used_bytes() if gpu else None
     m = moelink.Model(os.path.join(ckpt, "config.json"), backend=a.backend, max_tokens=max_b * max_q,
@@ -163,6 +167,9 @@ def make_model(a, fields, ckpt, num_layers, max_b, max_q):
     return m, pages_per_request, used
 
 
+KV_GROWTH = 32  # graph_us's steps: contexts kv + q .. kv + q + KV_GROWTH - 1 tokens
+
+
 def step_inputs(fields, b, q, kv, pages_per_request, seed):
     """Host arrays of a decode step of b requests of q rows on kv-token contexts."""
     rng = np.random.default_rng(seed)
@@ -181,9 +188,17 @@ def time_model(a, timer, model, fields, ppr, full, cells):
     for b, q in cells:
         x = step_inputs(fields, b, q, a.kv, ppr, a.seed + b)
 
+        steps = [0]
+
         def from_host():
-            model.step_from_host(x["token_ids"], x["q_start"], x["kv_len"], x["block_table"], x["next_tokens"],
+            # As in serving, each step's contexts are a token longer than the
+            # last one's (wrapping every KV_GROWTH steps): the attention's
+            # FlashInfer plan runs every step, as a server's does.
+            kv_len = x["kv_len"] + steps[0] % KV_GROWTH
+            steps[0] += 1
+            model.step_from_host(x["token_ids"], x["q_start"], kv_len, x["block_table"], x["next_tokens"],
                                  num_decode=b, num_drafts=x["num_drafts"], accepted=x["accepted"])
+            model.check()  # the engine reads the step's error records after every step
 
         for _ in range(3):  # the bucket's eager step, its capture, a replay
             from_host()
@@ -194,6 +209,7 @@ def time_model(a, timer, model, fields, ppr, full, cells):
         # (the CPU path, or a batch FlashInfer schedules on another grid).
         r["graph_replays"] = s1["replays"] - s0["replays"]
         r["eager_steps"] = s1["eager_steps"] - s0["eager_steps"]
+        r["check_us"] = timer.host_us(model.check, a.iters, warmup=1)  # its part of graph_us
         if full and timer.gpu:
             torch = timer.torch
             d = {k: (torch.from_numpy(v).cuda() if v is not None else None) for k, v in x.items()}
@@ -207,7 +223,7 @@ def time_model(a, timer, model, fields, ppr, full, cells):
                 r["kernels"] = profile_kernels(from_host, a.profile_iters)
         out[(b, q)] = r
         print(f"model_bench:   B {b:4d} q {q}  graph {r['graph_us']:9.1f} us "
-              f"({r['graph_replays']} replayed, {r['eager_steps']} eager)" +
+              f"({r['graph_replays']} replayed, {r['eager_steps']} eager, check {r['check_us']:.0f} us)" +
               (f"  eager {r['eager_us']:9.1f} us" if "eager_us" in r else ""), file=sys.stderr, flush=True)
     return out
 

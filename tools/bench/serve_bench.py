@@ -11,8 +11,9 @@ caching and once with --no-prefix-caching (--cache on,off), and stops it
 after; with --url it loads a running server as it is. Per trace
 (--traces: shared-prefix, SGLang's generated-shared-prefix shape;
 multi-turn, vLLM's multi-turn generator shape; tools/bench/scheduler_traces.py)
-and concurrency C (--concurrency), a cell sends --requests requests, at
-most C in flight (a closed loop; --rate R > 0: Poisson arrivals at R/s,
+and concurrency C (--concurrency), a cell sends --requests requests (at
+least C; multi-turn: at least 4 C, as C sessions of turns), at most C in
+flight (a closed loop; --rate R > 0: Poisson arrivals at R/s,
 still at most C in flight), every one streamed (/v1/completions, token-id
 prompts, ignore_eos, --max-tokens output tokens):
   output_tok_s       output tokens over the cell's wall time;
@@ -23,7 +24,8 @@ prompts, ignore_eos, --max-tokens output tokens):
   server             from /metrics before and after the cell (an engine in
                      the server's process): decode_step_us (the model's
                      decode-only steps inside the server), decode_batch
-                     (requests such a step carried), engine_step_us and
+                     (requests such a step carried), decode_tok_s (their
+                     tokens over their time), engine_step_us and
                      model_step_us (whole engine rounds and the model's
                      steps in them) and overhead_share = 1 - model / engine;
   vs_bare            with --model-bench (model_bench.py's JSON of the same
@@ -183,18 +185,26 @@ def trace_requests(name, count, context, vocab, max_tokens, seed):
         tr = multi_turn(seed=seed, sessions=max(1, count // 4), common_prefix=max(1, int(500 * f)),
                         session_prefix_mean=max(1, int(1000 * f)), session_prefix_max=context,
                         user_tokens=(max(1, int(120 * f)), max(1, int(160 * f))))
-        sessions, n = [], 0
+        # Every session's prompts (a session ends where its context would
+        # pass the cap), then the first turns of all sessions, then their
+        # second turns, ... until `count`: count // 4 sessions run side by side.
+        turns = []
         for s in tr.sessions:
             ctx, prompts = [], []
             for t in s.turns:
-                if n == count or len(ctx) + len(t.new_tokens) > cap:
-                    break  # the session's later turns would pass the context
+                if len(ctx) + len(t.new_tokens) > cap:
+                    break
                 ctx = ctx + t.new_tokens
                 prompts.append(fit(ctx))
-                n += 1
-            if prompts:
-                sessions.append(prompts)
-        return sessions
+            turns.append(prompts)
+        sessions, n, k = [[] for _ in turns], 0, 0
+        while n < count and any(k < len(p) for p in turns):
+            for i, p in enumerate(turns):
+                if k < len(p) and n < count:
+                    sessions[i].append(p[k])
+                    n += 1
+            k += 1
+        return [p for p in sessions if p]
     raise SystemExit(f"serve_bench: --traces: unknown trace {name!r} (shared-prefix, multi-turn)")
 
 
@@ -252,9 +262,14 @@ def run_cell(server, sessions, concurrency, max_tokens, rate, seed):
         rec["server"] = {
             "decode_step_us": d["decode_step_seconds"] / d["decode_steps"] * 1e6,
             "decode_batch": d["decode_step_requests"] / d["decode_steps"],
+            # Output tokens per second while decoding (q_len 1: a token a request a step).
+            "decode_tok_s": d["decode_step_requests"] / max(1e-12, d["decode_step_seconds"]),
             "engine_step_us": d["engine_step_seconds"] / max(1.0, d["engine_steps"]) * 1e6,
             "model_step_us": d["model_step_seconds"] / max(1.0, d["model_steps"]) * 1e6,
-            "overhead_share": 1.0 - d["model_step_seconds"] / max(1e-12, d["engine_step_seconds"])}
+            "overhead_share": 1.0 - d["model_step_seconds"] / max(1e-12, d["engine_step_seconds"]),
+            # How the decode steps ran (--cuda-graphs): replayed or eager.
+            "graph_replays": int(d.get("decode_graph_replays", 0)),
+            "graph_eager_steps": int(d.get("decode_graph_eager_steps", 0))}
     return rec
 
 
@@ -341,13 +356,16 @@ def main():
             for trace in [t for t in a.traces.split(",") if t]:
                 for k, c in enumerate(int(v) for v in a.concurrency.split(",") if v):
                     # Prompts of its own per cell: a cell finds none of an earlier one's in the cache.
-                    sessions = trace_requests(trace, a.requests, a.context, a.vocab, a.max_tokens, a.seed + k)
+                    # Enough requests for C in flight: C prompts, or C sessions of 4 turns.
+                    count = max(a.requests, c * (4 if trace == "multi-turn" else 1))
+                    sessions = trace_requests(trace, count, a.context, a.vocab, a.max_tokens, a.seed + k)
                     cell = run_cell(server, sessions, c, a.max_tokens, a.rate, a.seed)
                     cell.update(trace=trace, prefix_caching=cache)
                     if bench and "server" in cell:
                         bare = bare_step_us(bench, cell["server"]["decode_batch"])
                         if bare:
                             cell["vs_bare"] = {"batch": bare[0], "bare_step_us": bare[1],
+                                               "bare_tok_s": bare[0] / bare[1] * 1e6,
                                                "overhead": cell["server"]["decode_step_us"] / bare[1] - 1}
                     rec["cells"].append(cell)
                     s = cell.get("server", {})
@@ -355,7 +373,8 @@ def main():
                           f"TTFT p50 {cell['ttft_ms']['p50'] or 0:8.1f} p99 {cell['ttft_ms']['p99'] or 0:8.1f} ms  "
                           f"ITL p50 {cell['itl_ms']['p50'] or 0:7.1f} p99 {cell['itl_ms']['p99'] or 0:7.1f} ms  "
                           f"cached {cell['cached_share']:.2f}  errors {cell['errors']}" +
-                          (f"  decode step {s['decode_step_us']:.0f} us at {s['decode_batch']:.1f}, "
+                          (f"  decode step {s['decode_step_us']:.0f} us at {s['decode_batch']:.1f} "
+                           f"({s['graph_replays']} replayed, {s['graph_eager_steps']} eager), "
                            f"overhead {s['overhead_share']:.3f}" if s else ""), file=sys.stderr, flush=True)
                     if a.json != "-":
                         write_json(rec, a.json)

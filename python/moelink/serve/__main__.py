@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     p.add_argument("--pd", action="store_true",
                    help="with --engines N: prefill/decode disaggregation (the first half prefill workers, "
                         "the rest decode workers; KV moved over the TransferEngine)")
+    p.add_argument("--kv-provider", default="auto",
+                   help="with --pd: libfabric provider of the KV hand-off (tcp, shm, ...; auto: shm for the "
+                        "GPU path's cache, tcp for the CPU path's)")
     p.add_argument("--scheduler", default=None,
                    help="send requests to a running moelink-scheduler at HOST:PORT instead")
     a = p.parse_args(argv)
@@ -38,7 +41,7 @@ def main(argv=None) -> int:
                          token_budget=a.token_budget, max_model_len=a.max_model_len,
                          backend=a.backend, served_model_name=a.served_model_name,
                          speculative=a.speculative, prefix_caching=not a.no_prefix_caching,
-                         **model_options(a))
+                         kv_provider=a.kv_provider, **model_options(a))
     if a.engines > 0:
         from .cluster import LocalServing
         server = LocalServing(a.model, a.engines, opts, pd=a.pd)

@@ -66,6 +66,7 @@ class LocalServing:
                 "--dp-rank", str(i), "--num-pages", str(o.num_pages), "--page-size", str(o.page_size),
                 "--max-running", str(o.max_running), "--token-budget", str(o.token_budget),
                 "--max-model-len", str(o.max_model_len), "--backend", o.backend, "--role", self.roles[i],
+                "--kv-provider", o.kv_provider,
                 "--ready-file", ready]
         args += model_argv(o)
         if o.speculative:

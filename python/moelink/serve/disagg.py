@@ -20,7 +20,9 @@ cache (descriptor, layout, immediates); the prefill worker writes the pages
 (KvPort.send) and reports HANDED_OFF to the scheduler; "resume" waits for
 the pages to have arrived and continues the request there.
 
-Host memory (the CPU path) from Python; libfabric's tcp or shm provider.
+The model's own cache is registered where it is: host memory on the CPU
+path (libfabric's tcp or shm provider), GPU memory on a GPU backend (a
+provider with FI_HMEM: shm, and tcp where libfabric was built with CUDA).
 """
 
 from __future__ import annotations
@@ -41,19 +43,24 @@ class KvPort:
     """One engine's KV cache on a TransferEngine of its own: every layer's
     cache (moelink.Model.kv_cache_region) registered once, with its layout."""
 
-    def __init__(self, model, name: str, provider: str = "tcp", timeout_s: float = 30.0):
+    def __init__(self, model, name: str, provider: str = "auto", timeout_s: float = 30.0):
         att = model.config.attention
         caches = model.num_layers + (1 if model.mtp else 0)
         self.model = model
         self.layout = moelink.KvCacheLayout.layer_major(
             caches, (att.kv_lora_rank + att.qk_rope_head_dim) * 2, model.page_size, model.num_pages)
+        # numpy on a host backend, a torch CUDA tensor on a GPU one (registered
+        # as GPU memory: the provider must accept FI_HMEM, as shm does).
         self.region_array = model.kv_cache_region()
-        if not isinstance(self.region_array, __import__("numpy").ndarray):
-            raise moelink.InvalidArgument(
-                "moelink: KvPort: the model's cache is GPU memory; from Python the TransferEngine "
-                "registers host memory only (a host backend: cpu)")
+        if provider == "auto":  # GPU memory: shm moves it on one machine (FI_HMEM); host memory: tcp
+            provider = "shm" if hasattr(self.region_array, "is_cuda") else "tcp"
         self.engine = moelink.TransferEngine(provider=provider, name=name, timeout_s=timeout_s)
-        self.region = self.engine.register_memory(self.region_array)
+        try:
+            self.region = self.engine.register_memory(self.region_array)
+        except moelink.SystemError as e:
+            self.engine.close()
+            raise moelink.SystemError(f"moelink: KvPort {name}: the model's KV cache could not be registered "
+                                      f"with libfabric's {provider} provider: {e}") from e
         self.name = name
         self._peers = {}
 

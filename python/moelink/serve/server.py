@@ -35,6 +35,7 @@ class ServerOptions:
     prefix_caching: bool = True  # share the KV pages of common prompt prefixes between requests
     decode_kernel: str = "auto"   # GPU backends: MLA decode on "auto", "flashinfer" or "moelink" (MLAOptions)
     prefill_kernel: str = "auto"  # GPU backends: MLA prefill on "auto", "flashinfer" or "moelink"
+    kv_provider: str = "auto"     # --pd: libfabric provider of the KV hand-off (auto: shm for a GPU cache, else tcp)
 
 
 _KERNELS = ("auto", "flashinfer", "moelink")
@@ -100,6 +101,10 @@ STEP_METRICS = [
     ("decode_steps", "model steps where every request decoded"),
     ("decode_step_seconds", "time in those steps"),
     ("decode_step_requests", "requests those steps carried"),
+    # With --cuda-graphs: how the decode-only steps ran (Model.decode_graph_stats).
+    ("decode_graph_replays", "decode steps replayed from a CUDA graph"),
+    ("decode_graph_eager_steps", "decode steps run eagerly (a bucket's first step, a failed capture, a misfit schedule)"),
+    ("decode_graph_captures", "CUDA graphs captured"),
 ]
 
 
@@ -230,6 +235,14 @@ class Server:
         """(MTP drafts proposed, accepted) as of the engine's last step."""
         return self._drafts
 
+    def _graph_stats(self) -> dict:
+        """The local engine's model's decode_graph_stats (the engine thread's)."""
+        stats = dict(replays=0, eager_steps=0, captures=0)
+        model = getattr(self.engine, "_model", None)
+        if model is not None:
+            stats.update(model.decode_graph_stats)
+        return stats
+
     def step_counts(self):
         """The local engine's step loop (STEP_METRICS) as of its last step;
         None when the engines are the scheduler's."""
@@ -276,7 +289,8 @@ class Server:
                                engine_step_seconds=self._steps["engine_step_seconds"] + time.perf_counter() - t0,
                                model_steps=t["steps"], model_step_seconds=t["seconds"],
                                decode_steps=t["decode_steps"], decode_step_seconds=t["decode_seconds"],
-                               decode_step_requests=t["decode_requests"])
+                               decode_step_requests=t["decode_requests"],
+                               **{f"decode_graph_{k}": v for k, v in self._graph_stats().items()})
             self._failure = e.failure
             for r in results:
                 job = self._jobs.get(r.id)

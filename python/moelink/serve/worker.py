@@ -36,7 +36,7 @@ class EngineFailedError(RuntimeError):
 class EngineWorker:
     def __init__(self, model_dir: str, scheduler: str, engine_id: str,
                  options: ServerOptions = ServerOptions(), dp_rank: int = 0, role: str = "mixed",
-                 kv_provider: str = "tcp"):
+                 kv_provider: str = "auto"):
         from moelink.scheduler import EngineClient
         self.options = options
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -296,7 +296,8 @@ def main(argv=None) -> int:
     p.add_argument("--role", default="mixed", choices=("mixed", "prefill", "decode"),
                    help="P/D disaggregation: prefill (hands requests off after their first token) or "
                         "decode (continues them); mixed runs requests whole")
-    p.add_argument("--kv-provider", default="tcp", help="libfabric provider of the KV hand-off (tcp, shm, ...)")
+    p.add_argument("--kv-provider", default="auto",
+                   help="libfabric provider of the KV hand-off (tcp, shm, ...; auto: shm for a GPU cache, else tcp)")
     p.add_argument("--ready-file", default=None, help="written once registered")
     a = p.parse_args(argv)
     opts = ServerOptions(num_pages=a.num_pages, page_size=a.page_size, max_running=a.max_running,
