@@ -21,6 +21,9 @@
 #   under load (MOELINK_SERVE_BENCH_ARGS replaces the default 64 requests a
 #   cell at concurrency 1, 16 and 64, 64 output tokens; the model step's
 #   model.json, when there, gives the bare step beside it).
+#   pd-gpu (not in the default): the P/D hand-off tests on the nvlink
+#   backend (KV caches in GPU memory) with .deps/libfabric-cuda.tar.xz's
+#   libfabric (FI_HMEM CUDA) preloaded.
 #   serve-batch128 (not in the default): the same server decoding 128
 #   shared-prefix requests of 256 tokens at once (serve-batch128.json).
 #   internode: moelink-bench with the internode backend beside nvlink, over
@@ -41,7 +44,7 @@ cd "$root"
 steps=${*:-build test python sanitize bench internode experts}
 source "$root/tools/device_env.sh"
 python_build=OFF
-{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128; } && python_build=ON
+{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has pd-gpu; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
@@ -83,6 +86,25 @@ if has test; then
   run_gtests "internode backend tests (GPU and CPU, libfabric shm / tcp)" \
     build-gpu/src/fabric/tests/moelink_internode_tests "${MOELINK_INTERNODE_FILTER:-*}" \
     internode-tests.log optional
+fi
+
+if has pd-gpu; then
+  # P/D hand-off of KV caches in GPU memory: libfabric with FI_HMEM CUDA
+  # (tools/build_libfabric_cuda.sh) preloaded in place of the sysroot's.
+  echo "== P/D hand-off from GPU memory (libfabric with CUDA, preloaded)"
+  lfc=/tmp/moelink-libfabric-cuda
+  if [[ -f $root/.deps/libfabric-cuda.tar.xz ]]; then
+    mkdir -p $lfc && tar xJf "$root/.deps/libfabric-cuda.tar.xz" -C $lfc
+    cudart_dir=$(dirname "$(ls /usr/local/cuda/lib64/libcudart.so* 2>/dev/null | head -1)")
+    LD_LIBRARY_PATH="$lfc/lib:$cudart_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" FI_LOG_LEVEL=warn \
+      $lfc/bin/fi_info -p shm -c FI_HMEM 2>&1 | grep -E "provider|hmem|HMEM" | head -5
+    LD_PRELOAD=$lfc/lib/libfabric.so.1 LD_LIBRARY_PATH="$cudart_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+      FI_TCP_IFACE=lo MOELINK_PYTHONPATH="$root/build-gpu/python" \
+      $py -m pytest -q -rs tests/python/test_pd_handoff.py -k nvlink >"$OUT/pytest-pd-gpu.log" 2>&1 || status=1
+    tail -8 "$OUT/pytest-pd-gpu.log"
+  else
+    echo "no .deps/libfabric-cuda.tar.xz (tools/build_libfabric_cuda.sh makes it)"; status=1
+  fi
 fi
 
 if has python; then

@@ -188,6 +188,7 @@ class CpuModelOps final : public HostMemory<ModelOps> {
     *record = {};
     return e;
   }
+  void run_check(cudaStream_t, const std::function<void()>& check) override { check(); }
 
   std::shared_ptr<Graph> capture(const std::function<void(cudaStream_t)>&) override {
     throw InvalidArgument("moelink: Model: CUDA graphs need a GPU backend");

@@ -531,6 +531,10 @@ class ModelImpl {
   }
 
   void check(cudaStream_t stream) {
+    ops_->run_check(stream, [&] { check_layers(stream); });
+  }
+
+  void check_layers(cudaStream_t stream) {
     ErrorCollector errors;
     errors.take([&] { check_own(stream); });
     for (Layer& layer : layers_v_) {

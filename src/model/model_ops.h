@@ -84,6 +84,10 @@ class ModelOps : public DeviceMemory {
                              int num_requests, int32_t* next_tokens, int64_t next_stride, int32_t* accepted, int32_t* mtp_tokens,
                              int32_t* draft_row, cudaStream_t stream) = 0;
   virtual ModelErrorRecord take_error(ModelErrorRecord* record, cudaStream_t stream) = 0;
+  // Runs `check`, which reads the step's error records (the model's and its
+  // layers'): on the GPU with the records gathered in one copy and one wait
+  // first (nvlink/error_record_batch.h); on the host as it is.
+  virtual void run_check(cudaStream_t stream, const std::function<void()>& check) = 0;
 
   // CUDA graphs (GPU only; the host ops throw InvalidArgument): what
   // `record` issues on the stream it is given (one of the ops' own) becomes

@@ -9,6 +9,7 @@
 
 #include "core/layout.h"
 #include "nvlink/cuda_release.h"
+#include "nvlink/error_record_batch.h"
 #include "moelink/errors.h"
 
 namespace moelink::detail {
@@ -54,6 +55,19 @@ Record take_device_record(cudaStream_t stream, Record* device_record, Clear clea
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
   if (capturing != cudaStreamCaptureStatusNone) return e;
+  // Within a RecordBatch's run (Model.check): the copy gathered with the
+  // others before the check, else read here and learned for next time.
+  if (RecordSource* batch = active_record_source) {
+    if (void* copy = batch->gathered(device_record, sizeof(Record), stream)) {
+      std::memcpy(&e, copy, sizeof(e));
+      if (e.code != 0 && clear(e)) {
+        MOELINK_CUDA_CHECK(cudaMemset(device_record, 0, sizeof(Record)));
+        std::memset(copy, 0, sizeof(Record));  // a second reader in this check sees it cleared
+      }
+      return e;
+    }
+    batch->learn(device_record, sizeof(Record), stream);
+  }
   // One copy on the stream into pinned memory and one wait: a model step
   // reads some thirty records after every step, and a synchronous
   // cudaMemcpy to pageable memory (a wait, a staged copy, a second wait)

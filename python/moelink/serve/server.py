@@ -8,6 +8,7 @@ import json
 import math
 import queue
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -443,7 +444,8 @@ class Server:
         t0 = last = time.monotonic()
         cancel_box = []
         source = (self._scheduler_tokens if self.scheduler else self._local_tokens)(prompt, params, cancel_box)
-        out_ids, text, sent = [], "", 0
+        out_ids, text, sent = [], _IncrementalText(self.tokenizer), 0
+        longest_stop = max((len(s) for s in stop), default=0)
         try:
             for tokens, finished, cached, error in source:
                 now = time.monotonic()
@@ -460,19 +462,22 @@ class Server:
                 out_ids += tokens
                 if finished == "error":
                     raise RequestError(500, f"the engine failed: {error}", None, kind="server_error")
-                text = self.tokenizer.decode(out_ids)
+                checked = len(text.text)  # the text before it held no stop string
+                text.add(tokens, final=bool(finished))
+                full = text.text
                 reason = {"stop": "stop", "length": "length"}.get(finished)
-                for s in stop:  # a stop string ends the text before it
-                    at = text.find(s)
-                    if at >= 0:
-                        text, reason = text[:at], "stop"
+                # A stop string ends the text before it; a new one overlaps the new text.
+                first = min((at for at in (full.find(s, max(0, checked - len(s) + 1)) for s in stop) if at >= 0),
+                            default=-1)
+                if first >= 0:
+                    full, reason = full[:first], "stop"
                 if reason == "stop" and not finished and cancel_box:
                     cancel_box[0]()  # a stop string: the engine's request is no longer needed
                 # Text that may be the start of a stop string is held back
                 # until it is known not to be (it is never sent, then cut).
-                hold = 0 if reason or not stop else max(len(s) for s in stop) - 1
-                upto = max(sent, len(text) - hold)
-                delta, sent = text[sent:upto], upto
+                hold = 0 if reason or not stop else longest_stop - 1
+                upto = max(sent, len(full) - hold)
+                delta, sent = full[sent:upto], upto
                 yield delta, reason, cached, len(out_ids)
                 if reason or finished:
                     with self.metrics.lock:
@@ -480,6 +485,41 @@ class Server:
                     return
         finally:
             source.close()  # a client that went away: the request is cancelled
+
+
+def favor_engine_thread() -> None:
+    """A serving process's GIL switch interval, 5 ms by default, cut to
+    0.5 ms: after each model step the engine thread needs the GIL back while
+    the HTTP threads stream the tokens of up to max_running requests; at the
+    default it could wait a whole interval, a step's worth of time."""
+    sys.setswitchinterval(0.0005)
+
+
+class _IncrementalText:
+    """The text of a growing list of output tokens, decoded a few tokens at a
+    time (decoding the whole output at every token costs O(n^2) in the
+    tokenizer, under the GIL the engine thread needs). A token's text can
+    depend on the tokens before it (a word's leading space, a character
+    split over byte tokens), so new tokens are decoded with the last ones
+    already shown (from `prefix` on) and their text is the part past those
+    ones' text; text ending in an incomplete character waits for the next
+    token (or the last call, final=True)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list = []
+        self.text = ""
+        self.prefix = self.read = 0  # ids[prefix:read]: context already shown; ids[read:]: not yet shown
+
+    def add(self, ids, final: bool = False) -> None:
+        self.ids += ids
+        if self.read == len(self.ids):
+            return
+        shown = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        both = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(both) > len(shown) and (final or not both.endswith("\ufffd")):
+            self.text += both[len(shown):]
+            self.prefix, self.read = self.read, len(self.ids)
 
 
 def _quiet(fn, *args) -> None:

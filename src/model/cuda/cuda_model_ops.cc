@@ -13,6 +13,7 @@
 #include "nvlink/cublas_handles.h"
 #include "nvlink/cuda_check.h"
 #include "nvlink/cuda_graph.h"
+#include "nvlink/error_record_batch.h"
 #include "nvlink/cuda_memory.h"
 #include "nvlink/cuda_release.h"
 #include "nvlink/rms_norm.h"
@@ -133,6 +134,9 @@ class CudaModelOps final : public CudaMemory<ModelOps> {
   ModelErrorRecord take_error(ModelErrorRecord* record, cudaStream_t stream) override {
     return take_device_record(stream, record, [](const ModelErrorRecord&) { return true; });
   }
+  void run_check(cudaStream_t stream, const std::function<void()>& check) override {
+    records_.run(stream, check);
+  }
 
   std::shared_ptr<Graph> capture(const std::function<void(cudaStream_t)>& record) override {
     // Its own stream: callers on the legacy default stream get graphs too.
@@ -168,6 +172,7 @@ class CudaModelOps final : public CudaMemory<ModelOps> {
   cudaStream_t capture_stream_ = nullptr;
   PooledCublas cublas_;
   GrowingDeviceBuffer gathered_, valid_, logits_;
+  RecordBatch records_;  // the step's error records, read in one copy (run_check)
 };
 
 }  // namespace
