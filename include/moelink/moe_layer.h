@@ -165,6 +165,29 @@ class MoELayer {
   void forward(const Tensor& out, const Tensor& x, const Tensor& bound_m,
                cudaStream_t stream = nullptr, int64_t num_tokens = 0);
 
+  // The layer in stages, for a caller that interleaves two micro-batches
+  // with work of its own (a model's pipeline across attention and MoE, seed
+  // article 002: one micro-batch's transfers under the other's compute).
+  // Micro-batch `part` (0 or 1) runs on its own AllToAll, which the layer
+  // has with overlap micro-batch, or auto with world_size > 1 and
+  // max_tokens >= micro_batch_min_tokens; it has at most ceil(T / 2) rows
+  // (part 0) or floor(T / 2) (part 1). out, x and bound_m as forward()'s:
+  //   stage_begin(part, out, x, bound_m): quantize, route, dispatch send,
+  //     the shared expert (out = its output for the rows < m);
+  //   stage_middle(part): dispatch receive, the routed experts, combine send;
+  //   stage_end(part): combine receive (out += the routed experts' sum).
+  // A micro-batch's three calls in this order on one stream, x, out and
+  // bound_m untouched until its stage_end; the two micro-batches' calls may
+  // interleave in any order, and so may those of layers sharing a scratch
+  // (share_with) as long as no two hold the same part at once. The calls
+  // run eagerly (the caller may capture them in its own CUDA graph);
+  // forward() refuses to run while a part is held. InvalidArgument naming
+  // the part and what was expected on a call out of order.
+  void stage_begin(int part, const Tensor& out, const Tensor& x, const Tensor& bound_m,
+                   cudaStream_t stream = nullptr);
+  void stage_middle(int part, cudaStream_t stream = nullptr);
+  void stage_end(int part, cudaStream_t stream = nullptr);
+
   // The router alone: indices [m', k] int32 and weights [m', k] fp32 for the
   // rows < m, as dispatch takes them.
   void route(const Tensor& indices, const Tensor& weights, const Tensor& x, const Tensor& bound_m,

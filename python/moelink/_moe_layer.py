@@ -81,6 +81,24 @@ class MoELayer:
         bucket; every rank must pass the same)."""
         self._impl.forward(out, x, bound_m, self._stream(stream, x), int(num_tokens))
 
+    def stage_begin(self, part: int, out, x, bound_m, stream=None) -> None:
+        """Micro-batch `part` (0 or 1) in stages, for a caller interleaving
+        two micro-batches with its own work (MoELayer::stage_begin): quantize,
+        route, dispatch send, the shared expert (out = its output). out, x
+        and bound_m as forward()'s, at most ceil(T/2) rows (part 0) or
+        floor(T/2) (part 1); keep them alive and untouched until
+        stage_end(part). Needs the micro-batch AllToAlls (overlap
+        "micro-batch", or "auto" across ranks from micro_batch_min_tokens)."""
+        self._impl.stage_begin(int(part), out, x, bound_m, self._stream(stream, x))
+
+    def stage_middle(self, part: int, stream=None) -> None:
+        """Dispatch receive, the routed experts, combine send."""
+        self._impl.stage_middle(int(part), 0 if self._host else stream_handle(stream, None))
+
+    def stage_end(self, part: int, stream=None) -> None:
+        """Combine receive: out += the routed experts' sum; the part is free."""
+        self._impl.stage_end(int(part), 0 if self._host else stream_handle(stream, None))
+
     def route(self, indices, weights, x, bound_m, stream=None) -> None:
         """The router alone: indices [m', k] int32, weights [m', k] fp32."""
         self._impl.route(indices, weights, x, bound_m, self._stream(stream, x))

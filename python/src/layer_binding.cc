@@ -110,6 +110,23 @@ class PyMoELayer {
     impl_->forward(t_out, t_x, t_m, reinterpret_cast<cudaStream_t>(stream), num_tokens);
   }
 
+  void stage_begin(int part, nb::handle out, nb::handle x, nb::handle bound_m, uintptr_t stream) {
+    ConvertContext ctx = context("MoELayer.stage_begin");
+    ctx.place = host_ ? Place::kHost : Place::kCuda;
+    Tensor t_out = to_tensor(ctx, out, "out", true), t_x = to_tensor(ctx, x, "x", false),
+           t_m = to_tensor(ctx, bound_m, "bound_m", false);
+    nb::gil_scoped_release release;
+    impl_->stage_begin(part, t_out, t_x, t_m, reinterpret_cast<cudaStream_t>(stream));
+  }
+  void stage_middle(int part, uintptr_t stream) {
+    nb::gil_scoped_release release;
+    impl_->stage_middle(part, reinterpret_cast<cudaStream_t>(stream));
+  }
+  void stage_end(int part, uintptr_t stream) {
+    nb::gil_scoped_release release;
+    impl_->stage_end(part, reinterpret_cast<cudaStream_t>(stream));
+  }
+
   void route(nb::handle indices, nb::handle weights, nb::handle x, nb::handle bound_m, uintptr_t stream) {
     ConvertContext ctx = context("MoELayer.route");
     ctx.place = host_ ? Place::kHost : Place::kCuda;
@@ -197,6 +214,9 @@ void bind_moe_layer(nb::module_& m) {
       .def("load_checkpoint", &PyMoELayer::load_checkpoint, "directory"_a, "layer_index"_a)
       .def("forward", &PyMoELayer::forward, "out"_a, "x"_a, "bound_m"_a, "stream"_a, "num_tokens"_a)
       .def("route", &PyMoELayer::route, "indices"_a, "weights"_a, "x"_a, "bound_m"_a, "stream"_a)
+      .def("stage_begin", &PyMoELayer::stage_begin, "part"_a, "out"_a, "x"_a, "bound_m"_a, "stream"_a)
+      .def("stage_middle", &PyMoELayer::stage_middle, "part"_a, "stream"_a)
+      .def("stage_end", &PyMoELayer::stage_end, "part"_a, "stream"_a)
       .def("check", &PyMoELayer::check, "stream"_a)
       .def("stage_times", &PyMoELayer::stage_times)
       .def("overlap_for",

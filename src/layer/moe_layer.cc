@@ -60,6 +60,10 @@ struct MoELayerScratch {
   // rows when max_tokens is larger (GPU backends).
   std::unique_ptr<Experts> experts, shared, shared_small;
   OwnedBuffer xq, xs, logits, indices, weights, counts, ex_x, ex_xs, ex_y, bounds, x_f32, x_static, out_static;
+  // The layer (MoELayerImpl) holding each micro-batch's stages between
+  // stage_begin and stage_end, null when free; its next stage (1 middle, 2 end).
+  const void* stage_owner[2] = {nullptr, nullptr};
+  int stage_next[2] = {0, 0};
 };
 
 class MoELayerImpl {
@@ -270,6 +274,16 @@ class MoELayerImpl {
 
   // ------------------------------------------------------------ calls
 
+  // A layer destroyed between a micro-batch's stage_begin and stage_end
+  // frees the part for the layers it shares its scratch with.
+  ~MoELayerImpl() {
+    for (int part = 0; part < 2; ++part)
+      if (s_ && s_->stage_owner[part] == this) {
+        release(part);
+        s_->mb[part]->reset_call_order();
+      }
+  }
+
   MoEOverlap overlap_for(int64_t tokens) const {
     if (options_.overlap != MoEOverlap::kAuto) return options_.overlap;
     return s_->mb[0] && tokens >= options_.micro_batch_min_tokens ? MoEOverlap::kMicroBatch
@@ -280,6 +294,10 @@ class MoELayerImpl {
                int64_t num_tokens) {
     const char* call = "MoELayer.forward";
     const int64_t rows = check_io(call, out, x, bound_m);
+    if (s_->stage_owner[0] != nullptr || s_->stage_owner[1] != nullptr)
+      throw InvalidArgument("moelink: MoELayer.forward: micro-batch " +
+                            std::to_string(s_->stage_owner[0] != nullptr ? 0 : 1) +
+                            " of a layer on this scratch is between stage_begin and stage_end");
     if (num_tokens < 0 || num_tokens > options_.max_tokens)
       throw InvalidArgument("moelink: MoELayer.forward: num_tokens = " + std::to_string(num_tokens) +
                             " must be in [0, " + std::to_string(options_.max_tokens) +
@@ -325,6 +343,62 @@ class MoELayerImpl {
     dev_->copy_rows(out.data, out.stride[0] * 2, s_->out_static.get(), H * 2, H * 2,
                     static_cast<const int32_t*>(bound_m.data), std::min(rows, bucket), nullptr,
                     nullptr, stream);
+  }
+
+  // ------------------------------------------------------------ stages
+
+  void stage_begin(int part, const Tensor& out, const Tensor& x, const Tensor& bound_m, cudaStream_t stream) {
+    const char* call = "MoELayer.stage_begin";
+    check_part(call, part);
+    if (s_->stage_owner[part] != nullptr)
+      throw InvalidArgument(std::string("moelink: ") + call + ": micro-batch " + std::to_string(part) +
+                            " is held " + (s_->stage_owner[part] == this ? "by this layer" : "by another layer "
+                            "on this scratch") + " (its stage_end has not run)");
+    const int64_t rows = check_io(call, out, x, bound_m);
+    const int64_t cap = part == 0 ? half_ : options_.max_tokens - half_;
+    if (rows > cap)
+      bad(call, "x", "has " + std::to_string(rows) + " rows; micro-batch " + std::to_string(part) +
+                         " takes at most " + std::to_string(cap) + " (of max_tokens " +
+                         std::to_string(options_.max_tokens) + ")");
+    require_weights(call);
+    const int64_t T = options_.max_tokens, H = model_.hidden_size, k = model_.num_experts_per_tok;
+    const int64_t row0 = part * half_;
+    // The part's rows of the layer's quantized tokens, indices and weights.
+    const Tensor xq = Tensor::contiguous(s_->xq.get(), DType::kFloat8E4M3, {T, H});
+    const Tensor xs = Tensor::contiguous(s_->xs.get(), DType::kFloat32, {T, H / 128});
+    const Tensor xv = rows_of(x, 0, rows);
+    const Batch b{s_->mb[part].get(), row0, rows, bound_m, part};
+    hold(part, b, rows_of(out, 0, rows), 1);
+    stage_guard(part, [&] {
+      s_->experts->quantize(rows_of(xq, row0, rows), rows_of(xs, row0, rows), xv, bound_m, stream);
+      route_into(xv, bound_m, rows, s_->indices.as<int32_t>() + row0 * k, s_->weights.as<float>() + row0 * k,
+                 stream);
+      dispatch(b, xq, xs, true, false, stream);
+      if (s_->shared != nullptr)
+        run_shared(stage_out_[part], rows_of(xq, row0, rows), rows_of(xs, row0, rows), bound_m, stream);
+    });
+  }
+
+  void stage_middle(int part, cudaStream_t stream) {
+    expect_stage("MoELayer.stage_middle", part, 1);
+    const int64_t T = options_.max_tokens, H = model_.hidden_size;
+    const Tensor xq = Tensor::contiguous(s_->xq.get(), DType::kFloat8E4M3, {T, H});
+    const Tensor xs = Tensor::contiguous(s_->xs.get(), DType::kFloat32, {T, H / 128});
+    const Batch& b = stage_batch_[part];
+    stage_guard(part, [&] {
+      dispatch(b, xq, xs, false, true, stream);
+      experts<void (*)(Stage)>(b, stream, nullptr);
+      combine(b, stage_out_[part], true, false, s_->shared != nullptr, stream);
+    });
+    s_->stage_next[part] = 2;
+  }
+
+  void stage_end(int part, cudaStream_t stream) {
+    expect_stage("MoELayer.stage_end", part, 2);
+    stage_guard(part, [&] {
+      combine(stage_batch_[part], stage_out_[part], false, true, s_->shared != nullptr, stream);
+    });
+    release(part);
   }
 
   void route(const Tensor& indices, const Tensor& weights, const Tensor& x, const Tensor& bound_m,
@@ -458,12 +532,13 @@ class MoELayerImpl {
       shared_expert();
       dispatch(a, xq, xs, false, true, stream);
       experts<decltype(mark)>(a, stream, nullptr);
-      combine(a, outv, true, false, shared, stream);
+      const Tensor out_a = rows_of(outv, a.row0, a.rows), out_b = rows_of(outv, b.row0, b.rows);
+      combine(a, out_a, true, false, shared, stream);
       dispatch(b, xq, xs, false, true, stream);
       experts<decltype(mark)>(b, stream, nullptr);
-      combine(b, outv, true, false, shared, stream);
-      combine(a, outv, false, true, shared, stream);
-      combine(b, outv, false, true, shared, stream);
+      combine(b, out_b, true, false, shared, stream);
+      combine(a, out_a, false, true, shared, stream);
+      combine(b, out_b, false, true, shared, stream);
       mark(kDone);
       return;
     }
@@ -545,10 +620,11 @@ class MoELayerImpl {
     (*mark)(kGemm2);
   }
 
+  // out: the batch's own rows (the caller's view).
   void combine(const Batch& b, const Tensor& out, bool send, bool recv, bool accumulate,
                cudaStream_t stream) {
     const int64_t H = model_.hidden_size;
-    b.a2a->combine(rows_of(out, b.row0, b.rows), rows_of(indices_tensor(), b.row0, b.rows),
+    b.a2a->combine(out, rows_of(indices_tensor(), b.row0, b.rows),
                    rows_of(weights_tensor(), b.row0, b.rows), batch_rows(s_->ex_y, DType::kBFloat16, H, b),
                    b.bound_m, stream, send, recv, accumulate);
   }
@@ -605,6 +681,51 @@ class MoELayerImpl {
   }
 
   // ------------------------------------------------------------ checks
+
+  void check_part(const char* call, int part) const {
+    if (part != 0 && part != 1)
+      throw InvalidArgument(std::string("moelink: ") + call + ": part = " + std::to_string(part) +
+                            " must be 0 or 1 (the micro-batch)");
+    if (!s_->mb[0])
+      throw InvalidArgument(std::string("moelink: ") + call + ": this layer has no micro-batch AllToAlls "
+                            "(MoELayerOptions.overlap = " + moe_overlap_name(options_.overlap) +
+                            ", world size " + std::to_string(world_) + ", max_tokens " +
+                            std::to_string(options_.max_tokens) + "): create it with overlap micro-batch, "
+                            "or auto with world size > 1 and max_tokens >= micro_batch_min_tokens");
+  }
+  void expect_stage(const char* call, int part, int next) const {
+    check_part(call, part);
+    static const char* names[] = {"stage_begin", "stage_middle", "stage_end"};
+    if (s_->stage_owner[part] != this || s_->stage_next[part] != next) {
+      const bool mine = s_->stage_owner[part] == this;
+      throw InvalidArgument(std::string("moelink: ") + call + ": micro-batch " + std::to_string(part) +
+                            (s_->stage_owner[part] == nullptr ? " was not begun by this layer (stage_begin first)"
+                             : !mine ? " is held by another layer on this scratch"
+                                     : std::string(" expects ") + names[s_->stage_next[part]] + " next"));
+    }
+  }
+  void hold(int part, const Batch& b, const Tensor& out, int next) {
+    s_->stage_owner[part] = this;
+    s_->stage_next[part] = next;
+    stage_batch_[part] = b;
+    stage_out_[part] = out;
+  }
+  void release(int part) {
+    s_->stage_owner[part] = nullptr;
+    s_->stage_next[part] = 0;
+  }
+  // A stage that throws ends its micro-batch: the part is free again and its
+  // AllToAll expects a dispatch, as for a new call.
+  template <class F>
+  void stage_guard(int part, F&& f) {
+    try {
+      f();
+    } catch (...) {
+      release(part);
+      s_->mb[part]->reset_call_order();
+      throw;
+    }
+  }
 
   void require_weights(const char* call) const {
     if (!has_weights_)
@@ -714,6 +835,9 @@ class MoELayerImpl {
   std::unique_ptr<LayerDevice> dev_;
   int rank_ = 0, world_ = 1, L_ = 0;
   int64_t G_ = 1, C_ = 0, half_ = 0;
+  // The micro-batches this layer holds between stage_begin and stage_end.
+  Batch stage_batch_[2];
+  Tensor stage_out_[2];
   // The AllToAlls, expert kernels and buffers, perhaps shared with other
   // layers (MoELayer::create's share_with).
   std::shared_ptr<MoELayerScratch> s_;
@@ -752,6 +876,12 @@ void MoELayer::forward(const Tensor& out, const Tensor& x, const Tensor& bound_m
                        int64_t num_tokens) {
   impl_->forward(out, x, bound_m, stream, num_tokens);
 }
+void MoELayer::stage_begin(int part, const Tensor& out, const Tensor& x, const Tensor& bound_m,
+                           cudaStream_t stream) {
+  impl_->stage_begin(part, out, x, bound_m, stream);
+}
+void MoELayer::stage_middle(int part, cudaStream_t stream) { impl_->stage_middle(part, stream); }
+void MoELayer::stage_end(int part, cudaStream_t stream) { impl_->stage_end(part, stream); }
 void MoELayer::route(const Tensor& indices, const Tensor& weights, const Tensor& x,
                      const Tensor& bound_m, cudaStream_t stream) {
   impl_->route(indices, weights, x, bound_m, stream);

@@ -120,6 +120,33 @@ std::vector<LayerCase> layer_cases(Backend backend) {
   dp.dp_size = 2;
   dp.overlap = MoEOverlap::kMicroBatch;
   cases.push_back(dp);
+  // The layer in stages (two micro-batches interleaved by the caller): 1
+  // and 2 ranks, empty, one-token and odd micro-batches; and two layers on
+  // one scratch, each in stages.
+  for (int world : {1, 2})
+    for (bool shared : {false, true}) {
+      LayerCase c;
+      c.name = "DeepSeekLike_W" + std::to_string(world) + "_Stages" + (shared ? "_SharedScratch" : "");
+      c.model = deepseek_like_model();
+      c.backend = backend;
+      c.world = world;
+      c.overlap = MoEOverlap::kMicroBatch;
+      c.max_tokens = 9;
+      c.ms = {9, 0, 1, 2, 5, 6};
+      c.shared_scratch = shared;
+      c.stages = true;
+      cases.push_back(c);
+    }
+  {
+    LayerCase c;  // auto makes the micro-batch AllToAlls on 2 ranks
+    c.name = "MixtralLike_W2_Stages";
+    c.model = mixtral_like_model();
+    c.backend = backend;
+    c.max_tokens = 40;  // >= micro_batch_min_tokens
+    c.stages = true;
+    c.rounds = 3;
+    cases.push_back(c);
+  }
   // Two layers on one scratch (a model's MoE layers), every mode, 2 ranks.
   for (const auto& [mode, mode_name] : modes) {
     LayerCase c;
@@ -191,6 +218,7 @@ void run_layer_case(const LayerCase& c) {
         void* dx = ops->alloc(T * H * 2);
         void* dout = ops->alloc(T * H * 2);
         void* dm = ops->alloc(4);
+        void* dm1 = ops->alloc(4);  // stages: micro-batch 1's m
         RowStats st;
         const int group = rank / c.dp_size;  // the ranks of a DP group hold the same tokens
         const int rounds = c.ms.empty() ? c.rounds : static_cast<int>(c.ms.size());
@@ -230,7 +258,41 @@ void run_layer_case(const LayerCase& c) {
           moelink::MoELayer& lay = which == 0 ? *layer : *second;
           const LayerWeights& lw = which == 0 ? w : w2;
           ops->fill(dout, 0x7F, T * H * 2);
-          lay.forward(tout, tx, tm, ops->stream(), num_tokens);
+          if (c.stages) {
+            // Part 0: rows [0, m0), part 1: rows [m0, m); an empty part
+            // gets a one-row view that nothing may write (rows >= m stay
+            // poisoned: checked below).
+            const int64_t half = (T + 1) / 2;
+            const int32_t m0 = static_cast<int32_t>(std::min<int64_t>(mm, half)), m1 = mm - m0;
+            ops->h2d(dm, &m0, 4);
+            ops->h2d(dm1, &m1, 4);
+            auto view = [&](void* base, int64_t row0, int64_t n) {
+              return Tensor::contiguous(static_cast<char*>(base) + row0 * H * 2, DType::kBFloat16, {n, H});
+            };
+            const int64_t r0 = std::max<int64_t>(m0, 1), r1 = std::max<int64_t>(m1, 1);
+            const Tensor x0 = view(dx, 0, r0), o0 = view(dout, 0, r0), x1 = view(dx, m0, r1),
+                         o1 = view(dout, m0, r1);
+            const Tensor b0 = Tensor::contiguous(dm, DType::kInt32, {1}),
+                         b1 = Tensor::contiguous(dm1, DType::kInt32, {1});
+            cudaStream_t s = ops->stream();
+            if (round % 2 == 0) {  // the seed's order: both sends, then each half's middle and end
+              lay.stage_begin(0, o0, x0, b0, s);
+              lay.stage_begin(1, o1, x1, b1, s);
+              lay.stage_middle(0, s);
+              lay.stage_middle(1, s);
+              lay.stage_end(0, s);
+              lay.stage_end(1, s);
+            } else {  // part 1 first and whole, part 0 around it
+              lay.stage_begin(1, o1, x1, b1, s);
+              lay.stage_begin(0, o0, x0, b0, s);
+              lay.stage_middle(1, s);
+              lay.stage_end(1, s);
+              lay.stage_middle(0, s);
+              lay.stage_end(0, s);
+            }
+          } else {
+            lay.forward(tout, tx, tm, ops->stream(), num_tokens);
+          }
           lay.check(ops->stream());
           std::vector<uint16_t> out(T * H);
           ops->d2h(out.data(), dout, out.size() * 2);
@@ -275,6 +337,7 @@ void run_layer_case(const LayerCase& c) {
         ops->free(dx);
         ops->free(dout);
         ops->free(dm);
+        ops->free(dm1);
       },
       300);
 }

@@ -50,6 +50,12 @@ struct LayerCase {
   // its own weights, called after the first each round: both must match
   // their references.
   bool shared_scratch = false;
+  // The layer in stages instead of forward(): each round's m tokens split
+  // into two micro-batches (part 0: the first min(m, ceil(T / 2)) rows, part
+  // 1: the rest) with their own x, out and bound_m views, their
+  // stage_begin / stage_middle / stage_end interleaved (two orders,
+  // alternating by round).
+  bool stages = false;
 };
 
 // Every overlap mode on worlds 1, 2 and 4 (and DP 2) for the three models.

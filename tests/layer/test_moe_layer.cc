@@ -591,5 +591,73 @@ TEST(MoELayerArguments, BadCallsAreNamed) {
   }, 60);
 }
 
+// The stage calls out of order, on a part another layer holds, or on a
+// layer without micro-batch AllToAlls: refused naming the part and what was
+// expected, and the layers stay usable; a micro-batch run in stages gives
+// forward()'s bits; a layer destroyed while holding a part frees it.
+TEST(MoELayerStages, CallsOutOfOrderAreRefusedAndTheLayersStayUsable) {
+  run_ranks(1, [&](int, moelink::Bootstrap& boot) {
+    const MoEModelConfig m = deepseek_like_model();
+    moelink::MoELayerOptions o;
+    o.max_tokens = 8;
+    o.overlap = MoEOverlap::kMicroBatch;
+    o.all_to_all.backend = Backend::kCPU;
+    auto a = moelink::MoELayer::create(m, o, boot);
+    auto b = moelink::MoELayer::create(m, o, boot, a.get());
+    LayerWeights w = random_layer_weights(m, fresh_seed());
+    a->set_weights(w.view(m, 0, a->num_local_experts()));
+    b->set_weights(w.view(m, 0, b->num_local_experts()));
+    const int64_t H = m.hidden_size;
+    std::vector<uint16_t> x(8 * H), staged(8 * H, 0x7F7F), whole(8 * H, 0x7F7F);
+    std::mt19937_64 rng(fresh_seed());
+    std::normal_distribution<double> nd(0.0, 1.0);
+    for (auto& v : x) v = bf16_bits_exact(round_to_bf16(nd(rng)));
+    int32_t mm = 3;
+    auto rows = [&](std::vector<uint16_t>& v, int64_t n) {
+      return Tensor::contiguous(v.data(), DType::kBFloat16, {n, H});
+    };
+    const Tensor tm = Tensor::contiguous(&mm, DType::kInt32, {1});
+    using moelink::InvalidArgument;
+    expect_throw_naming<InvalidArgument>([&] { a->stage_middle(0); }, {"micro-batch 0", "stage_begin first"});
+    expect_throw_naming<InvalidArgument>([&] { a->stage_begin(2, rows(staged, 3), rows(x, 3), tm); },
+                                         {"part = 2", "0 or 1"});
+    expect_throw_naming<InvalidArgument>([&] { a->stage_begin(1, rows(staged, 5), rows(x, 5), tm); },
+                                         {"x has 5 rows", "micro-batch 1 takes at most 4"});
+    a->stage_begin(0, rows(staged, 3), rows(x, 3), tm);
+    expect_throw_naming<InvalidArgument>([&] { b->stage_begin(0, rows(whole, 3), rows(x, 3), tm); },
+                                         {"micro-batch 0", "another layer"});
+    expect_throw_naming<InvalidArgument>([&] { a->stage_begin(0, rows(whole, 3), rows(x, 3), tm); },
+                                         {"micro-batch 0", "by this layer"});
+    expect_throw_naming<InvalidArgument>([&] { b->forward(rows(whole, 3), rows(x, 3), tm); },
+                                         {"between stage_begin and stage_end"});
+    expect_throw_naming<InvalidArgument>([&] { a->stage_end(0); }, {"expects stage_middle next"});
+    expect_throw_naming<InvalidArgument>([&] { b->stage_middle(0); }, {"held by another layer"});
+    a->stage_middle(0);
+    a->stage_end(0);
+    a->check();
+    b->forward(rows(whole, 3), rows(x, 3), tm);
+    b->check();
+    RANK_CHECK(staged == whole) << "the micro-batch in stages differs from forward()'s output";
+    const std::vector<uint16_t> want = whole;
+    // A layer destroyed between its stages frees the part for the others.
+    b->stage_begin(1, rows(whole, 3), rows(x, 3), tm);
+    b.reset();
+    std::fill(staged.begin(), staged.end(), 0x7F7F);
+    a->stage_begin(1, rows(staged, 3), rows(x, 3), tm);
+    a->stage_middle(1);
+    a->stage_end(1);
+    a->check();
+    RANK_CHECK(staged == want) << "micro-batch 1 after the other layer went differs";
+    // No micro-batch AllToAlls: refused naming the overlap.
+    o.overlap = MoEOverlap::kNone;
+    auto plain = moelink::MoELayer::create(m, o, boot);
+    plain->set_weights(w.view(m, 0, plain->num_local_experts()));
+    expect_throw_naming<InvalidArgument>([&] { plain->stage_begin(0, rows(staged, 3), rows(x, 3), tm); },
+                                         {"no micro-batch AllToAlls", "overlap = none"});
+    plain->forward(rows(staged, 3), rows(x, 3), tm);
+    plain->check();
+  }, 60);
+}
+
 }  // namespace
 }  // namespace moelink_test

@@ -117,6 +117,44 @@ def test_layers_sharing_scratch_give_the_outputs_of_layers_alone():
                          **SMALL)
 
 
+def test_two_micro_batches_in_stages_give_forwards_bits():
+    """stage_begin / stage_middle / stage_end of two micro-batches,
+    interleaved, give the bits forward() gives each alone; a call out of
+    order is refused naming what was expected, and the layer runs on."""
+    rng = np.random.default_rng()
+    E, H, I = 16, 256, 128
+    bf16 = ml_dtypes.bfloat16
+    layer = moelink.MoELayer("deepseek-v3", max_tokens=8, backend="cpu", bootstrap=_boot(),
+                             overlap="micro-batch", **SMALL)
+    layer.set_weights((rng.standard_normal((E, H)) / 16).astype(bf16),
+                      (rng.standard_normal((E, 2 * I, H)) * 0.05).astype(np.float32),
+                      (rng.standard_normal((E, H, I)) * 0.05).astype(np.float32),
+                      gate_bias=np.zeros(E, np.float32),
+                      shared_w13=(rng.standard_normal((2 * I, H)) * 0.05).astype(np.float32),
+                      shared_w2=(rng.standard_normal((H, I)) * 0.05).astype(np.float32))
+    for m0, m1 in ((4, 4), (3, 1), (1, 0)):
+        xs = [rng.standard_normal((4, H)).astype(bf16) for _ in range(2)]
+        ms = [np.array([m0], np.int32), np.array([m1], np.int32)]
+        staged = [np.zeros((4, H), bf16) for _ in range(2)]
+        layer.stage_begin(0, staged[0], xs[0], ms[0])
+        layer.stage_begin(1, staged[1], xs[1], ms[1])
+        layer.stage_middle(1)
+        layer.stage_middle(0)
+        layer.stage_end(0)
+        layer.stage_end(1)
+        layer.check()
+        for p in (0, 1):
+            alone = np.zeros((4, H), bf16)
+            layer.forward(alone, xs[p], ms[p])
+            layer.check()
+            assert np.array_equal(staged[p].view(np.uint16), alone.view(np.uint16)), (m0, m1, p)
+    with pytest.raises(moelink.InvalidArgument, match="micro-batch 0 was not begun"):
+        layer.stage_end(0)
+    out = np.zeros((4, H), bf16)
+    layer.forward(out, xs[0], ms[0])
+    layer.check()
+
+
 # ------------------------------------------------------------ CUDA: Hugging Face
 
 def _torch_hopper():
