@@ -36,7 +36,11 @@ import torch
 import moelink
 from benchlib import copy_gbs, header, write_json
 
-KERNELS = {"moelink": ("decode_attention_kernel",), "flashinfer": ("BatchMLAPageAttentionHopper",)}
+# Kernel names per decode kernel: moelink's tensor-core kernel and its merge
+# of split keys (the scalar decode_attention_kernel where its shapes do not
+# apply), FlashInfer's.
+KERNELS = {"moelink": ("tc_decode_kernel", "tc_decode_merge_kernel", "decode_attention_kernel"),
+           "flashinfer": ("BatchMLAPageAttentionHopper",)}
 
 
 def wall_us(fn, iters, warmup=2):

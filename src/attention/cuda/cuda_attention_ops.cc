@@ -13,6 +13,7 @@
 #include "attention/cuda/attention_kernels.h"
 #include "attention/cuda/flashinfer_mla.h"
 #include "attention/cuda/flashinfer_prefill.h"
+#include "attention/cuda/mla_decode_tc.h"
 #include "attention/prefill_calls.h"
 #include "moelink/errors.h"
 #include "nvlink/cuda_check.h"
@@ -128,6 +129,29 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
       flashinfer_->run(a, stream);
       return;
     }
+    if (tc_decode_supported(R, Dr)) {  // moelink's decode on tensor cores
+      TcDecodeArgs a{};
+      a.out_latent = bf16_data(out_latent);
+      a.q_latent = bf16_data(q_latent);
+      a.q = bf16_data(q);
+      a.q_stride = q.stride[0];
+      a.head_dim = nope_dims + Dr;
+      a.nope_dims = nope_dims;
+      a.cache = bf16_data(cache);
+      a.page_size = static_cast<int>(cache.shape[1]);
+      a.block_table = static_cast<const int32_t*>(b.block_table.data);
+      a.block_stride = b.block_table.stride[0];
+      a.max_keys = b.block_table.shape[1] * cache.shape[1];
+      a.plan = plan;
+      a.Nd = q_latent.shape[1];
+      a.R = R;
+      a.heads = heads;
+      a.scale = scale;
+      const size_t ws = tc_decode_workspace_bytes(a);
+      launch_tc_decode(a, ws > 0 ? decode_workspace_.get(ws) : nullptr, stream);
+      return;
+    }
+    // The scalar kernel (other latent or rotary sizes): a block per row and head.
     launch_decode_attention(bf16_data(out_latent), bf16_data(q_latent), q_latent.shape[1], R, bf16_data(q),
                             q.stride[0], nope_dims + Dr, nope_dims, bf16_data(cache),
                             static_cast<int>(cache.shape[1]), Dr,
@@ -306,6 +330,7 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
   std::unique_ptr<FlashInferMLA> flashinfer_;
   std::vector<int32_t> q_start_, kv_len_, kv_indptr_, table_;
   GrowingDeviceBuffer prefill_memory_;  // one request's running softmax at a time
+  GrowingDeviceBuffer decode_workspace_;  // the tensor-core decode's split partials
 };
 
 }  // namespace
