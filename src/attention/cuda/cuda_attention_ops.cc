@@ -4,6 +4,7 @@
 // prefill kernel where they apply (MLAOptions.decode_kernel, prefill_kernel).
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -144,6 +145,8 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
       a.max_keys = b.block_table.shape[1] * cache.shape[1];
       a.plan = plan;
       a.Nd = q_latent.shape[1];
+      // A decode request has one or two query rows (MLAAttention's rule).
+      a.rows_bound = std::min<int64_t>(a.Nd, 2 * static_cast<int64_t>(b.num_decode));
       a.R = R;
       a.heads = heads;
       a.scale = scale;

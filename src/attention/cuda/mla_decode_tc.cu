@@ -351,7 +351,7 @@ int sm_count() {
 // Splits of each row's keys: enough blocks for two a multiprocessor, no
 // more than the longest row has stages.
 int splits_for(const TcDecodeArgs& a) {
-  const int64_t blocks = a.Nd * ((a.heads + kHeadsPerBlock - 1) / kHeadsPerBlock);
+  const int64_t blocks = a.rows_bound * ((a.heads + kHeadsPerBlock - 1) / kHeadsPerBlock);
   const int64_t stages = std::max<int64_t>(1, (a.max_keys + kKeysPerStage - 1) / kKeysPerStage);
   const int64_t want = (2 * static_cast<int64_t>(sm_count()) + blocks - 1) / std::max<int64_t>(blocks, 1);
   return static_cast<int>(std::clamp<int64_t>(std::min(want, stages), 1, kMaxSplits));
@@ -365,7 +365,8 @@ void launch_for(const TcDecodeArgs& a, void* workspace, int splits, cudaStream_t
     MOELINK_CUDA_CHECK(cudaFuncSetAttribute(tc_decode_kernel<R>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(S::kSmemBytes)));
   });
-  const dim3 grid(static_cast<unsigned>(a.Nd), static_cast<unsigned>((a.heads + kHeadsPerBlock - 1) / kHeadsPerBlock),
+  const dim3 grid(static_cast<unsigned>(a.rows_bound),
+                  static_cast<unsigned>((a.heads + kHeadsPerBlock - 1) / kHeadsPerBlock),
                   static_cast<unsigned>(splits));
   tc_decode_kernel<R><<<grid, kThreads, S::kSmemBytes, stream>>>(a, workspace);
   MOELINK_CUDA_CHECK(cudaGetLastError());
@@ -378,7 +379,7 @@ bool tc_decode_supported(int R, int rope_dims) {
 }
 
 size_t tc_decode_workspace_bytes(const TcDecodeArgs& a) {
-  if (a.Nd == 0 || a.heads == 0) return 0;
+  if (a.rows_bound == 0 || a.heads == 0) return 0;
   const int splits = splits_for(a);
   if (splits == 1) return 0;
   return static_cast<size_t>(splits) * a.Nd * a.heads * (static_cast<size_t>(a.R) + 1) * sizeof(float);
@@ -389,7 +390,10 @@ void launch_tc_decode(const TcDecodeArgs& a, void* workspace, cudaStream_t strea
     throw InvalidArgument("moelink: MLA decode (tensor cores): kv_lora_rank = " + std::to_string(a.R) +
                           " and qk_rope_head_dim = " + std::to_string(a.head_dim - a.nope_dims) +
                           " must be 128, 256 or 512 and 64");
-  if (a.Nd == 0 || a.heads == 0) return;
+  if (a.rows_bound < 0 || a.rows_bound > a.Nd)
+    throw InvalidArgument("moelink: MLA decode (tensor cores): rows_bound = " + std::to_string(a.rows_bound) +
+                          " must be in [0, " + std::to_string(a.Nd) + "] (the rows the buffers hold)");
+  if (a.rows_bound == 0 || a.heads == 0) return;
   const int splits = splits_for(a);
   if (splits > 1 && workspace == nullptr)
     throw InvalidArgument("moelink: MLA decode (tensor cores): no workspace for " + std::to_string(splits) +
@@ -400,7 +404,8 @@ void launch_tc_decode(const TcDecodeArgs& a, void* workspace, cudaStream_t strea
     default: launch_for<512>(a, workspace, splits, stream); break;
   }
   if (splits > 1) {
-    tc_decode_merge_kernel<<<dim3(static_cast<unsigned>(a.Nd), static_cast<unsigned>(a.heads)), 128, 0, stream>>>(
+    tc_decode_merge_kernel<<<dim3(static_cast<unsigned>(a.rows_bound), static_cast<unsigned>(a.heads)), 128, 0,
+                             stream>>>(
         a, workspace, splits);
     MOELINK_CUDA_CHECK(cudaGetLastError());
   }

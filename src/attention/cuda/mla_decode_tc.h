@@ -38,6 +38,8 @@ struct TcDecodeArgs {
   int64_t max_keys;           // an upper bound of any row's keys (the block table's pages x page_size)
   RowPlan plan;               // per row: request (-1: none; its output zeros) and position (keys = position + 1)
   int64_t Nd;                 // decode rows the buffers hold (rows >= plan.decode_rows[0] are skipped)
+  int64_t rows_bound;         // what the host knows of the decode rows (<= Nd): the grid's rows and the
+                              // key splits are sized by it (a CUDA graph replays it for batches up to it)
   int R, heads;
   float scale;                // softmax scale
 };
