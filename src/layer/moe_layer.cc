@@ -99,8 +99,8 @@ class MoELayerImpl {
     // The AllToAlls: one of T tokens unless the layer only ever micro-batches,
     // two of ceil(T / 2) when it may. `auto` micro-batches only across ranks:
     // on one rank there is no transfer to hide and each half reads every
-    // expert it touches again (1.9x the layer's time at 128 tokens on an
-    // H200, bench/results/2026-12-02_nvidia-h200_layer_c42921d.json).
+    // expert it touches again (about 2x the layer's time at 128 tokens on an
+    // H200: docs/moe_layer.md, bench/results/2026-12-02_nvidia-h200_layer_4828f55.json).
     const bool full = options_.overlap != MoEOverlap::kMicroBatch;
     const bool micro = T >= 2 && (options_.overlap == MoEOverlap::kMicroBatch ||
                                   (options_.overlap == MoEOverlap::kAuto && world_ > 1 &&
