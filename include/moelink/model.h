@@ -153,6 +153,14 @@ class Model {
   int num_layers() const;  // the layers run (options.num_layers or all)
   bool mtp() const;        // ModelOptions.mtp: steps propose drafts
   DecodeGraphStats decode_graph_stats() const;  // since creation (zeros without decode_graphs)
+  // Steps whose MoE layers ran as two micro-batches interleaved across
+  // attention and MoE (since creation). That happens when the MoE layers'
+  // mode for max_tokens is micro-batch (overlap micro-batch, or auto with
+  // more than one rank and max_tokens >= micro_batch_min_tokens) and the
+  // step's q_start is known on the host (step_from_host, host copies, the
+  // CPU path) and splits into halves the layer's AllToAlls take; other
+  // steps (and captured decode steps) micro-batch inside each MoE layer.
+  int64_t two_batch_steps() const;
 
   // A Hugging Face checkpoint directory (config.json's model): embedding,
   // every layer's norms, attention, dense MLP or MoE layer (this rank's

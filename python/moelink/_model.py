@@ -77,6 +77,14 @@ class Model:
         grid), captures; zeros without decode_graphs."""
         return self._impl.decode_graph_stats
 
+    @property
+    def two_batch_steps(self) -> int:
+        """Steps whose MoE layers ran as two micro-batches interleaved across
+        attention and MoE (moelink::Model::two_batch_steps): with overlap
+        "micro-batch" (or "auto" across ranks from micro_batch_min_tokens
+        max_tokens) and the step's q_start on the host."""
+        return self._impl.two_batch_steps
+
     def kv_cache_region(self):
         """Every layer's KV cache as one uint8 array (numpy on a host backend,
         a torch tensor on a GPU one), layer after layer: register it once with

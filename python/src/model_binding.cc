@@ -149,6 +149,7 @@ void bind_model(nb::module_& m) {
                 t.data, {n}, self, {}, nb::dtype<uint8_t>(), nb::device::cuda::value, p.device()));
           })
       .def_prop_ro("num_layers", [](PyModel& p) { return p.impl().num_layers(); })
+      .def_prop_ro("two_batch_steps", [](PyModel& p) { return p.impl().two_batch_steps(); })
       .def_prop_ro("decode_graph_stats",
                    [](PyModel& p) {
                      const DecodeGraphStats s = p.impl().decode_graph_stats();

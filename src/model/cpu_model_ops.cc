@@ -42,6 +42,11 @@ class CpuModelOps final : public HostMemory<ModelOps> {
     *rows = last >= 0 && last <= n ? last : 0;
   }
 
+  void rebase_offsets(int32_t* dst, const int32_t* src, int first, int count, cudaStream_t) override {
+    const int32_t base = src[first];
+    for (int i = 0; i <= count; ++i) dst[i] = src[first + i] - base;
+  }
+
   void embed(const Tensor& h, const Tensor& token_ids, const uint16_t* table, int64_t vocab,
              const int32_t* rows, ModelErrorRecord* error, cudaStream_t) override {
     const int64_t D = h.shape[1];

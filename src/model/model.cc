@@ -14,7 +14,16 @@
 //            after the last accepted token
 //
 // Every rank runs every MoE layer's collective calls, also with no tokens
-// (a one-row view with m = 0).
+// (a one-row view with m = 0), in the same mode: the MoE layers get views of
+// max_tokens rows, so their mode follows max_tokens, not the rank's batch.
+//
+// In micro-batch mode the MoE layers run the step's requests as two
+// micro-batches interleaved across attention and MoE (seed article 002's
+// five-stage pipeline): micro-batch a's dispatch travels while b's
+// attention runs, a's combine while b's experts run, b's combine while a's
+// next attention runs (two_batch_layers). A rank whose step cannot split
+// (q_start not on the host, a half too large for its AllToAll) runs each
+// MoE layer's forward(), which micro-batches on the same two AllToAlls.
 #include "moelink/model.h"
 
 #include <algorithm>
@@ -200,6 +209,8 @@ class ModelImpl {
     error_ = ModelBuffer(*ops_, sizeof(ModelErrorRecord));
     zero_ = ModelBuffer(*ops_, 4);
     rows_ = ModelBuffer(*ops_, 4);
+    two_q_start_ = ModelBuffer(*ops_, (static_cast<size_t>(ao.max_requests) + 1) * 4);
+    two_rows_ = ModelBuffer(*ops_, 2 * 4);
     final_norm_ = ModelBuffer(*ops_, D * 4);
     ExpertConfig qc;  // quantize() takes any shapes
     qc.num_experts = 1;
@@ -214,6 +225,7 @@ class ModelImpl {
   int num_layers() const { return layers_; }
   bool mtp() const { return mtp_ != nullptr; }
   const DecodeGraphStats& decode_graph_stats() const { return graph_stats_; }
+  int64_t two_batch_steps() const { return two_batch_steps_; }
 
   void load_checkpoint(const std::string& directory) {
     const char* call = "Model.load_checkpoint";
@@ -315,8 +327,14 @@ class ModelImpl {
     ModelOps& ops = *ops_;
     auto* error = error_.as<ModelErrorRecord>();
     if (n > 0) ops.embed(h, in.token_ids, embed_.as<uint16_t>(), V, rows, error, stream);
-    for (int l = 0; l < layers_; ++l)
+    MicroBatch mb[2];
+    const int split_at = split_two(in.batch, n, mb, stream) ? first_moe_layer() : layers_;
+    for (int l = 0; l < split_at; ++l)
       decoder_layer(layers_v_[l], l, h, normed, part, in.batch, n, rows, bound, stream);
+    if (split_at < layers_) {
+      two_batch_layers(mb, split_at, stream);
+      ++two_batch_steps_;
+    }
     ops.add_rms_norm(h, Tensor{}, normed, final_norm_.as<float>(), eps(), rows, stream);
     if (B > 0) sample_and_verify(in, out, normed, rows, stream);
     if (mtp_) mtp_step(in, out, h, normed, part, n, rows, bound, stream);
@@ -494,6 +512,11 @@ class ModelImpl {
     } else {
       if (!g.graph) {
         try {
+          struct Capturing {  // split_two stays off inside the capture
+            bool& flag;
+            explicit Capturing(bool& f) : flag(f) { flag = true; }
+            ~Capturing() { flag = false; }
+          } capturing(capturing_);
           g.graph = ops_->capture([&](cudaStream_t s) { step(d, o, s); });
           ++graph_stats_.captures;
         } catch (const Error&) {
@@ -583,12 +606,144 @@ class ModelImpl {
     // h += attention; hn = post_attention_layernorm(h).
     ops.add_rms_norm(h, part, normed, layer.post_norm.as<float>(), eps(), rows, stream);
     if (layer.moe) {
-      layer.moe->forward(part, normed, bound, stream);
+      const int64_t T = o_.moe.max_tokens;  // every rank alike: the layer's mode follows it
+      layer.moe->forward(Tensor::contiguous(part.data, DType::kBFloat16, {T, D}),
+                         Tensor::contiguous(normed.data, DType::kBFloat16, {T, D}), bound, stream);
     } else {
       dense_mlp(*layer.dense, part, normed, bound, stream);
     }
     // h += mlp, alone: the next layer's attention norms its own input.
     ops.add_rms_norm(h, part, Tensor{}, nullptr, eps(), rows, stream);
+  }
+
+  // ------------------------------------------------------------ two micro-batches
+
+  // A micro-batch of the step: requests [first, first + count) and their
+  // rows [row0, row0 + rows) (host values), its batch, its row count on the
+  // device.
+  struct MicroBatch {
+    int first = 0, count = 0;
+    int64_t row0 = 0, rows = 0;
+    MLABatch batch;
+    int32_t* rows_dev = nullptr;
+  };
+
+  int first_moe_layer() const { return std::min(c_.first_k_dense_replace, layers_); }
+
+  // Splits the step's requests into two micro-batches for two_batch_layers:
+  // true when the MoE layers micro-batch (their mode for max_tokens, alike on
+  // every rank), q_start is known on the host and valid, no graph is being
+  // captured (a replay's rows may split elsewhere), and a split of the
+  // requests fits the layers' two AllToAlls (rows <= ceil(T / 2) and
+  // floor(T / 2)); the split with the most even rows.
+  bool split_two(const MLABatch& b, int64_t n, MicroBatch (&mb)[2], cudaStream_t stream) {
+    const int first = first_moe_layer();
+    if (capturing_ || first >= layers_ || !layers_v_[first].moe) return false;
+    const int64_t T = o_.moe.max_tokens;
+    if (layers_v_[first].moe->overlap_for(T) != MoEOverlap::kMicroBatch) return false;
+    const int B = b.num_requests;
+    const int32_t* q = nullptr;
+    if (B > 0) {
+      q = static_cast<const int32_t*>(host_ ? b.q_start.data : b.host_q_start.data);
+      if (q == nullptr || q[0] != 0) return false;
+      for (int i = 0; i < B; ++i)
+        if (q[i + 1] < q[i]) return false;  // a bad q_start: the layers' forward reports it
+      if (q[B] > n) return false;
+    }
+    const int64_t total = B > 0 ? q[B] : 0, cap0 = (T + 1) / 2, cap1 = T - cap0;
+    int split = -1;
+    int64_t gap = 0;
+    for (int i = 0; i <= B; ++i) {
+      const int64_t ra = B > 0 ? q[i] : 0;
+      if (ra > cap0 || total - ra > cap1) continue;
+      const int64_t g = std::abs(2 * ra - total);
+      if (split < 0 || g < gap) split = i, gap = g;
+    }
+    if (split < 0) return false;
+    const int32_t* q_dev = static_cast<const int32_t*>(b.q_start.data);
+    int32_t* rows_dev = two_rows_.as<int32_t>();
+    int32_t* rebased = two_q_start_.as<int32_t>();
+    for (int p = 0; p < 2; ++p) {
+      MicroBatch& m = mb[p];
+      m.first = p == 0 ? 0 : split;
+      m.count = p == 0 ? split : B - split;
+      m.row0 = B > 0 ? q[m.first] : 0;
+      m.rows = B > 0 ? q[m.first + m.count] - m.row0 : 0;
+      m.rows_dev = rows_dev + p;
+      MLABatch& s = m.batch;
+      s.num_requests = m.count;
+      s.num_decode = std::clamp(b.num_decode - m.first, 0, m.count);
+      if (B == 0) {
+        ops_->copy_async(m.rows_dev, zero_.as(), 4, stream);
+        continue;
+      }
+      const int32_t* qs = p == 0 ? q_dev : rebased;
+      if (p == 1) ops_->rebase_offsets(rebased, q_dev, m.first, m.count, stream);
+      ops_->step_rows(qs, m.count, n, m.rows_dev, stream);
+      s.q_start = Tensor::contiguous(const_cast<int32_t*>(qs), DType::kInt32, {m.count + 1});
+      s.kv_len = requests_of(b.kv_len, m.first, m.count);
+      s.block_table = requests_of(b.block_table, m.first, m.count);
+      if (!host_ && b.host_q_start.defined()) {
+        host_q_start_[p].assign(q + m.first, q + m.first + m.count + 1);
+        for (int32_t& v : host_q_start_[p]) v -= static_cast<int32_t>(m.row0);
+        s.host_q_start = Tensor::contiguous(host_q_start_[p].data(), DType::kInt32, {m.count + 1});
+        if (b.host_kv_len.defined()) s.host_kv_len = requests_of(b.host_kv_len, m.first, m.count);
+        if (b.host_block_table.defined()) s.host_block_table = requests_of(b.host_block_table, m.first, m.count);
+      }
+    }
+    return true;
+  }
+
+  // Rows [first, first + count) of a per-request tensor ([B] or [B, *]).
+  static Tensor requests_of(const Tensor& t, int first, int count) {
+    Tensor v = t;
+    v.data = static_cast<char*>(t.data) + static_cast<int64_t>(first) * t.stride[0] * dtype_size(t.dtype);
+    v.shape[0] = count;
+    return v;
+  }
+
+  // The MoE layers from `first` on, two micro-batches three stages apart:
+  //   a: attention, norm, dispatch send + shared expert (stage_begin)
+  //   b: the same
+  //   per layer: a dispatch receive, experts, combine send; b the same;
+  //              a combine receive, h += it, a's next attention and send;
+  //              b combine receive, h += it, b's next attention and send
+  // so that one micro-batch's transfers run under the other's compute. Each
+  // works on its own rows of h, normed and part.
+  void two_batch_layers(MicroBatch (&mb)[2], int first, cudaStream_t stream) {
+    ModelOps& ops = *ops_;
+    const int64_t D = c_.attention.hidden_size;
+    // A micro-batch's rows of a [T, D] buffer (one row, unused, when empty:
+    // its MoE stages still take part in the exchanges).
+    auto rows_of_buffer = [&](const ModelBuffer& buf, const MicroBatch& m) {
+      return Tensor::contiguous(static_cast<char*>(buf.as()) + (m.rows > 0 ? m.row0 : 0) * D * 2,
+                                DType::kBFloat16, {std::max<int64_t>(m.rows, 1), D});
+    };
+    auto begin = [&](int p, int l) {
+      Layer& layer = layers_v_[l];
+      const MicroBatch& m = mb[p];
+      const Tensor h = rows_of_buffer(h_, m), part = rows_of_buffer(part_, m), normed = rows_of_buffer(normed_, m);
+      if (m.rows > 0 && m.count > 0) layer.attention->forward(part, h, m.batch, kv_cache(l), stream);
+      ops.add_rms_norm(h, part, normed, layer.post_norm.as<float>(), eps(), m.rows_dev, stream);
+      layer.moe->stage_begin(p, part, normed, Tensor::contiguous(m.rows_dev, DType::kInt32, {1}), stream);
+    };
+    auto end = [&](int p, int l) {
+      const MicroBatch& m = mb[p];
+      layers_v_[l].moe->stage_end(p, stream);
+      ops.add_rms_norm(rows_of_buffer(h_, m), rows_of_buffer(part_, m), Tensor{}, nullptr, eps(), m.rows_dev,
+                       stream);
+    };
+    begin(0, first);
+    begin(1, first);
+    for (int l = first; l < layers_; ++l) {
+      MoELayer& moe = *layers_v_[l].moe;
+      moe.stage_middle(0, stream);
+      moe.stage_middle(1, stream);
+      end(0, l);
+      if (l + 1 < layers_) begin(0, l + 1);
+      end(1, l);
+      if (l + 1 < layers_) begin(1, l + 1);
+    }
   }
 
   // lm_head on the rows sampled (each request's last row, and the row
@@ -769,6 +924,13 @@ class ModelImpl {
   std::map<int, std::unique_ptr<DecodeGraph>> decode_graphs_;  // by bucket (decode_graphs)
   DecodeGraphStats graph_stats_;
   int64_t cache_bytes_ = 0;
+  // Two micro-batches (split_two): the second's q_start on the device and
+  // the host, both row counts on the device; how many steps ran so; whether
+  // a decode graph is being captured (its replays may split elsewhere).
+  ModelBuffer two_q_start_, two_rows_;
+  std::vector<int32_t> host_q_start_[2];
+  int64_t two_batch_steps_ = 0;
+  bool capturing_ = false;
 };
 
 }  // namespace detail
@@ -783,6 +945,7 @@ const ModelConfig& Model::config() const { return impl_->config(); }
 int Model::num_layers() const { return impl_->num_layers(); }
 bool Model::mtp() const { return impl_->mtp(); }
 DecodeGraphStats Model::decode_graph_stats() const { return impl_->decode_graph_stats(); }
+int64_t Model::two_batch_steps() const { return impl_->two_batch_steps(); }
 void Model::load_checkpoint(const std::string& directory) { impl_->load_checkpoint(directory); }
 Tensor Model::kv_cache(int layer) const { return impl_->kv_cache(layer); }
 Tensor Model::kv_cache_region() const { return impl_->kv_cache_region(); }

@@ -36,6 +36,9 @@ class ModelOps : public DeviceMemory {
   // step of the model touches (MLAAttention reports a bad q_start itself).
   virtual void step_rows(const int32_t* q_start, int num_requests, int64_t n, int32_t* rows,
                          cudaStream_t stream) = 0;
+  // dst[i] = src[first + i] - src[first] for i in [0, count]: the q_start
+  // of requests first .. first + count - 1 alone (a micro-batch's).
+  virtual void rebase_offsets(int32_t* dst, const int32_t* src, int first, int count, cudaStream_t stream) = 0;
   // h [*, D] bf16 = table [V, D] bf16 rows of token_ids [*] (a bad id gives
   // a zero row and an error).
   virtual void embed(const Tensor& h, const Tensor& token_ids, const uint16_t* table, int64_t vocab,

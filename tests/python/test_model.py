@@ -133,7 +133,8 @@ def test_model_matches_hf_deepseek_v3_for_causal_lm(tmp_path, shape, backend):
 def _ep_rank(rank, world, port, directory, batches, out, overlap="auto"):
     """One rank of an expert-parallel run: its own requests (DP attention),
     every rank calling step() for every step. Puts (rank, results) or
-    (rank, the error's text) on `out`."""
+    (rank, the error's text) on `out`; results end with the model's
+    two_batch_steps."""
     try:
         out.put((rank, _ep_steps(rank, world, port, directory, batches, overlap)))
     except Exception as e:  # reported by the parent, which would otherwise wait
@@ -155,7 +156,7 @@ def _ep_steps(rank, world, port, directory, batches, overlap="auto"):
                    num_decode=num_decode, logits=logits, logits_every_row=True)
         model.check()
         results.append((nxt.tolist(), logits))
-    return results
+    return results + [model.two_batch_steps]
 
 
 def _run_world(directory, batches, overlap="auto"):
@@ -189,9 +190,9 @@ def test_two_expert_parallel_ranks_equal_one(tmp_path):
             (a[11:], [0, 1], [12], [[0]], 1)]]
     r2 = _run_world(str(tmp_path), two)
     r1 = _run_world(str(tmp_path), one)
-    (tok1, logits1), (tok1_next, logits1_next) = r1[0]  # one rank: a and b together, then a
-    (tok_a, logits_a), (tok_a_next, logits_a_next) = r2[0]  # rank 0: a, then a
-    (tok_b, logits_b), (tok_none, logits_none) = r2[1]  # rank 1: b, then nothing
+    (tok1, logits1), (tok1_next, logits1_next) = r1[0][:2]  # one rank: a and b together, then a
+    (tok_a, logits_a), (tok_a_next, logits_a_next) = r2[0][:2]  # rank 0: a, then a
+    (tok_b, logits_b), (tok_none, logits_none) = r2[1][:2]  # rank 1: b, then nothing
     # Each rank's share of a token's experts is summed and rounded to bf16
     # before the shares are added (one rounding more than on one rank,
     # docs/design.md); the fp8 quantization of every later projection turns
@@ -210,12 +211,17 @@ def test_two_expert_parallel_ranks_equal_one(tmp_path):
         if top2[1] - top2[0] > 0.3 * np.sqrt(np.mean(logit ** 2)):
             assert got_tok == [want_tok]
     assert tok_none == [] and logits_none.shape == (0, fields["vocab_size"])
+    # auto micro-batches across ranks from max_tokens 32 on: the two ranks ran
+    # each step as two micro-batches across attention and MoE, one rank none.
+    assert r2[0][-1] == r2[1][-1] == 2 and r1[0][-1] == 0
 
 
 def test_every_overlap_mode_gives_mode_nones_tokens(tmp_path):
     """The MoE layers' overlap modes reorder sends, receives and the shared
-    expert, and micro-batch splits the tokens over two AllToAlls: the same
-    sums, in the same order per token, so mode none's logits and tokens."""
+    expert, and micro-batch splits each rank's requests into two
+    micro-batches interleaved across attention and MoE (an empty one, one
+    request each, one and two rows): the same sums, in the same order per
+    token, so mode none's logits and tokens."""
     pytest.importorskip("ml_dtypes")
     fields = dict(SMALL, rope_scaling=None)
     _random_checkpoint(str(tmp_path), fields, seed=int(np.random.default_rng().integers(1 << 30)))
@@ -233,6 +239,8 @@ def test_every_overlap_mode_gives_mode_nones_tokens(tmp_path):
                 rel = np.linalg.norm(logits - want) / np.linalg.norm(want)
                 assert rel < 1e-6, f"{mode}, rank {rank}, step {step}: logits relative L2 {rel:.2e}"
                 assert tok == want_tok, f"{mode}, rank {rank}, step {step}"
+    assert [runs["micro-batch"][r][-1] for r in range(2)] == [2, 2]  # every step in two micro-batches
+    assert [runs["none"][r][-1] for r in range(2)] == [0, 0]
 
 
 def test_sampling_and_bad_input(tmp_path):

@@ -39,6 +39,9 @@ class CudaModelOps final : public CudaMemory<ModelOps> {
                  cudaStream_t stream) override {
     launch_step_rows(q_start, num_requests, n, rows, stream);
   }
+  void rebase_offsets(int32_t* dst, const int32_t* src, int first, int count, cudaStream_t stream) override {
+    launch_rebase_offsets(dst, src, first, count, stream);
+  }
 
   void embed(const Tensor& h, const Tensor& token_ids, const uint16_t* table, int64_t vocab,
              const int32_t* rows, ModelErrorRecord* error, cudaStream_t stream) override {

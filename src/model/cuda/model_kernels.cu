@@ -27,6 +27,11 @@ __global__ void step_rows_kernel(const int32_t* q_start, int num_requests, int64
   *rows = last >= 0 && last <= n ? last : 0;
 }
 
+__global__ void rebase_offsets_kernel(int32_t* dst, const int32_t* src, int first, int count) {
+  const int32_t base = src[first];
+  for (int i = threadIdx.x; i <= count; i += blockDim.x) dst[i] = src[first + i] - base;
+}
+
 __global__ void embed_kernel(uint16_t* h, int64_t h_stride, int64_t D, const int32_t* ids, int64_t ids_stride,
                              const uint16_t* table, int64_t vocab, const int32_t* rows, ModelErrorRecord* error) {
   const int64_t r = blockIdx.x;
@@ -178,6 +183,11 @@ unsigned grid(int64_t n) { return static_cast<unsigned>(n > 0 ? n : 1); }
 
 void launch_step_rows(const int32_t* q_start, int num_requests, int64_t n, int32_t* rows, cudaStream_t stream) {
   step_rows_kernel<<<1, 1, 0, stream>>>(q_start, num_requests, n, rows);
+  MOELINK_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_rebase_offsets(int32_t* dst, const int32_t* src, int first, int count, cudaStream_t stream) {
+  rebase_offsets_kernel<<<1, 128, 0, stream>>>(dst, src, first, count);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
