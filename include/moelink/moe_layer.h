@@ -161,7 +161,9 @@ class MoELayer {
   //   x       [m', H] bf16, rows contiguous
   //   bound_m [1] int32: m, device memory (host for the host backends)
   // num_tokens: what the host knows of m (an upper bound), to pick the
-  // overlap mode and the CUDA-graph bucket; 0: T.
+  // overlap mode (from num_tokens itself: pass one value on every rank, as
+  // the ranks must agree on it) and the CUDA-graph bucket (at most x's
+  // rows); 0: x's rows.
   void forward(const Tensor& out, const Tensor& x, const Tensor& bound_m,
                cudaStream_t stream = nullptr, int64_t num_tokens = 0);
 

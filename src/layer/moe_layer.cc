@@ -302,8 +302,11 @@ class MoELayerImpl {
       throw InvalidArgument("moelink: MoELayer.forward: num_tokens = " + std::to_string(num_tokens) +
                             " must be in [0, " + std::to_string(options_.max_tokens) +
                             "] (max_tokens; 0 = unknown)");
+    // The mode from num_tokens itself (the same on every rank when the
+    // caller passes one value, whatever each rank's rows); the graph bucket
+    // from what x holds.
     const int64_t tokens = num_tokens > 0 ? std::min(num_tokens, rows) : rows;
-    const MoEOverlap mode = overlap_for(tokens);
+    const MoEOverlap mode = overlap_for(num_tokens > 0 ? num_tokens : rows);
     if (!options_.cuda_graphs) {
       run(out, x, bound_m, tokens, mode, stream, profile());
       return;

@@ -14,8 +14,8 @@
 //            after the last accepted token
 //
 // Every rank runs every MoE layer's collective calls, also with no tokens
-// (a one-row view with m = 0), in the same mode: the MoE layers get views of
-// max_tokens rows, so their mode follows max_tokens, not the rank's batch.
+// (a one-row view with m = 0), in the same mode: the MoE layers get
+// num_tokens = max_tokens, so their mode follows it, not the rank's batch.
 //
 // In micro-batch mode the MoE layers run the step's requests as two
 // micro-batches interleaved across attention and MoE (seed article 002's
@@ -606,9 +606,8 @@ class ModelImpl {
     // h += attention; hn = post_attention_layernorm(h).
     ops.add_rms_norm(h, part, normed, layer.post_norm.as<float>(), eps(), rows, stream);
     if (layer.moe) {
-      const int64_t T = o_.moe.max_tokens;  // every rank alike: the layer's mode follows it
-      layer.moe->forward(Tensor::contiguous(part.data, DType::kBFloat16, {T, D}),
-                         Tensor::contiguous(normed.data, DType::kBFloat16, {T, D}), bound, stream);
+      // num_tokens = max_tokens, alike on every rank: the layer's mode follows it.
+      layer.moe->forward(part, normed, bound, stream, o_.moe.max_tokens);
     } else {
       dense_mlp(*layer.dense, part, normed, bound, stream);
     }
