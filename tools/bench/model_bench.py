@@ -170,10 +170,12 @@ def make_model(a, fields, ckpt, num_layers, max_b, max_q):
 KV_GROWTH = 32  # graph_us's steps: contexts kv + q .. kv + q + KV_GROWTH - 1 tokens
 
 
-def step_inputs(fields, b, q, kv, pages_per_request, seed):
-    """Host arrays of a decode step of b requests of q rows on kv-token contexts."""
+def step_inputs(fields, b, q, kv, pages_per_request, seed, same_token=False):
+    """Host arrays of a decode step of b requests of q rows on kv-token contexts
+    (same_token: every row the same token id)."""
     rng = np.random.default_rng(seed)
-    return dict(token_ids=rng.integers(4, fields["vocab_size"], b * q).astype(np.int32),
+    ids = rng.integers(4, fields["vocab_size"], 1 if same_token else b * q)
+    return dict(token_ids=np.resize(ids, b * q).astype(np.int32),
                 q_start=(np.arange(b + 1) * q).astype(np.int32),
                 kv_len=np.full(b, kv + q, np.int32),
                 block_table=np.arange(b * pages_per_request, dtype=np.int32).reshape(b, pages_per_request),
@@ -186,7 +188,7 @@ def time_model(a, timer, model, fields, ppr, full, cells):
     """graph_us (and, on the full model, eager_us and kernels) per cell."""
     out = {}
     for b, q in cells:
-        x = step_inputs(fields, b, q, a.kv, ppr, a.seed + b)
+        x = step_inputs(fields, b, q, a.kv, ppr, a.seed + b, a.same_token)
 
         steps = [0]
 
@@ -402,6 +404,9 @@ def main():
     p.add_argument("--q-lens", default="1,2", help="query rows per request: 1, or 2 (a draft verified)")
     p.add_argument("--kv", type=int, default=5000, help="context tokens of every request before the step")
     p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--same-token", action="store_true",
+                   help="every row the same token id (a random-weight model's greedy output in serving "
+                        "repeats: every token then picks the same experts)")
     p.add_argument("--acceptance", type=float, default=0.8, help="accepted drafts assumed in tokens_per_s")
     p.add_argument("--overlap", default="auto", help="the MoE layers' overlap mode")
     p.add_argument("--iters", type=int, default=20)
@@ -435,6 +440,7 @@ def main():
     timer = Timer(gpu)
     rec = header("model_bench", a.machine, gpu=gpu)
     rec.update(backend=a.backend, kv=a.kv, page_size=a.page_size, acceptance=a.acceptance, overlap=a.overlap,
+               same_token=a.same_token,
                moe_layers=a.moe_layers, tiny=a.tiny)
     if gpu:
         from benchlib import copy_gbs
