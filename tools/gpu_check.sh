@@ -24,6 +24,10 @@
 #   pd-gpu (not in the default): the P/D hand-off tests on the nvlink
 #   backend (KV caches in GPU memory) with .deps/libfabric-cuda.tar.xz's
 #   libfabric (FI_HMEM CUDA) preloaded.
+#   attention (not in the default): tools/bench/attention_bench.py, MLA
+#   decode on moelink's kernel, FlashInfer's and FlashMLA's (built first by
+#   tools/build_flashmla.sh from .deps/flashmla-9241ae3.tar.xz, a few
+#   minutes; MOELINK_ATTENTION_BENCH_ARGS adds arguments).
 #   serve-batch128 (not in the default): the same server decoding 128
 #   shared-prefix requests of 256 tokens at once (serve-batch128.json).
 #   internode: moelink-bench with the internode backend beside nvlink, over
@@ -44,7 +48,7 @@ cd "$root"
 steps=${*:-build test python sanitize bench internode experts}
 source "$root/tools/device_env.sh"
 python_build=OFF
-{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has pd-gpu; } && python_build=ON
+{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has pd-gpu || has attention; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
@@ -202,6 +206,16 @@ serve_bench() {  # name args...: serve_bench.py on the full-width EP8-shaped mod
 if has serve; then
   echo "== moelink-serve under load: tools/bench/serve_bench.py"
   serve_bench serve ${MOELINK_SERVE_BENCH_ARGS:---requests 64 --concurrency 1,16,64 --max-tokens 64}
+fi
+if has attention; then
+  echo "== MLA decode: moelink, FlashInfer, FlashMLA (tools/bench/attention_bench.py)"
+  fm=()
+  PYTHON=$py bash tools/build_flashmla.sh /tmp/moelink-flashmla && fm=(--flashmla /tmp/moelink-flashmla) || status=1
+  cmd=($py tools/bench/attention_bench.py --machine "$machine" --json "$OUT/attention.json" "${fm[@]}"
+       ${MOELINK_ATTENTION_BENCH_ARGS:-})
+  echo "${cmd[*]}"
+  PYTHONPATH="$root/build-gpu/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
+    tee "$OUT/attention-bench.log" | tail -40 || status=1
 fi
 if has serve-batch128; then
   echo "== moelink-serve decoding 128 requests at once (issue 35's batch-128 rate against the bare step)"

@@ -42,4 +42,16 @@ python3 -m pip download -q --disable-pip-version-check --only-binary=:all: --pyt
 # FlashInfer's MLA headers, packed (the wheel is too big to carry).
 source "$root/tools/deps.sh"
 moelink_flashinfer_headers "$deps/flashinfer-$flashinfer_version-headers.tar.xz"
+# FlashMLA's source at the commit issue 33 measures (with its CUTLASS
+# submodule), packed: tools/build_flashmla.sh builds it on the device.
+if [[ ! -f $deps/flashmla-9241ae3.tar.xz ]]; then
+  fm=$(mktemp -d)
+  git clone -q https://github.com/deepseek-ai/FlashMLA "$fm/FlashMLA"
+  git -C "$fm/FlashMLA" checkout -q 9241ae3ef9bac614dd25e45e507e089f888280e0
+  git -C "$fm/FlashMLA" submodule update --init -q csrc/cutlass
+  rm -rf "$fm/FlashMLA/.git" "$fm/FlashMLA/csrc/cutlass/.git"
+  tar -C "$fm" -cJf "$deps/flashmla-9241ae3.tar.xz" FlashMLA
+  rm -rf "$fm"
+fi
+# libfabric with CUDA memory (the P/D hand-off of GPU caches): tools/build_libfabric_cuda.sh.
 du -sh "$deps"

@@ -20,9 +20,16 @@ Heads 128 (TP 1) and 16 (TP 8), batch B, q_len 1 and 2 (MTP), kv length L
   floor_us                     the larger of the cache bytes (B L 576 x 2) at
                                the copy bandwidth and the kernel's FLOPs
                                (2 B q_len heads L (576 + 512)) at the bf16 peak
-FlashMLA is not built by this benchmark yet: flashmla_us is null.
+  flashmla_us                  with --flashmla DIR (tools/build_flashmla.sh):
+                               FlashMLA's bf16 dense decode at 9241ae3
+                               (flash_mla_with_kvcache) on the same cache,
+                               block table and lengths, with random queries
+                               of every head (CUDA events; its scheduler
+                               metadata made once a case, as a server would);
+                               null without it
 Both kernels' outputs are compared before timing (relative L2 of the step's
-output), so a fast wrong result cannot win.
+output), and FlashMLA's against an fp32 reference on the case's first
+request, so a fast wrong result cannot win.
 
     PYTHONPATH=build/python python3 tools/bench/attention_bench.py --json out.json
 """
@@ -93,6 +100,43 @@ def bf16_tflops(iters, n=8192):
     return 2 * n ** 3 / (us * 1e-6) / 1e12
 
 
+def load_flashmla(directory):
+    """FlashMLA's Python API from the directory tools/build_flashmla.sh built
+    (only its dense decode is compiled: its other kernels are bound lazily,
+    never called)."""
+    import os
+    sys.path.insert(0, directory)
+    flags = sys.getdlopenflags()
+    sys.setdlopenflags(os.RTLD_LAZY | os.RTLD_GLOBAL)
+    try:
+        import flash_mla
+    finally:
+        sys.setdlopenflags(flags)
+    return flash_mla
+
+
+def flashmla_case(fm, cache, table, kv_len, B, q_len, heads, scale, iters):
+    """FlashMLA's decode on this case (us per call) and its relative L2
+    against an fp32 reference on request 0 (causal within the q_len rows)."""
+    q = (torch.randn(B, q_len, heads, 576, device="cuda") * 0.5).to(torch.bfloat16)
+    k_cache = cache.view(cache.shape[0], cache.shape[1], 1, 576)
+    seqlens = kv_len.clone()
+    meta, _ = fm.get_mla_metadata()
+    out, _ = fm.flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, causal=True, softmax_scale=scale)
+    # Request 0 against fp32: its keys in order of its pages.
+    L = int(kv_len[0])
+    keys = cache[table[0].long()].reshape(-1, 576)[:L].float()
+    s = torch.einsum("qhd,kd->qhk", q[0].float(), keys) * scale
+    pos = torch.arange(L, device="cuda")
+    limit = L - q_len + torch.arange(q_len, device="cuda")  # row r sees keys <= L - q_len + r
+    s = s.masked_fill(pos[None, None, :] > limit[:, None, None], float("-inf"))
+    ref = torch.einsum("qhk,kd->qhd", torch.softmax(s, -1), keys[:, :512])
+    rel = ((out[0].float() - ref).norm() / ref.norm()).item()
+    us = events_us(lambda: fm.flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, causal=True,
+                                                     softmax_scale=scale), iters)
+    return us, rel
+
+
 def random_weights(cfg):
     """bf16 weights (moelink quantizes them to fp8 blocks), all heads."""
     D, H = cfg.hidden_size, cfg.num_attention_heads
@@ -118,6 +162,7 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--machine", default="nvidia-h200")
     p.add_argument("--json", default="-")
+    p.add_argument("--flashmla", default=None, help="a directory tools/build_flashmla.sh built FlashMLA into")
     a = p.parse_args()
     torch.manual_seed(0)
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
@@ -127,8 +172,10 @@ def main():
         "model": "deepseek-v3 attention (D 7168, latent 512 + rotary 64, page 64, bf16 cache)",
         "peers": {"flashinfer": "FlashInfer 0.7.4 BatchMLAPageAttentionHopper via moelink "
                                 "(decode_kernel='flashinfer')",
-                  "flashmla": "not built by this benchmark yet"},
+                  "flashmla": "FlashMLA 9241ae3 flash_mla_with_kvcache, bf16 dense decode, sm90a "
+                              "(tools/build_flashmla.sh)" if a.flashmla else "not run (--flashmla DIR)"},
     }
+    fm = load_flashmla(a.flashmla) if a.flashmla else None
     rec["copy_gbs"] = copy_gbs(a.iters)
     rec["bf16_tflops"] = bf16_tflops(a.iters)
     print(f"copy {rec['copy_gbs']:.0f} GB/s (read + write), bf16 {rec['bf16_tflops']:.0f} TFLOP/s",
@@ -173,7 +220,12 @@ def main():
                     for k, names in KERNELS.items():  # interleaved per case
                         row[f"{k}_us"] = kernel_us(step(k), a.iters, names)
                         row[f"{k}_step_us"] = wall_us(step(k), a.iters)
-                    row["flashmla_us"] = None
+                    row["flashmla_us"] = row["flashmla_vs_fp32_rel_l2"] = None
+                    if fm is not None:
+                        # The timing does not depend on the scale; the check uses the same one.
+                        scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+                        row["flashmla_us"], row["flashmla_vs_fp32_rel_l2"] = flashmla_case(
+                            fm, cache, table, kv_len, B, q_len, heads, scale, a.iters)
                     byte_us = B * kv * 576 * 2 / bw * 1e6
                     flop_us = 2 * n * heads * kv * (576 + 512) / peak * 1e6
                     row["floor_us"] = max(byte_us, flop_us)
@@ -181,6 +233,7 @@ def main():
                     us = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
                     print(f"heads {heads:3d} B {B:3d} q {q_len} kv {kv:5d}: moelink "
                           f"{us(row['moelink_us'])} us, flashinfer {us(row['flashinfer_us'])} us, "
+                          f"flashmla {us(row['flashmla_us'])} us, "
                           f"floor {row['floor_us']:.1f} us; steps {row['moelink_step_us']:.0f} / "
                           f"{row['flashinfer_step_us']:.0f} us; outputs differ {diff:.1e}",
                           file=sys.stderr)

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Builds FlashMLA (deepseek-ai/FlashMLA at 9241ae3, the decode kernel issue
+# 33 measures moelink against) for Hopper into a directory holding its
+# `flash_mla` package, for tools/bench/attention_bench.py --flashmla DIR.
+#   bash tools/build_flashmla.sh [DIR]          (default /tmp/moelink-flashmla)
+# Source: .deps/flashmla-9241ae3.tar.xz, FlashMLA's tree at that commit with
+# CUTLASS 147f567's headers (its submodule) in csrc/cutlass
+# (tools/prepare_device_deps.sh packs it).
+# Only the bf16 dense decode is compiled (sm90a): its scheduler, combine and
+# kernel, and the Python API file, whose other kernels (sparse, fp8, sm100)
+# stay unresolved; the benchmark loads the module with lazy symbol binding
+# and calls only the dense decode. PYTHON: the interpreter with torch.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+dst=${1:-/tmp/moelink-flashmla}
+py=${PYTHON:-python3}
+if compgen -G "$dst/flash_mla/cuda*.so" >/dev/null; then echo "FlashMLA: built in $dst"; exit 0; fi
+src=$root/.deps/flashmla-9241ae3.tar.xz
+work=$(mktemp -d /tmp/moelink-flashmla-build.XXXXXX)
+[[ -f $src ]] || { echo "FlashMLA: $src is missing (tools/prepare_device_deps.sh packs it)" >&2; exit 1; }
+tar xJf "$src" -C "$work"
+cd "$work/FlashMLA"
+# The dense decode's sources only (every other kernel takes minutes to build).
+"$py" - <<'PYEOF'
+s = open("setup.py").read()
+start = s.index("sources=[")
+end = s.index("],", start) + 1
+keep = ["csrc/api/api.cpp",
+        "csrc/smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.cu",
+        "csrc/smxx/decode/combine/combine.cu",
+        "csrc/sm90/decode/dense/instantiations/bf16.cu"]
+s = s[:start] + "sources=" + repr(keep) + s[end:]
+s = s.replace('subprocess.run(["git", "submodule", "update", "--init", "csrc/cutlass"])', "")
+open("setup.py", "w").write(s)
+PYEOF
+echo "FlashMLA: building the sm90 bf16 dense decode (a few minutes) in $work"
+FLASH_MLA_DISABLE_SM100=1 FLASH_MLA_DISABLE_FP16=1 MAX_JOBS=$(nproc) NVCC_THREADS=4 \
+  "$py" setup.py build_ext --inplace >"$work/build.log" 2>&1 ||
+  { grep -E "error|Error" "$work/build.log" | head -30; echo "FlashMLA: build failed ($work/build.log)" >&2; exit 1; }
+mkdir -p "$dst" && cp -r flash_mla "$dst/"
+echo "FlashMLA: built in $dst"
