@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -13,18 +14,20 @@
 namespace moelink::detail::attention {
 namespace {
 
-constexpr int kHeadsPerBlock = 16;  // the MMAs' M
+constexpr int kHeadsPerGroup = 16;  // the MMAs' M: the heads of a group of warps
 constexpr int kKeysPerStage = 64;   // keys a pipeline stage holds
-constexpr int kWarps = 4;           // each: 16 keys of the scores, R / 4 dims of the output
-constexpr int kThreads = kWarps * 32;
+constexpr int kWarps = 4;           // a group's: each 16 keys of the scores, R / 4 dims of the output
 constexpr int kRope = 64;
 constexpr int kPad = 8;             // bf16 elements after each shared-memory row: ldmatrix rows in distinct banks
 constexpr int kMaxSplits = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 
-// The shapes of one instantiation (R latent dims).
-template <int R>
+// The shapes of one instantiation: R latent dims, G groups of 4 warps a
+// block (each group 16 heads against the same stages of keys).
+template <int R, int G>
 struct Shape {
+  static constexpr int kHeads = G * kHeadsPerGroup;     // a block's heads
+  static constexpr int kThreads = G * kWarps * 32;
   static constexpr int kDc = R + kRope;                 // a cache row: keys over all of it, values its first R
   static constexpr int kRow = kDc + kPad;               // a cache row's stride in shared memory
   static constexpr int kKSteps = kDc / 16;              // K steps of the score MMAs
@@ -32,10 +35,11 @@ struct Shape {
   static constexpr int kNTiles = kDimsPerWarp / 8;      // its n8 accumulator tiles
   static constexpr int kChunks = kDc / 8;               // 16-byte pieces of a cache row
   static constexpr int kPRow = kKeysPerStage + kPad;    // a probability row's stride
-  static constexpr size_t kQElems = size_t(kHeadsPerBlock) * kRow;
+  static constexpr size_t kQElems = size_t(kHeads) * kRow;
   static constexpr size_t kKElems = size_t(kKeysPerStage) * kRow;  // one stage
-  static constexpr size_t kPElems = size_t(kHeadsPerBlock) * kPRow;
-  static constexpr size_t kSmemBytes = (kQElems + 2 * kKElems + kPElems) * 2 + 2 * kWarps * kHeadsPerBlock * 4;
+  static constexpr size_t kPElems = size_t(kHeads) * kPRow;
+  static constexpr size_t kRed = size_t(G) * kWarps * kHeadsPerGroup;  // one reduction's floats
+  static constexpr size_t kSmemBytes = (kQElems + 2 * kKElems + kPElems) * 2 + 2 * kRed * 4;
   static_assert(R % 64 == 0 && kDimsPerWarp % 16 == 0, "R must be a multiple of 64");
 };
 
@@ -112,26 +116,30 @@ __host__ __device__ inline Partials partials_of(void* ws, int splits, int64_t Nd
 
 // ------------------------------------------------------------ the kernel
 
-template <int R>
-__global__ void __launch_bounds__(kThreads) tc_decode_kernel(TcDecodeArgs a, void* workspace) {
-  using S = Shape<R>;
+template <int R, int G>
+__global__ void __launch_bounds__(Shape<R, G>::kThreads) tc_decode_kernel(TcDecodeArgs a, void* workspace) {
+  using S = Shape<R, G>;
+  constexpr int kThreads = S::kThreads;
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t* qs = smem;                        // [16 heads][kRow]
+  uint16_t* qs = smem;                        // [G x 16 heads][kRow]
   uint16_t* ks = qs + S::kQElems;             // [2 stages][64 keys][kRow]
-  uint16_t* ps = ks + 2 * S::kKElems;         // [16 heads][kPRow]: this stage's probabilities
-  float* red_max = reinterpret_cast<float*>(ps + S::kPElems);  // [kWarps][16]
-  float* red_sum = red_max + kWarps * kHeadsPerBlock;          // [kWarps][16]
+  uint16_t* ps = ks + 2 * S::kKElems;         // [G x 16 heads][kPRow]: this stage's probabilities
+  float* red_max = reinterpret_cast<float*>(ps + S::kPElems);  // [G][kWarps][16]
+  float* red_sum = red_max + S::kRed;                          // [G][kWarps][16]
 
   const int64_t r = blockIdx.x;
-  const int h0 = blockIdx.y * kHeadsPerBlock, split = blockIdx.z, splits = gridDim.z;
+  const int block_h0 = blockIdx.y * S::kHeads, split = blockIdx.z, splits = gridDim.z;
   if (r >= a.plan.decode_rows[0]) return;
   const int32_t request = a.plan.request[r];
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x, lane = tid % 32;
+  // This warp's group (its 16 heads, from h0) and its place in the group.
+  const int group = tid / 32 / kWarps, warp = tid / 32 % kWarps;
+  const int h0 = block_h0 + group * kHeadsPerGroup;
   const int g = lane / 4, c2 = (lane % 4) * 2;  // an accumulator's row (and row + 8) and first column
   if (request < 0) {  // a row the plan skips: zeros (the merge writes them when split)
     if (splits == 1)
-      for (int i = tid; i < kHeadsPerBlock * R; i += kThreads) {
-        const int h = h0 + i / R;
+      for (int i = tid; i < S::kHeads * R; i += kThreads) {
+        const int h = block_h0 + i / R;
         if (h < a.heads) a.out_latent[(static_cast<int64_t>(h) * a.Nd + r) * R + i % R] = 0;
       }
     return;
@@ -152,13 +160,13 @@ __global__ void __launch_bounds__(kThreads) tc_decode_kernel(TcDecodeArgs a, voi
                           static_cast<uintptr_t>(a.q_stride * 2) | static_cast<uintptr_t>(a.head_dim * 2) |
                           static_cast<uintptr_t>(a.nope_dims * 2)) % 16) == 0;
   if (q_pieces) {
-    for (int i = tid; i < kHeadsPerBlock * S::kChunks; i += kThreads) {
-      const int hh = i / S::kChunks, d = (i % S::kChunks) * 8, h = h0 + hh;
+    for (int i = tid; i < S::kHeads * S::kChunks; i += kThreads) {
+      const int hh = i / S::kChunks, d = (i % S::kChunks) * 8, h = block_h0 + hh;
       cp_async_16(qs + hh * S::kRow + d, h < a.heads ? query(h, d) : a.q_latent, h < a.heads);
     }
   } else {
-    for (int i = tid; i < kHeadsPerBlock * S::kDc; i += kThreads) {
-      const int hh = i / S::kDc, d = i % S::kDc, h = h0 + hh;
+    for (int i = tid; i < S::kHeads * S::kDc; i += kThreads) {
+      const int hh = i / S::kDc, d = i % S::kDc, h = block_h0 + hh;
       qs[hh * S::kRow + d] = h < a.heads ? *query(h, d) : uint16_t{0};
     }
   }
@@ -199,7 +207,7 @@ __global__ void __launch_bounds__(kThreads) tc_decode_kernel(TcDecodeArgs a, voi
     float sc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
     {
       const int q = lane / 8, i8 = lane % 8;
-      const uint16_t* a_row = qs + ((q & 1) * 8 + i8) * S::kRow + (q >> 1) * 8;
+      const uint16_t* a_row = qs + (group * kHeadsPerGroup + (q & 1) * 8 + i8) * S::kRow + (q >> 1) * 8;
       const uint16_t* b_row = kt + (warp * 16 + (q >> 1) * 8 + i8) * S::kRow + (q & 1) * 8;
 #pragma unroll 4
       for (int kk = 0; kk < S::kKSteps; ++kk) {
@@ -227,15 +235,15 @@ __global__ void __launch_bounds__(kThreads) tc_decode_kernel(TcDecodeArgs a, voi
       tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
     }
     if (lane % 4 == 0) {
-      red_max[warp * kHeadsPerBlock + g] = tile_max[0];
-      red_max[warp * kHeadsPerBlock + g + 8] = tile_max[1];
+      red_max[(group * kWarps + warp) * kHeadsPerGroup + g] = tile_max[0];
+      red_max[(group * kWarps + warp) * kHeadsPerGroup + g + 8] = tile_max[1];
     }
     __syncthreads();
     float new_max[2], correction[2], base[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float m = run_max[h];
-      for (int w = 0; w < kWarps; ++w) m = fmaxf(m, red_max[w * kHeadsPerBlock + g + 8 * h]);
+      for (int w = 0; w < kWarps; ++w) m = fmaxf(m, red_max[(group * kWarps + w) * kHeadsPerGroup + g + 8 * h]);
       new_max[h] = m;
       base[h] = m == -INFINITY ? 0.0f : m;  // no key yet: exp2(-inf) = 0 everywhere
       correction[h] = exp2f(run_max[h] - base[h]);
@@ -249,8 +257,9 @@ __global__ void __launch_bounds__(kThreads) tc_decode_kernel(TcDecodeArgs a, voi
       part_sum[0] += p0 + p1;
       part_sum[1] += p2 + p3;
       const int col = warp * 16 + j * 8 + c2;
-      *reinterpret_cast<uint32_t*>(ps + g * S::kPRow + col) = pack_bf16(p0, p1);
-      *reinterpret_cast<uint32_t*>(ps + (g + 8) * S::kPRow + col) = pack_bf16(p2, p3);
+      uint16_t* p_rows = ps + group * kHeadsPerGroup * S::kPRow;
+      *reinterpret_cast<uint32_t*>(p_rows + g * S::kPRow + col) = pack_bf16(p0, p1);
+      *reinterpret_cast<uint32_t*>(p_rows + (g + 8) * S::kPRow + col) = pack_bf16(p2, p3);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -258,14 +267,14 @@ __global__ void __launch_bounds__(kThreads) tc_decode_kernel(TcDecodeArgs a, voi
       part_sum[h] += __shfl_xor_sync(0xffffffffu, part_sum[h], 2);
     }
     if (lane % 4 == 0) {
-      red_sum[warp * kHeadsPerBlock + g] = part_sum[0];
-      red_sum[warp * kHeadsPerBlock + g + 8] = part_sum[1];
+      red_sum[(group * kWarps + warp) * kHeadsPerGroup + g] = part_sum[0];
+      red_sum[(group * kWarps + warp) * kHeadsPerGroup + g + 8] = part_sum[1];
     }
     __syncthreads();
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float s = 0.0f;
-      for (int w = 0; w < kWarps; ++w) s += red_sum[w * kHeadsPerBlock + g + 8 * h];
+      for (int w = 0; w < kWarps; ++w) s += red_sum[(group * kWarps + w) * kHeadsPerGroup + g + 8 * h];
       run_sum[h] = run_sum[h] * correction[h] + s;
       run_max[h] = new_max[h];
     }
@@ -283,7 +292,7 @@ __global__ void __launch_bounds__(kThreads) tc_decode_kernel(TcDecodeArgs a, voi
 #pragma unroll
       for (int ks16 = 0; ks16 < kKeysPerStage / 16; ++ks16) {
         uint32_t af[4];
-        ldmatrix_x4(af, ps + ((q & 1) * 8 + i8) * S::kPRow + ks16 * 16 + (q >> 1) * 8);
+        ldmatrix_x4(af, ps + (group * kHeadsPerGroup + (q & 1) * 8 + i8) * S::kPRow + ks16 * 16 + (q >> 1) * 8);
         const uint16_t* v_row = kt + (ks16 * 16 + (q & 1) * 8 + i8) * S::kRow + dim0 + (q >> 1) * 8;
 #pragma unroll
         for (int n2 = 0; n2 < S::kNTiles / 2; ++n2) {
@@ -360,28 +369,48 @@ int sm_count() {
   return count;
 }
 
+// Groups of 4 warps a block: 2 (32 heads against each stage of keys: half
+// the key traffic, twice the warps a multiprocessor) where more than 16
+// heads run and MOELINK_MLA_TC_GROUPS=2 asks for it (an A/B candidate, not
+// yet measured), else 1.
+int groups_for(const TcDecodeArgs& a) {
+  static const int asked = [] {
+    const char* v = std::getenv("MOELINK_MLA_TC_GROUPS");
+    return v != nullptr && std::string(v) == "2" ? 2 : 1;
+  }();
+  return a.heads > kHeadsPerGroup ? asked : 1;
+}
+
 // Splits of each row's keys: enough blocks for two a multiprocessor, no
 // more than the longest row has stages.
 int splits_for(const TcDecodeArgs& a) {
-  const int64_t blocks = a.rows_bound * ((a.heads + kHeadsPerBlock - 1) / kHeadsPerBlock);
+  const int heads_per_block = groups_for(a) * kHeadsPerGroup;
+  const int64_t blocks = a.rows_bound * ((a.heads + heads_per_block - 1) / heads_per_block);
   const int64_t stages = std::max<int64_t>(1, (a.max_keys + kKeysPerStage - 1) / kKeysPerStage);
   const int64_t want = (2 * static_cast<int64_t>(sm_count()) + blocks - 1) / std::max<int64_t>(blocks, 1);
   return static_cast<int>(std::clamp<int64_t>(std::min(want, stages), 1, kMaxSplits));
 }
 
-template <int R>
+template <int R, int G>
 void launch_for(const TcDecodeArgs& a, void* workspace, int splits, cudaStream_t stream) {
-  using S = Shape<R>;
+  using S = Shape<R, G>;
   static std::once_flag attribute_set;
   std::call_once(attribute_set, [] {
-    MOELINK_CUDA_CHECK(cudaFuncSetAttribute(tc_decode_kernel<R>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    MOELINK_CUDA_CHECK(cudaFuncSetAttribute(tc_decode_kernel<R, G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(S::kSmemBytes)));
   });
-  const dim3 grid(static_cast<unsigned>(a.rows_bound),
-                  static_cast<unsigned>((a.heads + kHeadsPerBlock - 1) / kHeadsPerBlock),
+  const dim3 grid(static_cast<unsigned>(a.rows_bound), static_cast<unsigned>((a.heads + S::kHeads - 1) / S::kHeads),
                   static_cast<unsigned>(splits));
-  tc_decode_kernel<R><<<grid, kThreads, S::kSmemBytes, stream>>>(a, workspace);
+  tc_decode_kernel<R, G><<<grid, S::kThreads, S::kSmemBytes, stream>>>(a, workspace);
   MOELINK_CUDA_CHECK(cudaGetLastError());
+}
+
+template <int R>
+void launch_for(const TcDecodeArgs& a, void* workspace, int splits, cudaStream_t stream) {
+  if (groups_for(a) == 2)
+    launch_for<R, 2>(a, workspace, splits, stream);
+  else
+    launch_for<R, 1>(a, workspace, splits, stream);
 }
 
 }  // namespace
