@@ -680,25 +680,17 @@ class ModelImpl {
       if (p == 1) ops_->rebase_offsets(rebased, q_dev, m.first, m.count, stream);
       ops_->step_rows(qs, m.count, n, m.rows_dev, stream);
       s.q_start = Tensor::contiguous(const_cast<int32_t*>(qs), DType::kInt32, {m.count + 1});
-      s.kv_len = requests_of(b.kv_len, m.first, m.count);
-      s.block_table = requests_of(b.block_table, m.first, m.count);
+      s.kv_len = rows_of(b.kv_len, m.first, m.count);
+      s.block_table = rows_of(b.block_table, m.first, m.count);
       if (!host_ && b.host_q_start.defined()) {
         host_q_start_[p].assign(q + m.first, q + m.first + m.count + 1);
         for (int32_t& v : host_q_start_[p]) v -= static_cast<int32_t>(m.row0);
         s.host_q_start = Tensor::contiguous(host_q_start_[p].data(), DType::kInt32, {m.count + 1});
-        if (b.host_kv_len.defined()) s.host_kv_len = requests_of(b.host_kv_len, m.first, m.count);
-        if (b.host_block_table.defined()) s.host_block_table = requests_of(b.host_block_table, m.first, m.count);
+        if (b.host_kv_len.defined()) s.host_kv_len = rows_of(b.host_kv_len, m.first, m.count);
+        if (b.host_block_table.defined()) s.host_block_table = rows_of(b.host_block_table, m.first, m.count);
       }
     }
     return true;
-  }
-
-  // Rows [first, first + count) of a per-request tensor ([B] or [B, *]).
-  static Tensor requests_of(const Tensor& t, int first, int count) {
-    Tensor v = t;
-    v.data = static_cast<char*>(t.data) + static_cast<int64_t>(first) * t.stride[0] * dtype_size(t.dtype);
-    v.shape[0] = count;
-    return v;
   }
 
   // The MoE layers from `first` on, two micro-batches three stages apart:
