@@ -25,7 +25,6 @@ void RecordBatch::run(cudaStream_t stream, const std::function<void()>& check) {
   learned_.clear();
   if (!records_.empty()) {
     launch_gather_records(table_, static_cast<int>(records_.size()), host_, stream);
-    MOELINK_CUDA_CHECK(cudaGetLastError());
     MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream));
     fresh_ = true;
   }
@@ -35,7 +34,7 @@ void RecordBatch::run(cudaStream_t stream, const std::function<void()>& check) {
     active_record_source = outer;
     fresh_ = false;
     bool grew = false;
-    for (const Entry& e : learned_) {
+    for (const GatherRecord& e : learned_) {
       if (index_.count(e.record) != 0) continue;
       index_.emplace(e.record, records_.size());
       records_.push_back(e);
@@ -68,21 +67,20 @@ void RecordBatch::learn(const void* device_record, size_t bytes, cudaStream_t st
 void RecordBatch::upload() {
   RelaxedCaptureMode relaxed;  // another thread may be capturing
   const size_t n = records_.size();
-  if (n > table_capacity_ || n > host_capacity_) {
-    const size_t capacity = std::max<size_t>(64, 2 * n);
+  if (n > capacity_) {
     release_device_memory(table_);
-    table_ = nullptr;
-    table_capacity_ = 0;
-    MOELINK_CUDA_CHECK(cudaMalloc(&table_, capacity * sizeof(Entry)));
-    table_capacity_ = capacity;
     if (host_ != nullptr) cudaFreeHost(host_);
+    table_ = nullptr;
     host_ = nullptr;
-    host_capacity_ = 0;
+    capacity_ = 0;
+    const size_t capacity = std::max<size_t>(64, 2 * n);
+    MOELINK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&table_), capacity * sizeof(GatherRecord)));
     MOELINK_CUDA_CHECK(cudaHostAlloc(&host_, capacity * kMaxRecordBytes, cudaHostAllocMapped));
-    host_capacity_ = capacity;
+    capacity_ = capacity;
   }
   // On the stream the gathers run on (ordered before the next one).
-  MOELINK_CUDA_CHECK(cudaMemcpyAsync(table_, records_.data(), n * sizeof(Entry), cudaMemcpyHostToDevice, stream_));
+  MOELINK_CUDA_CHECK(
+      cudaMemcpyAsync(table_, records_.data(), n * sizeof(GatherRecord), cudaMemcpyHostToDevice, stream_));
   MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream_));  // records_ may change before the next run
 }
 

@@ -1,15 +1,12 @@
 #include "nvlink/error_record_batch.h"
 
+#include "nvlink/cuda_check.h"
+
 namespace moelink::detail {
 namespace {
 
-struct GatherEntry {  // RecordBatch::Entry's layout
-  const void* record;
-  uint32_t bytes;
-};
-
 // One block; a thread per record, word by word (records are small).
-__global__ void gather_records(const GatherEntry* table, int count, uint32_t* host) {
+__global__ void gather_records(const GatherRecord* table, int count, uint32_t* host) {
   for (int i = threadIdx.x; i < count; i += blockDim.x) {
     const auto* src = static_cast<const uint32_t*>(table[i].record);
     uint32_t* dst = host + static_cast<size_t>(i) * (RecordBatch::kMaxRecordBytes / 4);
@@ -19,9 +16,9 @@ __global__ void gather_records(const GatherEntry* table, int count, uint32_t* ho
 
 }  // namespace
 
-void launch_gather_records(const void* table, int count, void* host, cudaStream_t stream) {
-  gather_records<<<1, 256, 0, stream>>>(static_cast<const GatherEntry*>(table), count,
-                                        static_cast<uint32_t*>(host));
+void launch_gather_records(const GatherRecord* table, int count, void* host, cudaStream_t stream) {
+  gather_records<<<1, 256, 0, stream>>>(table, count, static_cast<uint32_t*>(host));
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace moelink::detail

@@ -20,6 +20,13 @@
 
 namespace moelink::detail {
 
+// One record a gather copies: its device address and size (the table the
+// gather kernel reads).
+struct GatherRecord {
+  const void* record;
+  uint32_t bytes;
+};
+
 // What take_device_record() asks of the batch active on its thread.
 class RecordSource {
  public:
@@ -55,24 +62,20 @@ class RecordBatch final : public RecordSource {
   size_t size() const { return records_.size(); }
 
  private:
-  struct Entry {
-    const void* record;
-    uint32_t bytes;
-  };
   void upload();  // the table of records_ to the device
 
-  std::vector<Entry> records_;                        // learned, gathered in this order
+  std::vector<GatherRecord> records_;                 // learned, gathered in this order
   std::unordered_map<const void*, size_t> index_;     // record -> slot
-  std::vector<Entry> learned_;                        // new ones of this run
+  std::vector<GatherRecord> learned_;                 // new ones of this run
   cudaStream_t stream_ = nullptr;                     // this run's
   bool fresh_ = false;                                // host_ holds this run's copies
-  void* table_ = nullptr;                             // device: Entry[records_.size()]
-  size_t table_capacity_ = 0;
+  size_t capacity_ = 0;                               // records table_ and host_ hold
+  GatherRecord* table_ = nullptr;                     // device: records_
   void* host_ = nullptr;                              // pinned, mapped: kMaxRecordBytes a slot
-  size_t host_capacity_ = 0;
 };
 
-// The gather: entry i's bytes to host + i * kMaxRecordBytes (error_record_batch.cu).
-void launch_gather_records(const void* table, int count, void* host, cudaStream_t stream);
+// The gather: table[i]'s bytes to host + i * RecordBatch::kMaxRecordBytes
+// (error_record_batch.cu).
+void launch_gather_records(const GatherRecord* table, int count, void* host, cudaStream_t stream);
 
 }  // namespace moelink::detail
