@@ -44,19 +44,15 @@ KvImmMode imm_mode_from_name(const std::string& s) {
 
 const char* imm_mode_name(KvImmMode m) { return m == KvImmMode::kPerLayer ? "layer" : "request"; }
 
-// A registration keeps the Python buffer it covers exported (numpy then
-// refuses to resize or free it) until it is deregistered or the engine
-// closes.
-// A registered buffer and what keeps its memory alive: the exported Python
-// buffer (host memory), or the array object itself (CUDA memory).
+// A registration keeps its memory alive until it is deregistered or the
+// engine closes: host memory by keeping the Python buffer exported (numpy
+// then refuses to resize or free it), CUDA memory by referencing the array.
 struct Registration {
   MemoryRegion region;
-  Py_buffer view{};
-  bool exported = false;  // view holds an export to release
-  nb::object array;       // a CUDA array, referenced while registered
+  Py_buffer view{};  // view.obj: set while exported (PyBuffer_Release clears it)
+  nb::object array;  // a CUDA array
   void release() {
-    if (exported) PyBuffer_Release(&view);
-    exported = false;
+    if (view.obj != nullptr) PyBuffer_Release(&view);
     array = nb::object();
   }
 };
@@ -122,7 +118,6 @@ class PyTransferEngine {
                               "(a numpy array, bytearray, ...) or a CUDA array (DLPack), got " +
                               nb::cast<std::string>(buffer.type().attr("__name__")));
       }
-      reg->exported = true;
       if (reg->view.len <= 0) {
         reg->release();
         throw InvalidArgument("moelink: register_memory: the buffer is empty");
