@@ -10,6 +10,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -106,9 +109,13 @@ bool on_gpu(moelink::Backend b) { return b != moelink::Backend::kCPU; }
 
 std::unique_ptr<moelink::Model> make_model(const std::string& dir, moelink::Bootstrap& boot,
                                            moelink::Backend backend,
-                                           moelink::MLAPrefillKernel prefill = moelink::MLAPrefillKernel::kAuto) {
+                                           moelink::MLAPrefillKernel prefill = moelink::MLAPrefillKernel::kAuto,
+                                           moelink::MoEOverlap overlap = moelink::MoEOverlap::kAuto,
+                                           bool decode_graphs = false) {
   moelink::ModelOptions o;
   o.attention.prefill_kernel = prefill;
+  o.moe.overlap = overlap;
+  o.decode_graphs = decode_graphs;
   o.moe.max_tokens = 32;
   o.moe.all_to_all.backend = backend;
   o.attention.page_size = 16;
@@ -155,6 +162,35 @@ std::vector<float> run(moelink::Model& m, bool gpu, Step s, std::vector<int32_t>
   st.get(logits, dlogits);
   if (next) next->assign(out.begin(), out.begin() + B);
   logits.resize(n * kVocab);
+  return logits;
+}
+
+// The engine's call: step_from_host on host tensors (the q_start the
+// micro-batch split reads on the host), next tokens into `next`; the logits
+// of every row unless `graphable` (a decode step a bucket's graph may run
+// asks for none).
+std::vector<float> run_from_host(moelink::Model& m, Step s, std::vector<int32_t>& next, bool graphable = false) {
+  const int64_t n = static_cast<int64_t>(s.ids.size()), B = static_cast<int64_t>(s.kv_len.size());
+  const int64_t pages = B > 0 ? static_cast<int64_t>(s.table.size()) / B : 1;
+  std::vector<float> logits(std::max<int64_t>(n, 1) * kVocab, NAN);
+  next.assign(std::max<int64_t>(B, 1), -7);
+  moelink::StepInput in;
+  in.token_ids = Tensor::contiguous(s.ids.data(), DType::kInt32, {n});
+  in.batch.num_requests = static_cast<int>(B);
+  in.batch.num_decode = s.num_decode;
+  in.batch.q_start = Tensor::contiguous(s.q_start.data(), DType::kInt32, {B + 1});
+  if (B > 0) {
+    in.batch.kv_len = Tensor::contiguous(s.kv_len.data(), DType::kInt32, {B});
+    in.batch.block_table = Tensor::contiguous(s.table.data(), DType::kInt32, {B, pages});
+  }
+  moelink::StepOutput so;
+  so.next_tokens = Tensor::contiguous(next.data(), DType::kInt32, {B});
+  if (n > 0 && !graphable) so.logits = Tensor::contiguous(logits.data(), DType::kFloat32, {n, kVocab});
+  so.logits_every_row = true;
+  m.step_from_host(in, so);
+  m.check();
+  next.resize(B);
+  logits.resize(graphable ? 0 : n * kVocab);
   return logits;
 }
 
@@ -347,6 +383,81 @@ TEST_P(ModelTest, StepFromHostEqualsStep) {
       RANK_CHECK(logits == want) << "step_from_host after a refused call differs";
     }
   }, 120);
+}
+
+// The MoE layers' overlap modes on two expert-parallel ranks: dispatch-overlap
+// reorders sends, receives and the shared expert; micro-batch splits each
+// rank's requests into two micro-batches interleaved across attention and
+// MoE (Model::two_batch_steps counts the steps that did). Rank 0 prefills
+// 13 rows then decodes one request; rank 1 prefills three requests (6, 9
+// and 1 rows) then decodes two of them with q_len 1 and 2 (a draft). On the
+// CPU the sums per token keep their order: mode none's logits to fp32
+// rounding. On the GPU a micro-batch's attention is another FlashInfer
+// schedule for fewer requests (its split-KV partial sums in another order,
+// a bf16 ulp here and there, amplified by the fp8 projections after it):
+// the same bound as two ranks against one, and the greedy tokens where the
+// logits leave a margin.
+TEST_P(ModelTest, EveryOverlapModeGivesModeNonesTokens) {
+  const std::string dir = write_tiny_model(fresh_seed());
+  const std::vector<int32_t> a = tokens(13, 21), b = tokens(6, 22), c = tokens(9, 23), d = tokens(1, 24);
+  auto cat = [](std::vector<int32_t> x, const std::vector<int32_t>& y) {
+    x.insert(x.end(), y.begin(), y.end());
+    return x;
+  };
+  const std::vector<std::vector<Step>> steps = {
+      {{a, {0, 13}, {13}, {0}}, {{a[0]}, {0, 1}, {14}, {0}, 1}},
+      {{cat(cat(b, c), d), {0, 6, 15, 16}, {6, 9, 1}, {1, 2, 3}},
+       {{b[0], c[0], c[1]}, {0, 1, 3}, {7, 11}, {1, 2}, 2}}};
+  const moelink::MoEOverlap modes[] = {moelink::MoEOverlap::kNone, moelink::MoEOverlap::kDispatchOverlap,
+                                       moelink::MoEOverlap::kMicroBatch};
+  for (moelink::MoEOverlap mode : modes) {
+    run_ranks(2, [&](int rank, moelink::Bootstrap& boot) {
+      auto m = make_model(dir, boot, backend(), moelink::MLAPrefillKernel::kAuto, mode);
+      for (size_t k = 0; k < steps[rank].size(); ++k) {
+        std::vector<int32_t> next;
+        const std::vector<float> l = run_from_host(*m, steps[rank][k], next);
+        const std::string file = dir + "/r" + std::to_string(rank) + "s" + std::to_string(k);
+        if (mode == moelink::MoEOverlap::kNone) {  // the reference, for the modes after it
+          std::ofstream f(file, std::ios::binary);
+          f.write(reinterpret_cast<const char*>(l.data()), static_cast<std::streamsize>(l.size() * 4));
+          f.write(reinterpret_cast<const char*>(next.data()), static_cast<std::streamsize>(next.size() * 4));
+          continue;
+        }
+        std::vector<float> want(l.size());
+        std::vector<int32_t> want_next(next.size());
+        std::ifstream f(file, std::ios::binary);
+        f.read(reinterpret_cast<char*>(want.data()), static_cast<std::streamsize>(want.size() * 4));
+        f.read(reinterpret_cast<char*>(want_next.data()), static_cast<std::streamsize>(want_next.size() * 4));
+        const double rel = rel_l2(l, want);
+        const std::string where = std::string(moelink::moe_overlap_name(mode)) + ", rank " + std::to_string(rank) +
+                                  ", step " + std::to_string(k);
+        if (!gpu()) {
+          RANK_CHECK(rel < 1e-6) << where << ": logits relative L2 " << rel;
+          RANK_CHECK(next == want_next) << where << ": next tokens differ";
+          continue;
+        }
+        std::printf("%s: logits relative L2 %.3e\n", where.c_str(), rel);
+        RANK_CHECK(rel < 0.08) << where << ": logits relative L2 " << rel;
+        // Each request's last row decides its token: equal where the
+        // reference's top two logits are apart.
+        const std::vector<int32_t>& q = steps[rank][k].q_start;
+        for (size_t i = 0; i + 1 < q.size(); ++i) {
+          const float* row = want.data() + static_cast<size_t>(q[i + 1] - 1) * kVocab;
+          std::vector<float> top(row, row + kVocab);
+          std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<float>());
+          double rms = 0;
+          for (float v : top) rms += double(v) * v;
+          rms = std::sqrt(rms / kVocab);
+          if (top[0] - top[1] > 0.3 * rms) {
+            RANK_CHECK(next[i] == want_next[i]) << where << ": request " << i;
+          }
+        }
+      }
+      const int64_t want_two = mode == moelink::MoEOverlap::kMicroBatch ? 2 : 0;
+      RANK_CHECK(m->two_batch_steps() == want_two)
+          << moelink::moe_overlap_name(mode) << ", rank " << rank << ": two_batch_steps " << m->two_batch_steps();
+    }, 180);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, ModelTest, ::testing::Values(moelink::Backend::kCPU, moelink::Backend::kNVLink),
