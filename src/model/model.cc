@@ -413,8 +413,12 @@ class ModelImpl {
     const auto* q = static_cast<const int32_t*>(in.batch.q_start.data);
     for (int i = 0; i < B; ++i)
       if (q[i + 1] - q[i] < 0 || q[i + 1] - q[i] > 2) return false;
-    return q[0] == 0 && in.token_ids.defined() && in.token_ids.shape[0] >= q[B];
+    return q[0] == 0 && in.token_ids.defined() && in.token_ids.shape[0] >= q[B] && q[B] <= o_.moe.max_tokens;
   }
+
+  // The rows of a bucket's graph: two a request (q_len 1 or 2), no more
+  // than the model takes.
+  int64_t graph_rows(int bucket) const { return std::min<int64_t>(2 * bucket, o_.moe.max_tokens); }
 
   // One bucket's graph and the device buffers it reads and writes.
   struct DecodeGraph {
@@ -435,7 +439,7 @@ class ModelImpl {
       DecodeGraph& g = *slot;
       const size_t b4 = static_cast<size_t>(bucket) * 4;
       g.bucket = bucket;
-      g.ids = ModelBuffer(*ops_, 2 * b4);
+      g.ids = ModelBuffer(*ops_, static_cast<size_t>(graph_rows(bucket)) * 4);
       g.q_start = ModelBuffer(*ops_, b4 + 4);
       for (ModelBuffer* m : {&g.kv_len, &g.temperature, &g.top_k, &g.top_p, &g.drafts, &g.known, &g.next,
                              &g.accepted, &g.draft_tokens})
@@ -457,7 +461,7 @@ class ModelImpl {
     const auto* q = static_cast<const int32_t*>(in.batch.q_start.data);
     const int64_t cols = in.batch.block_table.shape[1], tstride = in.batch.block_table.stride[0];
     auto i32 = [](const Tensor& t, int i, int32_t d) { return t.defined() ? static_cast<const int32_t*>(t.data)[i] : d; };
-    std::vector<int32_t> ids(2 * nb, 0), qs(nb + 1, q[B]), kl(nb, 0), table(static_cast<size_t>(nb) * P, 0),
+    std::vector<int32_t> ids(graph_rows(nb), 0), qs(nb + 1, q[B]), kl(nb, 0), table(static_cast<size_t>(nb) * P, 0),
         top_k(nb, 0), drafts(nb, 0), known(nb, -1);
     std::vector<float> temperature(nb, 0.0f), top_p(nb, 1.0f);
     std::vector<int64_t> seed(nb, 0);
@@ -487,7 +491,7 @@ class ModelImpl {
     put(g.drafts, drafts.data(), drafts.size() * 4);
     put(g.known, known.data(), known.size() * 4);
     StepInput d;
-    d.token_ids = Tensor::contiguous(g.ids.get(), DType::kInt32, {2 * nb});
+    d.token_ids = Tensor::contiguous(g.ids.get(), DType::kInt32, {graph_rows(nb)});
     d.batch.num_requests = d.batch.num_decode = nb;
     d.batch.q_start = Tensor::contiguous(g.q_start.get(), DType::kInt32, {nb + 1});
     d.batch.kv_len = Tensor::contiguous(g.kv_len.get(), DType::kInt32, {nb});

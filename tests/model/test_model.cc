@@ -626,11 +626,11 @@ TEST(ModelCuda, ADecodeStepReplayedInACudaGraphEqualsEagerSteps) {
 // bucket's graph (eager first, captured second, replayed after) give the
 // tokens of the same steps without graphs, as the batch size, the
 // lengths and the drafts change; a prefill between them runs eagerly.
-void check_decode_graphs(int heads, int kv_lora) {
+void check_decode_graphs(int heads, int kv_lora, int max_tokens = 32) {
   const std::string dir = write_tiny_model(fresh_seed(), heads, kv_lora);
   run_ranks(1, [&](int, moelink::Bootstrap& boot) {
     moelink::ModelOptions o;
-    o.moe.max_tokens = 32;
+    o.moe.max_tokens = max_tokens;
     o.moe.all_to_all.backend = moelink::Backend::kNVLink;
     o.attention.page_size = 16;
     o.attention.max_requests = 4;
@@ -667,24 +667,33 @@ void check_decode_graphs(int heads, int kv_lora) {
       RANK_CHECK(acc[0] == acc[1]) << "accepted drafts, graphs against none";
       return next[0];
     };
-    // Prefill three requests (eager on both), pages 0-3, 4-7, 8-11.
+    // A prompt into pages first_page .. + 3 (eager on both), in chunks of
+    // at most max_tokens rows; the token after it.
+    auto prefill = [&](const std::vector<int32_t>& prompt, int first_page) {
+      const std::vector<int32_t> table{first_page, first_page + 1, first_page + 2, first_page + 3};
+      int32_t next = -1;
+      for (int c = 0; c < static_cast<int>(prompt.size()); c += max_tokens) {
+        const int n = std::min<int>(max_tokens, static_cast<int>(prompt.size()) - c);
+        next = both({prompt.begin() + c, prompt.begin() + c + n}, {0, n}, {c + n}, table, 0, {})[0];
+      }
+      return next;
+    };
+    // Prefill three requests, pages 0-3, 4-7, 8-11.
     std::vector<int32_t> len{9, 17, 4}, last(3);
-    for (int i = 0; i < 3; ++i) {
-      const std::vector<int32_t> prompt = tokens(len[i], 10 + i);
-      last[i] = both(prompt, {0, len[i]}, {len[i]}, {4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3}, 0, {})[0];
-    }
+    for (int i = 0; i < 3; ++i) last[i] = prefill(tokens(len[i], 10 + i), 4 * i);
     // Decode steps: three requests (bucket 4: eager, captured, replayed),
-    // two (bucket 2), one, three again; drafts on some. Before the fourth,
+    // two (bucket 2), one, three again; drafts on some where max_tokens
+    // holds two rows a request (else q_len 1 everywhere). Before the fourth,
     // a fourth request's prefill (eager): the replays after it must not run
     // on its attention plan.
     std::mt19937_64 rng(fresh_seed());
     const std::vector<std::vector<int>> batches{{0, 1, 2}, {0, 1, 2}, {0, 1, 2}, {2, 0}, {1}, {0, 1, 2}, {1, 2}, {2, 1}};
     for (size_t step = 0; step < batches.size(); ++step) {
-      if (step == 3) both(tokens(5, 13), {0, 5}, {5}, {12, 13, 14, 15}, 0, {});
+      if (step == 3) prefill(tokens(5, 13), 12);
       const std::vector<int>& reqs = batches[step];
       std::vector<int32_t> ids, q_start{0}, kv_len, table, drafts;
       for (int i : reqs) {
-        const bool draft = (step + i) % 2 == 1;
+        const bool draft = (step + i) % 2 == 1 && max_tokens >= 2 * o.attention.max_requests;
         ids.push_back(last[i]);
         if (draft) ids.push_back(static_cast<int32_t>(rng() % kVocab));
         q_start.push_back(static_cast<int32_t>(ids.size()));
@@ -720,6 +729,14 @@ TEST(ModelCuda, DecodeGraphsGiveTheTokensOfEagerSteps) {
 TEST(ModelCuda, FlashInferDecodeGraphsGiveTheTokensOfEagerSteps) {
   if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   check_decode_graphs(128, 512);
+}
+
+// max_tokens = max_requests (no drafts: one row a request): a bucket's
+// graph holds no more rows than the model takes (it had two a request,
+// refused as more than max_tokens: model_bench --q-lens 1 met it).
+TEST(ModelCuda, DecodeGraphsWithOneRowPerRequestOfMaxTokens) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  check_decode_graphs(128, 512, 4);
 }
 #endif
 
