@@ -245,6 +245,8 @@ def register() -> None:
         return original(moe, quant_config, *args, **kwargs)
 
     maybe_make_prepare_finalize._moelink = True
+    # A module's own dict, not getattr: lazy modules (transformers' aliases)
+    # import on attribute access, which may need packages that are absent.
     for module in list(sys.modules.values()):
-        if getattr(module, "maybe_make_prepare_finalize", None) is original:
+        if getattr(module, "__dict__", {}).get("maybe_make_prepare_finalize") is original:
             module.maybe_make_prepare_finalize = maybe_make_prepare_finalize
