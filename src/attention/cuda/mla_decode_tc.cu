@@ -371,12 +371,13 @@ int sm_count() {
 
 // Groups of 4 warps a block: 2 (32 heads against each stage of keys: half
 // the key traffic, twice the warps a multiprocessor) where more than 16
-// heads run and MOELINK_MLA_TC_GROUPS=2 asks for it (an A/B candidate, not
-// yet measured), else 1.
+// heads run, else 1; MOELINK_MLA_TC_GROUPS=1 keeps one (the A/B of
+// 2026-12-06 on an H100, 128 heads, kv 5000: 2 groups 69 / 566 / 2145 us at
+// batch 1 / 32 / 128 against 72 / 1396 / 5634 us with one).
 int groups_for(const TcDecodeArgs& a) {
   static const int asked = [] {
     const char* v = std::getenv("MOELINK_MLA_TC_GROUPS");
-    return v != nullptr && std::string(v) == "2" ? 2 : 1;
+    return v != nullptr && std::string(v) == "1" ? 1 : 2;
   }();
   return a.heads > kHeadsPerGroup ? asked : 1;
 }
