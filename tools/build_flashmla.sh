@@ -33,6 +33,10 @@ s = s[:start] + "sources=" + repr(keep) + s[end:]
 s = s.replace('subprocess.run(["git", "submodule", "update", "--init", "csrc/cutlass"])', "")
 open("setup.py", "w").write(s)
 PYEOF
+# CUDA 13 keeps CCCL's headers (cuda/std/...) in include/cccl, which nvcc
+# adds by itself and the host compiler of api.cpp does not.
+cccl=$(dirname "$(command -v nvcc)")/../include/cccl
+[[ -d $cccl ]] && export CPLUS_INCLUDE_PATH="$(realpath "$cccl")${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
 echo "FlashMLA: building the sm90 bf16 dense decode (a few minutes) in $work"
 FLASH_MLA_DISABLE_SM100=1 FLASH_MLA_DISABLE_FP16=1 MAX_JOBS=$(nproc) NVCC_THREADS=4 \
   "$py" setup.py build_ext --inplace >"$work/build.log" 2>&1 ||

@@ -26,13 +26,23 @@ if [[ -d "$root/.deps/sysroot/usr/include/rdma" ]]; then
   # xxHash, for the serving engine (its .pc is relative to the sysroot).
   export PKG_CONFIG_PATH="$sysroot/usr/lib/x86_64-linux-gnu/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
 fi
-# Python packages the image lacks (the openai client), installed outside
-# the checkout once per machine.
+# Python packages the image lacks (the openai client, what vLLM's Python
+# files import), installed outside the checkout once per machine and set of
+# wheels.
 if compgen -G "$root/.deps/pywheels/*.whl" >/dev/null; then
   pysite=/tmp/moelink-pysite
-  [[ -d $pysite/openai ]] || $py -m pip install -q --no-index --no-deps --no-compile \
-    --no-cache-dir --target "$pysite" "$root"/.deps/pywheels/*.whl
+  wheels=$(cd "$root/.deps/pywheels" && ls *.whl)
+  [[ -f $pysite/.wheels && $(cat $pysite/.wheels) == "$wheels" ]] ||
+    { $py -m pip install -q --no-index --no-deps --no-compile --upgrade \
+        --no-cache-dir --target "$pysite" "$root"/.deps/pywheels/*.whl && echo "$wheels" >$pysite/.wheels; }
   export PYTHONPATH="$pysite${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# vLLM's Python files (tools/prepare_device_deps.sh packs them from its
+# wheel, whose compiled part is too large to carry), for the vLLM tests.
+vllm_pack=$(ls "$root"/.deps/vllm-*-py.tar.xz 2>/dev/null | head -1)
+if [[ -n $vllm_pack ]]; then
+  vllm_src=/tmp/moelink-vllm
+  [[ -f $vllm_src/vllm/__init__.py ]] || { mkdir -p $vllm_src && tar xJf "$vllm_pack" -C $vllm_src; }
 fi
 # CUTLASS (the CUDA expert kernels) from the wheel tools/prepare_device_deps.sh
 # put in .deps/wheels, unpacked outside the checkout.

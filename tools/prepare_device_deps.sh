@@ -6,8 +6,11 @@
 # the nvidia-cutlass wheel (CUTLASS's headers, unpacked there by
 # tools/device_env.sh) for the CUDA expert kernels, FlashInfer's headers
 # (packed; unpacked there) for the MLA decode kernel, xxHash (the serving
-# engine's block hash) into the same sysroot, and the `openai` client's
-# wheels that the image lacks (moelink-serve's end-to-end tests).
+# engine's block hash) into the same sysroot, the `openai` client's wheels
+# that the image lacks (moelink-serve's end-to-end tests), and vLLM's
+# Python files with the wheels they import (the vLLM tests). .deps is then
+# over the 64 MiB a device call carries: carry the parts a call needs
+# (carry: [".deps/pywheels", ...]).
 # Run here, on a Debian machine with googletest, libcli11-dev and
 # nlohmann-json3-dev installed.
 set -euo pipefail
@@ -39,6 +42,27 @@ python3 -m pip download -q --no-deps --disable-pip-version-check -d "$deps/wheel
 python3 -m pip download -q --disable-pip-version-check --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d "$deps/pywheels" "openai==3.63.0"
+# vLLM 0.33.0's Python files (*.py, *.json, *.jinja, *.md: its wheel's
+# compiled part, 300 MB, is too big to carry and built for torch 2.14), and
+# the wheels its fused-MoE modules import beyond the image's packages, for
+# tests/python/test_vllm_prepare_finalize.py on the nvlink backend. No
+# dist-info: without it vLLM takes its generic platform (with it, its CUDA
+# platform imports vllm._C_stable_libtorch, which is not carried).
+vdl=$(mktemp -d)
+python3 -m pip download -q --no-deps --disable-pip-version-check --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux_2_28_x86_64 -d "$vdl" "vllm==0.33.0"
+(cd "$vdl" && python3 -m zipfile -e vllm-*.whl whl &&
+  find whl/vllm -type f ! \( -name '*.py' -o -name '*.json' -o -name '*.jinja' -o -name '*.md' \) -delete &&
+  tar -C whl -cJf "$deps/vllm-0.33.0-py.tar.xz" vllm)
+rm -rf "$vdl"
+python3 -m pip download -q --no-deps --disable-pip-version-check --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$deps/pywheels" \
+  aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 apache-tvm-ffi==0.1.11 attrs==26.1.0 \
+  cachetools==8.0.3 cbor2==6.3.0 cloudpickle==3.1.3 einops==0.8.2 fastapi==0.136.3 frozenlist==1.8.0 \
+  llguidance==1.7.6 msgspec==0.23.0 multidict==7.2.1 oss-harmony==0.0.11 partial-json-parser==0.2.1.1.post7 \
+  pillow==13.0.0 prometheus-client==0.26.0 propcache==0.5.4 py-cpuinfo==9.0.0 pybase64==1.5.1 \
+  pyzmq==27.3.0 starlette==1.10.0 uvloop==0.23.0 xgrammar==0.2.8 yarl==1.25.1
 # FlashInfer's MLA headers, packed (the wheel is too big to carry).
 source "$root/tools/deps.sh"
 moelink_flashinfer_headers "$deps/flashinfer-$flashinfer_version-headers.tar.xz"
