@@ -7,9 +7,8 @@
 # CUTLASS 147f567's headers (its submodule) in csrc/cutlass
 # (tools/prepare_device_deps.sh packs it).
 # Only the bf16 dense decode is compiled (sm90a): its scheduler, combine and
-# kernel, and the Python API file, whose other kernels (sparse, fp8, sm100)
-# stay unresolved; the benchmark loads the module with lazy symbol binding
-# and calls only the dense decode. PYTHON: the interpreter with torch.
+# kernel, and a binding file for it alone (FlashMLA's own binds kernels not
+# compiled here). PYTHON: the interpreter with torch.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dst=${1:-/tmp/moelink-flashmla}
@@ -32,6 +31,14 @@ keep = ["csrc/api/api.cpp",
 s = s[:start] + "sources=" + repr(keep) + s[end:]
 s = s.replace('subprocess.run(["git", "submodule", "update", "--init", "csrc/cutlass"])', "")
 open("setup.py", "w").write(s)
+# The module binds the dense decode alone: its other bindings name kernels
+# not compiled here, which the loader must resolve at import (a pointer to a
+# function is not bound lazily).
+open("csrc/api/api.cpp", "w").write(
+    '#include <pybind11/pybind11.h>\n\n#include "dense_decode.h"\n\n'
+    '// tools/build_flashmla.sh (moelink): the bf16 dense decode only.\n'
+    'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n'
+    '  m.def("dense_decode_fwd", &dense_attn_decode_interface);\n}\n')
 PYEOF
 # CUDA 13 keeps CCCL's headers (cuda/std/...) in include/cccl, which nvcc
 # adds by itself and the host compiler of api.cpp does not.
