@@ -24,15 +24,21 @@ MAX_TOKENS = 8
 
 def _vllm_worker_setup(device):
     """What a vLLM worker sets up before its MoE layers run: the workspace
-    manager on `device`, and two things that are compiled code in vLLM's
-    wheel (its silu_and_mul op, carried here as torch's; and a capture check
-    that asks the CUDA stream, skipped on the CPU)."""
+    manager on `device`, its silu_and_mul (compiled code in vLLM's wheel,
+    here torch's), and its capture check (which asks the CUDA stream: never
+    capturing on the CPU; on a torch older than vLLM's, the same question
+    through that torch's API)."""
     import vllm.model_executor.layers.fused_moe.experts.fused_batched_moe as fbm
     from vllm.v1.worker.workspace import init_workspace_manager
 
     init_workspace_manager(torch.device(device))
     if device == "cpu":
         fbm._is_capturing_or_compiling = lambda: False
+    elif not hasattr(torch.accelerator.current_stream(), "is_capturing"):
+        # vLLM 0.33 asks torch 2.14's Stream.is_capturing; the same question
+        # in the torch of the device machine (2.11).
+        fbm._is_capturing_or_compiling = lambda: (torch.cuda.is_current_stream_capturing()
+                                                  or torch.compiler.is_compiling())
     if not hasattr(torch.ops._C, "silu_and_mul"):
         lib = torch.library.Library("_C", "DEF")
         lib.define("silu_and_mul(Tensor(a!) out, Tensor input) -> ()")
