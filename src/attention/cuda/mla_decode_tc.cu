@@ -8,19 +8,18 @@
 #include <mutex>
 #include <string>
 
+#include "attention/cuda/mla_decode_split.cuh"
 #include "moelink/errors.h"
 #include "nvlink/cuda_check.h"
 
 namespace moelink::detail::attention {
 namespace {
 
+using namespace decode;
+
 constexpr int kHeadsPerGroup = 16;  // the MMAs' M: the heads of a group of warps
-constexpr int kKeysPerStage = 64;   // keys a pipeline stage holds
 constexpr int kWarps = 4;           // a group's: each 16 keys of the scores, R / 4 dims of the output
-constexpr int kRope = 64;
 constexpr int kPad = 8;             // bf16 elements after each shared-memory row: ldmatrix rows in distinct banks
-constexpr int kMaxSplits = 64;
-constexpr float kLog2e = 1.4426950408889634f;
 
 // The shapes of one instantiation: R latent dims, G groups of 4 warps a
 // block (each group 16 heads against the same stages of keys).
@@ -45,21 +44,6 @@ struct Shape {
 
 // ------------------------------------------------------------ PTX pieces
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, bypassing L1; zeros when !valid (src unread).
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // Four 8x8 bf16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -79,39 +63,6 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-__device__ __forceinline__ uint16_t to_bf16_bits(float x) {
-  const __nv_bfloat16 v = __float2bfloat16_rn(x);
-  return *reinterpret_cast<const uint16_t*>(&v);
-}
-
-// ------------------------------------------------------------ the keys of a block
-
-// The keys [begin, end) of split `split` of `splits` for a row of `keys`
-// keys: whole stages, the last split shorter (or empty).
-struct KeyRange {
-  int64_t begin, end;
-};
-__device__ __forceinline__ KeyRange split_keys(int64_t keys, int split, int splits) {
-  const int64_t per = ((keys + splits - 1) / splits + kKeysPerStage - 1) / kKeysPerStage * kKeysPerStage;
-  const int64_t begin = min(keys, per * split);
-  return {begin, min(keys, begin + per)};
-}
-
-// Partial results of a split (splits > 1): outputs normalized by their own
-// sum, and log2 of that sum plus the max (-inf: no keys).
-struct Partials {
-  float* out;  // [splits, Nd, heads, R]
-  float* lse;  // [splits, Nd, heads]
-};
-__host__ __device__ inline Partials partials_of(void* ws, int splits, int64_t Nd, int heads, int R) {
-  float* out = static_cast<float*>(ws);
-  return {out, out + static_cast<size_t>(splits) * Nd * heads * R};
 }
 
 // ------------------------------------------------------------ the kernel
@@ -162,7 +113,7 @@ __global__ void __launch_bounds__(Shape<R, G>::kThreads) tc_decode_kernel(TcDeco
   if (q_pieces) {
     for (int i = tid; i < S::kHeads * S::kChunks; i += kThreads) {
       const int hh = i / S::kChunks, d = (i % S::kChunks) * 8, h = block_h0 + hh;
-      cp_async_16(qs + hh * S::kRow + d, h < a.heads ? query(h, d) : a.q_latent, h < a.heads);
+      cp_async_16(smem_addr(qs + hh * S::kRow + d), h < a.heads ? query(h, d) : a.q_latent, h < a.heads);
     }
   } else {
     for (int i = tid; i < S::kHeads * S::kDc; i += kThreads) {
@@ -184,7 +135,7 @@ __global__ void __launch_bounds__(Shape<R, G>::kThreads) tc_decode_kernel(TcDeco
       if (valid)
         src += (static_cast<int64_t>(block_row[s / a.page_size]) * a.page_size + s % a.page_size) * S::kDc +
                piece * 8;
-      cp_async_16(dst + k * S::kRow + piece * 8, src, valid);
+      cp_async_16(smem_addr(dst + k * S::kRow + piece * 8), src, valid);
     }
   };
 
@@ -382,13 +333,30 @@ int groups_for(const TcDecodeArgs& a) {
   return a.heads > kHeadsPerGroup ? asked : 1;
 }
 
-// Splits of each row's keys: enough blocks for two a multiprocessor, no
+// Whether the warpgroup-MMA kernel runs these arguments.
+bool use_wgmma(const TcDecodeArgs& a) {
+#if defined(MOELINK_WGMMA_DECODE)
+  static const bool off = [] {
+    const char* v = std::getenv("MOELINK_MLA_DECODE_WGMMA");
+    return v != nullptr && std::string(v) == "0";
+  }();
+  return !off && wgmma_decode_applies(a);
+#else
+  (void)a;
+  return false;
+#endif
+}
+
+// Splits of each row's keys: enough blocks to fill every multiprocessor
+// (two blocks each of the mma.sync kernel, one of the warpgroup kernel), no
 // more than the longest row has stages.
 int splits_for(const TcDecodeArgs& a) {
-  const int heads_per_block = groups_for(a) * kHeadsPerGroup;
+  const bool wgmma = use_wgmma(a);
+  const int heads_per_block = wgmma ? 64 : groups_for(a) * kHeadsPerGroup;
   const int64_t blocks = a.rows_bound * ((a.heads + heads_per_block - 1) / heads_per_block);
   const int64_t stages = std::max<int64_t>(1, (a.max_keys + kKeysPerStage - 1) / kKeysPerStage);
-  const int64_t want = (2 * static_cast<int64_t>(sm_count()) + blocks - 1) / std::max<int64_t>(blocks, 1);
+  const int64_t slots = (wgmma ? 1 : 2) * static_cast<int64_t>(sm_count());
+  const int64_t want = (slots + blocks - 1) / std::max<int64_t>(blocks, 1);
   return static_cast<int>(std::clamp<int64_t>(std::min(want, stages), 1, kMaxSplits));
 }
 
@@ -440,10 +408,14 @@ void launch_tc_decode(const TcDecodeArgs& a, void* workspace, cudaStream_t strea
   if (splits > 1 && workspace == nullptr)
     throw InvalidArgument("moelink: MLA decode (tensor cores): no workspace for " + std::to_string(splits) +
                           " key splits");
-  switch (a.R) {
-    case 128: launch_for<128>(a, workspace, splits, stream); break;
-    case 256: launch_for<256>(a, workspace, splits, stream); break;
-    default: launch_for<512>(a, workspace, splits, stream); break;
+  if (use_wgmma(a)) {
+    launch_wgmma_decode(a, workspace, splits, stream);
+  } else {
+    switch (a.R) {
+      case 128: launch_for<128>(a, workspace, splits, stream); break;
+      case 256: launch_for<256>(a, workspace, splits, stream); break;
+      default: launch_for<512>(a, workspace, splits, stream); break;
+    }
   }
   if (splits > 1) {
     tc_decode_merge_kernel<<<dim3(static_cast<unsigned>(a.rows_bound), static_cast<unsigned>(a.heads)), 128, 0,

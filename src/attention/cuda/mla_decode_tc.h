@@ -51,7 +51,17 @@ bool tc_decode_supported(int R, int rope_dims);
 // keys are not split).
 size_t tc_decode_workspace_bytes(const TcDecodeArgs& a);
 
-// workspace: tc_decode_workspace_bytes(a) bytes of device memory.
+// workspace: tc_decode_workspace_bytes(a) bytes of device memory. Runs the
+// warpgroup-MMA kernel below where it applies (MOELINK_MLA_DECODE_WGMMA=0
+// keeps this file's), else the mma.sync one.
 void launch_tc_decode(const TcDecodeArgs& a, void* workspace, cudaStream_t stream);
+
+// The warpgroup-MMA kernel (mla_decode_wgmma.cu, in builds for sm_90a):
+// whether it takes these arguments on this GPU (Hopper; latent 512, rotary
+// 64, more than 32 heads; 16-byte aligned queries and cache), and its
+// launch over `splits` key splits (64 heads a block, one block a
+// multiprocessor), whose partials launch_tc_decode merges.
+bool wgmma_decode_applies(const TcDecodeArgs& a);
+void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cudaStream_t stream);
 
 }  // namespace moelink::detail::attention

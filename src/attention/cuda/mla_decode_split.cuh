@@ -1,0 +1,65 @@
+// Pieces both of moelink's MLA decode kernels use (mla_decode_tc.cu on
+// mma.sync, mla_decode_wgmma.cu on Hopper's warpgroup MMAs): the split of a
+// row's keys over blocks (grid.z), the partial results a split leaves for
+// the merge kernel, and the cp.async / bf16 helpers.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace moelink::detail::attention::decode {
+
+constexpr int kKeysPerStage = 64;  // keys a pipeline stage holds; splits are whole stages
+constexpr int kRope = 64;          // rotary dims of a cache row (after the latent ones)
+constexpr int kMaxSplits = 64;
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared (a shared-window address), bypassing L1; zeros
+// when !valid (src unread).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ uint16_t to_bf16_bits(float x) {
+  const __nv_bfloat16 v = __float2bfloat16_rn(x);
+  return *reinterpret_cast<const uint16_t*>(&v);
+}
+
+// The keys [begin, end) of split `split` of `splits` for a row of `keys`
+// keys: whole stages, the last split shorter (or empty).
+struct KeyRange {
+  int64_t begin, end;
+};
+__device__ __forceinline__ KeyRange split_keys(int64_t keys, int split, int splits) {
+  const int64_t per = ((keys + splits - 1) / splits + kKeysPerStage - 1) / kKeysPerStage * kKeysPerStage;
+  const int64_t begin = min(keys, per * split);
+  return {begin, min(keys, begin + per)};
+}
+
+// Partial results of a split (splits > 1): outputs normalized by their own
+// sum, and log2 of that sum plus the max (-inf: no keys).
+struct Partials {
+  float* out;  // [splits, Nd, heads, R]
+  float* lse;  // [splits, Nd, heads]
+};
+__host__ __device__ inline Partials partials_of(void* ws, int splits, int64_t Nd, int heads, int R) {
+  float* out = static_cast<float*>(ws);
+  return {out, out + static_cast<size_t>(splits) * Nd * heads * R};
+}
+
+}  // namespace moelink::detail::attention::decode

@@ -1,0 +1,363 @@
+// moelink's MLA decode on Hopper's warpgroup MMAs (wgmma, sm_90a), for
+// DeepSeek-V3's cache rows (latent 512 + rotary 64) and more than 32 heads:
+// the "moelink" decode of CudaAttentionOps where it applies (else
+// mla_decode_tc.cu's mma.sync kernel).
+//
+// A block takes one decode row and 64 heads (wgmma's M), two warpgroups:
+//   Q [64 heads, 576] sits in shared memory for all of the block's keys;
+//   keys stream in 64 a stage, cp.async two stages deep;
+//   scores: warpgroup g scores the 64 heads against keys 32 g .. 32 g + 31
+//     of the stage (m64n32k16, 36 K steps, A = Q and B = the keys, both
+//     from shared memory);
+//   softmax: row maxima exchanged through shared memory (both warpgroups
+//     then rescale by the same maximum), probabilities to a shared P tile
+//     (bf16), each thread's share of the row sums kept in registers until
+//     the end;
+//   P V: warpgroup g accumulates output dims 256 g .. 256 g + 255 over the
+//     stage's 64 keys (m64n256k16, A = P, B = the keys' latent dims read
+//     as an MN-major operand: the stage serves as keys and as values, no
+//     transposed copy).
+// Tiles in shared memory use wgmma's 128-byte swizzle: a row of 576 dims is
+// 9 atoms of 64 dims, and an atom block holds 64 rows x 128 bytes, chunk c
+// of row r at chunk c ^ (r % 8). Splits of a row's keys (grid.z) and their
+// merge are mla_decode_tc.cu's (mla_decode_split.cuh).
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+
+#include "attention/cuda/mla_decode_split.cuh"
+#include "attention/cuda/mla_decode_tc.h"
+#include "nvlink/cuda_check.h"
+
+namespace moelink::detail::attention {
+namespace {
+
+using namespace decode;
+
+constexpr int kHeads = 64;                       // a block's heads: wgmma's M
+constexpr int kLatent = 512, kRow = kLatent + kRope;
+constexpr int kAtoms = kRow / 64;                // 64-dim swizzle atoms of a row
+constexpr int kChunks = kRow / 8;                // 16-byte pieces of a row
+constexpr int kThreads = 256;                    // two warpgroups
+constexpr uint32_t kAtomBlock = 64 * 128;        // 64 rows of one atom: 8 KB
+constexpr uint32_t kTile = kAtoms * kAtomBlock;  // 64 rows x 576 dims: 72 KB
+constexpr uint32_t kPTile = kAtomBlock;          // 64 heads x 64 keys of P
+constexpr uint32_t kRedBytes = 2 * 2 * kHeads * 4;  // row maxima and sums, a row per warpgroup
+// Q, two stages of keys, P, the reductions, and room to align to 1024 bytes
+// (the swizzle's period, which the MMA descriptors assume).
+constexpr size_t kSmemBytes = 3 * size_t(kTile) + kPTile + kRedBytes + 1024;
+static_assert(kSmemBytes <= 227 * 1024, "past a Hopper block's shared memory");
+
+// ------------------------------------------------------------ shared-memory tiles
+
+// Byte offset of 16-byte piece `chunk` of row `row` in a swizzled tile.
+__device__ __forceinline__ uint32_t tile_offset(int row, int chunk) {
+  return (chunk >> 3) * kAtomBlock + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
+// wgmma's shared-memory matrix descriptor, 128-byte swizzle: the start
+// address, LBO and SBO (bytes; 16-byte units in the descriptor).
+//   K-major (Q, K, P): SBO = 1024, the stride of 8-row groups (LBO unused);
+//   MN-major (V): LBO = 8 KB, the stride of 64-column atoms along N; SBO =
+//   1024, the stride of 8-row groups along K.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>(lbo >> 4) << 16 |
+         static_cast<uint64_t>(sbo >> 4) << 32 | 1ull << 62;
+}
+
+// ------------------------------------------------------------ wgmma
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// The generic proxy's shared-memory writes (cp.async, stores) seen by the
+// async proxy that wgmma reads through.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving accumulator reads or writes across a
+// wgmma's issue or wait.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d [64 x 32] += A [64 x 16] . B [32 x 16]^T, both K-major in shared memory.
+__device__ __forceinline__ void mma_scores(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "%16, %17, accumulate, 1, 1, 0, 0;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+// d [64 x 256] += A [64 x 16] (K-major) . B [16 x 256] (MN-major), from shared memory.
+__device__ __forceinline__ void mma_values(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, accumulate, 1, 1, 0, 1;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+// ------------------------------------------------------------ the kernel
+
+__global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs a, void* workspace) {
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  __trap();  // wgmma is sm_90a's (wgmma_decode_applies asks for a Hopper GPU)
+#else
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023) & ~1023u;
+  const uint32_t q_tile = base, kv_tiles = base + kTile, p_tile = base + 3 * kTile;
+  float* red_max = reinterpret_cast<float*>(smem_raw + (p_tile + kPTile - raw));  // [2 warpgroups][64 heads]
+  float* red_sum = red_max + 2 * kHeads;                                          // [2 warpgroups][64 heads]
+
+  const int64_t r = blockIdx.x;
+  const int block_h0 = blockIdx.y * kHeads, split = blockIdx.z, splits = gridDim.z;
+  if (r >= a.plan.decode_rows[0]) return;
+  const int32_t request = a.plan.request[r];
+  const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
+  // A thread's accumulator rows (heads of the block) and first column.
+  const int row0 = (tid % 128) / 32 * 16 + lane / 4, row1 = row0 + 8, c2 = (lane % 4) * 2;
+  if (request < 0) {  // a row the plan skips: zeros (the merge writes them when split)
+    if (splits == 1)
+      for (int i = tid; i < kHeads * kLatent; i += kThreads) {
+        const int h = block_h0 + i / kLatent;
+        if (h < a.heads) a.out_latent[(static_cast<int64_t>(h) * a.Nd + r) * kLatent + i % kLatent] = 0;
+      }
+    return;
+  }
+  const int64_t keys = static_cast<int64_t>(a.plan.position[r]) + 1;
+  const KeyRange range = split_keys(keys, split, splits);
+  const Partials part = partials_of(workspace, splits, a.Nd, a.heads, kLatent);
+
+  // Each thread moves 18 pieces of one row (4 threads a row): the queries
+  // of head tid / 4 (latent, then rotary), and a stage's key tid / 4.
+  const int my_row = tid / 4, first_piece = tid % 4;
+  {
+    const int h = block_h0 + my_row;
+    const bool valid = h < a.heads;  // heads past `heads`: zeros, scored, never stored
+    const uint16_t* latent = a.q_latent + (static_cast<int64_t>(h) * a.Nd + r) * kLatent;
+    const uint16_t* rotary = a.q + r * a.q_stride + static_cast<int64_t>(h) * a.head_dim + a.nope_dims;
+#pragma unroll
+    for (int m = 0; m < kChunks / 4; ++m) {
+      const int c = first_piece + 4 * m;
+      const uint16_t* src = c < kLatent / 8 ? latent + c * 8 : rotary + (c - kLatent / 8) * 8;
+      cp_async_16(q_tile + tile_offset(my_row, c), valid ? src : a.q_latent, valid);
+    }
+  }
+  const int32_t* block_row = a.block_table + static_cast<int64_t>(request) * a.block_stride;
+  // Stage `stage` <- cache rows of keys [key0, key0 + 64); keys past the
+  // range read as zeros (their scores are masked).
+  auto load_stage = [&](int stage, int64_t key0) {
+    const int64_t s = key0 + my_row;
+    const bool valid = s < range.end;
+    const uint16_t* src =
+        valid ? a.cache + (static_cast<int64_t>(block_row[s / a.page_size]) * a.page_size + s % a.page_size) * kRow
+              : a.cache;
+    const uint32_t dst = kv_tiles + stage * kTile;
+#pragma unroll
+    for (int m = 0; m < kChunks / 4; ++m) {
+      const int c = first_piece + 4 * m;
+      cp_async_16(dst + tile_offset(my_row, c), src + (valid ? c * 8 : 0), valid);
+    }
+  };
+
+  float out[128];  // rows row0 / row1, dims 256 wg + 8 j + c2 (+1): out[4 j + {0, 1}] / out[4 j + {2, 3}]
+#pragma unroll
+  for (int i = 0; i < 128; ++i) out[i] = 0.0f;
+  float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};  // log2 domain; this thread's share
+  const float scale = a.scale * kLog2e;
+  const int stages = static_cast<int>((range.end - range.begin + kKeysPerStage - 1) / kKeysPerStage);
+
+  if (stages > 0) load_stage(0, range.begin);
+  cp_async_commit();  // the queries and stage 0
+  for (int t = 0; t < stages; ++t) {
+    if (t + 1 < stages) load_stage((t + 1) & 1, range.begin + static_cast<int64_t>(t + 1) * kKeysPerStage);
+    cp_async_commit();
+    cp_async_wait<1>();  // stage t (and, at t = 0, the queries) landed
+    fence_proxy_async();
+    __syncthreads();
+    const uint32_t stage = kv_tiles + (t & 1) * kTile;
+
+    // Scores of keys 32 wg .. 32 wg + 31 of the stage.
+    float sc[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sc[i] = 0.0f;
+    fence_registers(sc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kRow / 16; ++k) {
+      const uint32_t in_atom = (k % 4) * 32;  // a K step's 16 dims within the 128-byte row
+      const uint64_t qa = smem_desc(q_tile + (k / 4) * kAtomBlock + in_atom, 16, 1024);
+      const uint64_t kb = smem_desc(stage + (k / 4) * kAtomBlock + wg * 32 * 128 + in_atom, 16, 1024);
+      mma_scores(sc, qa, kb);
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_registers(sc);
+
+    // Scaled into log2 units; keys past the range masked; this stage's row maxima.
+    const int64_t key0 = range.begin + static_cast<int64_t>(t) * kKeysPerStage + wg * 32 + c2;
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool in = key0 + j * 8 + (e & 1) < range.end;
+        sc[4 * j + e] = in ? sc[4 * j + e] * scale : -INFINITY;
+        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], sc[4 * j + e]);
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+    }
+    if (lane % 4 == 0) {
+      red_max[wg * kHeads + row0] = tile_max[0];
+      red_max[wg * kHeads + row1] = tile_max[1];
+    }
+    __syncthreads();
+    float base_max[2], correction[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = h == 0 ? row0 : row1;
+      const float m = fmaxf(run_max[h], fmaxf(red_max[row], red_max[kHeads + row]));
+      base_max[h] = m == -INFINITY ? 0.0f : m;  // no key yet: exp2(-inf) = 0 everywhere
+      correction[h] = exp2f(run_max[h] - base_max[h]);
+      run_max[h] = m;
+      run_sum[h] *= correction[h];
+    }
+    // Probabilities into P (bf16), this thread's share of the row sums.
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float p0 = exp2f(sc[4 * j] - base_max[0]), p1 = exp2f(sc[4 * j + 1] - base_max[0]);
+      const float p2 = exp2f(sc[4 * j + 2] - base_max[1]), p3 = exp2f(sc[4 * j + 3] - base_max[1]);
+      run_sum[0] += p0 + p1;
+      run_sum[1] += p2 + p3;
+      const int col = wg * 32 + j * 8 + c2;  // a key of the stage: piece col / 8 of P's row
+      const uint32_t in_piece = (col % 8) * 2;
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(p_tile + tile_offset(row0, col / 8) + in_piece),
+                   "r"(pack_bf16(p0, p1)));
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(p_tile + tile_offset(row1, col / 8) + in_piece),
+                   "r"(pack_bf16(p2, p3)));
+    }
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      out[4 * j] *= correction[0];
+      out[4 * j + 1] *= correction[0];
+      out[4 * j + 2] *= correction[1];
+      out[4 * j + 3] *= correction[1];
+    }
+    fence_proxy_async();
+    __syncthreads();  // P whole
+
+    // out += P (64 heads x 64 keys) . V (64 keys x this warpgroup's 256 dims).
+    fence_registers(out);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kKeysPerStage / 16; ++k) {
+      const uint64_t pa = smem_desc(p_tile + k * 32, 16, 1024);
+      const uint64_t vb = smem_desc(stage + wg * 4 * kAtomBlock + k * 16 * 128, kAtomBlock, 1024);
+      mma_values(out, pa, vb);
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_registers(out);
+    __syncthreads();  // the stage's buffer, P and the maxima are free for the next
+  }
+  cp_async_wait<0>();
+
+  // Row sums: this thread's share, its quad's, both warpgroups'.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    run_sum[h] += __shfl_xor_sync(0xffffffffu, run_sum[h], 1);
+    run_sum[h] += __shfl_xor_sync(0xffffffffu, run_sum[h], 2);
+  }
+  if (lane % 4 == 0) {
+    red_sum[wg * kHeads + row0] = run_sum[0];
+    red_sum[wg * kHeads + row1] = run_sum[1];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = h == 0 ? row0 : row1, head = block_h0 + row;
+    if (head >= a.heads) continue;
+    const float total = red_sum[row] + red_sum[kHeads + row];
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    const int64_t slot = static_cast<int64_t>(head) * a.Nd + r;  // out_latent's [head, row]
+    const int64_t pslot = (static_cast<int64_t>(split) * a.Nd + r) * a.heads + head;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int d = wg * 256 + j * 8 + c2;
+      const float v0 = out[4 * j + 2 * h] * inv, v1 = out[4 * j + 2 * h + 1] * inv;
+      if (splits == 1) {
+        *reinterpret_cast<uint32_t*>(a.out_latent + slot * kLatent + d) = pack_bf16(v0, v1);
+      } else {
+        part.out[pslot * kLatent + d] = v0;
+        part.out[pslot * kLatent + d + 1] = v1;
+      }
+    }
+    if (splits > 1 && wg == 0 && lane % 4 == 0)
+      part.lse[pslot] = total > 0.0f ? run_max[h] + log2f(total) : -INFINITY;
+  }
+#endif
+}
+
+int compute_capability() {
+  int device = 0, major = 0, minor = 0;
+  MOELINK_CUDA_CHECK(cudaGetDevice(&device));
+  MOELINK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  MOELINK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major * 10 + minor;
+}
+
+}  // namespace
+
+bool wgmma_decode_applies(const TcDecodeArgs& a) {
+  static const bool hopper = compute_capability() == 90;  // sm_90a code only
+  const bool aligned = ((reinterpret_cast<uintptr_t>(a.q) | reinterpret_cast<uintptr_t>(a.q_latent) |
+                         reinterpret_cast<uintptr_t>(a.cache) | static_cast<uintptr_t>(a.q_stride * 2) |
+                         static_cast<uintptr_t>(a.head_dim * 2) | static_cast<uintptr_t>(a.nope_dims * 2)) %
+                        16) == 0;
+  return hopper && aligned && a.R == kLatent && a.head_dim - a.nope_dims == kRope && a.heads > 32;
+}
+
+int wgmma_decode_heads_per_block() { return kHeads; }
+
+void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cudaStream_t stream) {
+  static std::once_flag attribute_set;
+  std::call_once(attribute_set, [] {
+    MOELINK_CUDA_CHECK(cudaFuncSetAttribute(wgmma_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(kSmemBytes)));
+  });
+  const dim3 grid(static_cast<unsigned>(a.rows_bound), static_cast<unsigned>((a.heads + kHeads - 1) / kHeads),
+                  static_cast<unsigned>(splits));
+  wgmma_decode_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace);
+  MOELINK_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moelink::detail::attention
