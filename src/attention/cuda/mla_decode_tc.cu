@@ -347,9 +347,22 @@ bool use_wgmma(const TcDecodeArgs& a) {
 #endif
 }
 
+// Stages of keys a split of the warpgroup kernel takes at least: a block
+// loads its 72 KB of queries and fills its pipeline once, and every split
+// adds partials to write and merge (at one request of 128 heads, 66 splits
+// wrote 17 MB of them). MOELINK_MLA_DECODE_SPLIT_STAGES sets it (A/B runs).
+int64_t min_split_stages() {
+  static const int64_t v = [] {
+    const char* e = std::getenv("MOELINK_MLA_DECODE_SPLIT_STAGES");
+    return e != nullptr ? std::max<int64_t>(1, std::atoll(e)) : int64_t{4};
+  }();
+  return v;
+}
+
 // Splits of each row's keys: enough blocks to fill every multiprocessor
 // (two blocks each of the mma.sync kernel, one of the warpgroup kernel), no
-// more than the longest row has stages.
+// more than the longest row has stages (the warpgroup kernel:
+// min_split_stages() a split).
 int splits_for(const TcDecodeArgs& a) {
   const bool wgmma = use_wgmma(a);
   const int heads_per_block = wgmma ? 64 : groups_for(a) * kHeadsPerGroup;
@@ -357,7 +370,8 @@ int splits_for(const TcDecodeArgs& a) {
   const int64_t stages = std::max<int64_t>(1, (a.max_keys + kKeysPerStage - 1) / kKeysPerStage);
   const int64_t slots = (wgmma ? 1 : 2) * static_cast<int64_t>(sm_count());
   const int64_t want = (slots + blocks - 1) / std::max<int64_t>(blocks, 1);
-  return static_cast<int>(std::clamp<int64_t>(std::min(want, stages), 1, kMaxSplits));
+  const int64_t most = wgmma ? stages / min_split_stages() : stages;
+  return static_cast<int>(std::clamp<int64_t>(std::min(want, most), 1, kMaxSplits));
 }
 
 template <int R, int G>
