@@ -30,6 +30,12 @@
 #   minutes; MOELINK_ATTENTION_BENCH_ARGS adds arguments).
 #   serve-batch128 (not in the default): the same server decoding 128
 #   shared-prefix requests of 256 tokens at once (serve-batch128.json).
+#   wheel (not in the default): the wheel in .deps/moelink-wheel (built
+#   here by tools/build_wheel.sh) installed with pip install --no-deps into
+#   a fresh virtual environment; its Python tests on the GPU from there.
+#   vllm (not in the default): tests/python/test_vllm_prepare_finalize.py's
+#   nvlink cases (ranks sharing the GPU) and plugin test, with vLLM's Python
+#   files from .deps (tools/prepare_device_deps.sh).
 #   internode: moelink-bench with the internode backend beside nvlink, over
 #   libfabric's shm provider (GPUs of this machine treated as nodes).
 #   fabric (not in the default): moelink-fabric-bench, the TransferEngine
@@ -48,7 +54,7 @@ cd "$root"
 steps=${*:-build test python sanitize bench internode experts}
 source "$root/tools/device_env.sh"
 python_build=OFF
-{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has pd-gpu || has attention; } && python_build=ON
+{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has pd-gpu || has attention || has vllm; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
@@ -108,6 +114,37 @@ if has pd-gpu; then
     tail -8 "$OUT/pytest-pd-gpu.log"
   else
     echo "no .deps/libfabric-cuda.tar.xz (tools/build_libfabric_cuda.sh makes it)"; status=1
+  fi
+fi
+
+if has wheel; then
+  echo "== the wheel in .deps/moelink-wheel, installed into a fresh virtual environment"
+  venv=/tmp/moelink-wheel-venv
+  rm -rf $venv && $py -m venv $venv
+  # The image's python3 is itself a virtual environment: --system-site-packages
+  # would give its base interpreter's packages, not its torch and pytest.
+  echo "$site" >$venv/lib/python3.12/site-packages/image-packages.pth
+  $venv/bin/python -m pip install -q --no-deps --no-index --disable-pip-version-check \
+    "$root"/.deps/moelink-wheel/moelink-*.whl || status=1
+  T=$root/tests/python
+  (cd /tmp && env -u MOELINK_PYTHONPATH $venv/bin/python -c 'import moelink, sys
+assert moelink.__file__.startswith(sys.prefix), f"moelink came from {moelink.__file__}"
+print("moelink", moelink.__version__, "from", moelink.__file__, "cuda:", moelink.with_cuda)' &&
+    env -u MOELINK_PYTHONPATH $venv/bin/python -m pytest -q -rs -p no:cacheprovider $T/test_version.py \
+      $T/test_binding.py $T/test_torch_ops.py $T/test_experts.py $T/test_mla_attention.py $T/test_moe_layer.py \
+      $T/test_model.py $T/test_model_mtp.py $T/test_engine.py >"$OUT/pytest-wheel.log" 2>&1) || status=1
+  tail -4 "$OUT/pytest-wheel.log"
+fi
+
+if has vllm; then
+  echo "== vLLM's modular kernel with moelink's prepare/finalize on nvlink (vLLM's Python files from .deps)"
+  if [[ -n ${vllm_src:-} ]]; then
+    PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$vllm_src" MOELINK_PYTHONPATH="$root/build-gpu/python" \
+      $py -m pytest -q -rs -p no:cacheprovider tests/python/test_vllm_prepare_finalize.py -k "nvlink or plugin" \
+      >"$OUT/pytest-vllm.log" 2>&1 || status=1
+    tail -4 "$OUT/pytest-vllm.log"
+  else
+    echo "no .deps/vllm-*-py.tar.xz (tools/prepare_device_deps.sh packs it)"; status=1
   fi
 fi
 
