@@ -1,9 +1,11 @@
 // moelink's MLA decode on Hopper's warpgroup MMAs (wgmma, sm_90a), for
-// DeepSeek-V3's cache rows (latent 512 + rotary 64) and more than 32 heads:
-// the "moelink" decode of CudaAttentionOps where it applies (else
-// mla_decode_tc.cu's mma.sync kernel).
+// DeepSeek-V3's cache rows (latent 512 + rotary 64): the "moelink" decode
+// of CudaAttentionOps where it applies (else mla_decode_tc.cu's mma.sync
+// kernel).
 //
-// A block takes one decode row and 64 heads (wgmma's M), two warpgroups:
+// A block takes 64 MMA rows (wgmma's M), two warpgroups: 64 heads of one
+// decode row, or with 32 heads or fewer 32 slots for each of a request's
+// one or two decode rows (MTP's q_len 2 reads the keys once). Then:
 //   Q [64 heads, 576] sits in shared memory for all of the block's keys;
 //   keys stream in 64 a stage, cp.async two stages deep;
 //   scores: warpgroup g scores the 64 heads against keys 32 g .. 32 g + 31
@@ -25,7 +27,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <mutex>
+#include <string>
 
 #include "attention/cuda/mla_decode_split.cuh"
 #include "attention/cuda/mla_decode_tc.h"
@@ -71,7 +75,10 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N>  // at most N groups still running
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 // The generic proxy's shared-memory writes (cp.async, stores) seen by the
 // async proxy that wgmma reads through.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -124,6 +131,9 @@ __device__ __forceinline__ void mma_values(float (&d)[128], uint64_t desc_a, uin
 }
 // ------------------------------------------------------------ the kernel
 
+// kOverlap: stage t + 1's scores issued behind stage t's P V (an A/B
+// candidate, MOELINK_MLA_DECODE_OVERLAP=1, not yet measured).
+template <bool kOverlap>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs a, void* workspace) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __trap();  // wgmma is sm_90a's (wgmma_decode_applies asks for a Hopper GPU)
@@ -135,33 +145,56 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
   float* red_max = reinterpret_cast<float*>(smem_raw + (p_tile + kPTile - raw));  // [2 warpgroups][64 heads]
   float* red_sum = red_max + 2 * kHeads;                                          // [2 warpgroups][64 heads]
 
-  const int64_t r = blockIdx.x;
-  const int block_h0 = blockIdx.y * kHeads, split = blockIdx.z, splits = gridDim.z;
-  if (r >= a.plan.decode_rows[0]) return;
+  // The block's 64 MMA rows ("slots"). More than 32 heads: 64 heads of
+  // decode row blockIdx.x. 32 or fewer: 32 slots a query row, for both rows
+  // of an MTP request (its keys streamed once for q_len 2): slot s is head
+  // s % 32 of the request's row s / 32, and the block of its second row
+  // leaves the request to the first's.
+  const int64_t r = blockIdx.x, decode_rows = a.plan.decode_rows[0];
+  const int split = blockIdx.z, splits = gridDim.z;
+  if (r >= decode_rows) return;
   const int32_t request = a.plan.request[r];
+  const bool packed = a.heads <= kHeads / 2;
+  const int per_row = packed ? kHeads / 2 : kHeads, head0 = packed ? 0 : blockIdx.y * kHeads;
+  if (packed && request >= 0 && r > 0 && a.plan.request[r - 1] == request) return;  // the first row's block
+  const int rows = packed && request >= 0 && r + 1 < decode_rows && a.plan.request[r + 1] == request ? 2 : 1;
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
-  // A thread's accumulator rows (heads of the block) and first column.
+  // A thread's accumulator rows (slots) and first column.
   const int row0 = (tid % 128) / 32 * 16 + lane / 4, row1 = row0 + 8, c2 = (lane % 4) * 2;
+  // A slot's query row (-1: none, its scores computed and never stored) and head.
+  auto slot_row = [&](int slot) -> int64_t {
+    const int q = slot / per_row;
+    return q < rows && head0 + slot % per_row < a.heads ? r + q : -1;
+  };
+  auto slot_head = [&](int slot) { return head0 + slot % per_row; };
   if (request < 0) {  // a row the plan skips: zeros (the merge writes them when split)
     if (splits == 1)
-      for (int i = tid; i < kHeads * kLatent; i += kThreads) {
-        const int h = block_h0 + i / kLatent;
+      for (int i = tid; i < per_row * kLatent; i += kThreads) {
+        const int h = head0 + i / kLatent;
         if (h < a.heads) a.out_latent[(static_cast<int64_t>(h) * a.Nd + r) * kLatent + i % kLatent] = 0;
       }
     return;
   }
-  const int64_t keys = static_cast<int64_t>(a.plan.position[r]) + 1;
+  // Keys of the block: its last row's (each slot masked to its own row's).
+  const int64_t keys = static_cast<int64_t>(a.plan.position[r + rows - 1]) + 1;
   const KeyRange range = split_keys(keys, split, splits);
   const Partials part = partials_of(workspace, splits, a.Nd, a.heads, kLatent);
+  int64_t key_end[2];  // the thread's two slots: their keys end here (their rows' positions + 1)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = slot_row(h == 0 ? row0 : row1);
+    key_end[h] = row < 0 ? range.end : std::min<int64_t>(range.end, a.plan.position[row] + 1);
+  }
 
   // Each thread moves 18 pieces of one row (4 threads a row): the queries
-  // of head tid / 4 (latent, then rotary), and a stage's key tid / 4.
+  // of slot tid / 4 (latent, then rotary), and a stage's key tid / 4.
   const int my_row = tid / 4, first_piece = tid % 4;
   {
-    const int h = block_h0 + my_row;
-    const bool valid = h < a.heads;  // heads past `heads`: zeros, scored, never stored
-    const uint16_t* latent = a.q_latent + (static_cast<int64_t>(h) * a.Nd + r) * kLatent;
-    const uint16_t* rotary = a.q + r * a.q_stride + static_cast<int64_t>(h) * a.head_dim + a.nope_dims;
+    const int64_t row = slot_row(my_row);
+    const int h = slot_head(my_row);
+    const bool valid = row >= 0;  // other slots: zeros
+    const uint16_t* latent = a.q_latent + (static_cast<int64_t>(h) * a.Nd + row) * kLatent;
+    const uint16_t* rotary = a.q + row * a.q_stride + static_cast<int64_t>(h) * a.head_dim + a.nope_dims;
 #pragma unroll
     for (int m = 0; m < kChunks / 4; ++m) {
       const int c = first_piece + 4 * m;
@@ -193,18 +226,9 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
   const float scale = a.scale * kLog2e;
   const int stages = static_cast<int>((range.end - range.begin + kKeysPerStage - 1) / kKeysPerStage);
 
-  if (stages > 0) load_stage(0, range.begin);
-  cp_async_commit();  // the queries and stage 0
-  for (int t = 0; t < stages; ++t) {
-    if (t + 1 < stages) load_stage((t + 1) & 1, range.begin + static_cast<int64_t>(t + 1) * kKeysPerStage);
-    cp_async_commit();
-    cp_async_wait<1>();  // stage t (and, at t = 0, the queries) landed
-    fence_proxy_async();
-    __syncthreads();
-    const uint32_t stage = kv_tiles + (t & 1) * kTile;
-
-    // Scores of keys 32 wg .. 32 wg + 31 of the stage.
-    float sc[16];
+  float sc[16];  // scores: rows row0 / row1, keys 32 wg + 8 j + c2 (+1) of the stage
+  // Issues the scores of keys 32 wg .. 32 wg + 31 of a stage (one group).
+  auto issue_scores = [&](uint32_t stage) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) sc[i] = 0.0f;
     fence_registers(sc);
@@ -217,17 +241,18 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
       mma_scores(sc, qa, kb);
     }
     wgmma_commit();
-    wgmma_wait_all();
-    fence_registers(sc);
-
-    // Scaled into log2 units; keys past the range masked; this stage's row maxima.
+  };
+  // The scores of stage t (landed in sc) to probabilities in P; the row
+  // maxima, sums and outputs rescaled. Ends with P whole (a barrier).
+  auto softmax_to_p = [&](int t) {
+    // Scaled into log2 units; keys past each slot's end masked; this stage's row maxima.
     const int64_t key0 = range.begin + static_cast<int64_t>(t) * kKeysPerStage + wg * 32 + c2;
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const bool in = key0 + j * 8 + (e & 1) < range.end;
+        const bool in = key0 + j * 8 + (e & 1) < key_end[e >> 1];
         sc[4 * j + e] = in ? sc[4 * j + e] * scale : -INFINITY;
         tile_max[e >> 1] = fmaxf(tile_max[e >> 1], sc[4 * j + e]);
       }
@@ -274,8 +299,9 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
     }
     fence_proxy_async();
     __syncthreads();  // P whole
-
-    // out += P (64 heads x 64 keys) . V (64 keys x this warpgroup's 256 dims).
+  };
+  // Issues out += P (64 slots x 64 keys) . V (64 keys x this warpgroup's 256 dims) (one group).
+  auto issue_values = [&](uint32_t stage) {
     fence_registers(out);
     wgmma_fence();
 #pragma unroll
@@ -285,9 +311,63 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
       mma_values(out, pa, vb);
     }
     wgmma_commit();
-    wgmma_wait_all();
-    fence_registers(out);
-    __syncthreads();  // the stage's buffer, P and the maxima are free for the next
+  };
+  auto stage_tile = [&](int t) { return kv_tiles + (t & 1) * kTile; };
+
+  if constexpr (!kOverlap) {
+    // Each stage's phases one after the other; stage t + 1 loads meanwhile.
+    if (stages > 0) load_stage(0, range.begin);
+    cp_async_commit();  // the queries and stage 0
+    for (int t = 0; t < stages; ++t) {
+      if (t + 1 < stages) load_stage((t + 1) & 1, range.begin + static_cast<int64_t>(t + 1) * kKeysPerStage);
+      cp_async_commit();
+      cp_async_wait<1>();  // stage t (and, at t = 0, the queries) landed
+      fence_proxy_async();
+      __syncthreads();
+      issue_scores(stage_tile(t));
+      wgmma_wait<0>();
+      fence_registers(sc);
+      softmax_to_p(t);
+      issue_values(stage_tile(t));
+      wgmma_wait<0>();
+      fence_registers(out);
+      __syncthreads();  // the stage's buffer, P and the maxima are free for the next
+    }
+  } else {
+    // Stage t + 1's scores issued behind stage t's P V, so the tensor cores
+    // go from one to the other; stage t + 2 loads once stage t's P V is done.
+    if (stages > 0) load_stage(0, range.begin);
+    cp_async_commit();  // the queries and stage 0
+    if (stages > 1) load_stage(1, range.begin + kKeysPerStage);
+    cp_async_commit();
+    if (stages > 0) {
+      cp_async_wait<1>();
+      fence_proxy_async();
+      __syncthreads();
+      issue_scores(stage_tile(0));
+      wgmma_wait<0>();
+      fence_registers(sc);
+    }
+    for (int t = 0; t < stages; ++t) {
+      softmax_to_p(t);
+      issue_values(stage_tile(t));
+      if (t + 1 < stages) {
+        cp_async_wait<0>();  // stage t + 1 landed
+        fence_proxy_async();
+        __syncthreads();
+        issue_scores(stage_tile(t + 1));
+        wgmma_wait<1>();  // stage t's P V done (stage t + 1's scores may run on)
+        fence_registers(out);
+        __syncthreads();  // every warpgroup's: stage t's buffer and P are free
+        if (t + 2 < stages) load_stage(t & 1, range.begin + static_cast<int64_t>(t + 2) * kKeysPerStage);
+        cp_async_commit();
+        wgmma_wait<0>();
+        fence_registers(sc);
+      } else {
+        wgmma_wait<0>();
+        fence_registers(out);
+      }
+    }
   }
   cp_async_wait<0>();
 
@@ -304,12 +384,13 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
   __syncthreads();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = h == 0 ? row0 : row1, head = block_h0 + row;
-    if (head >= a.heads) continue;
+    const int row = h == 0 ? row0 : row1, head = slot_head(row);
+    const int64_t out_row = slot_row(row);
+    if (out_row < 0) continue;
     const float total = red_sum[row] + red_sum[kHeads + row];
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    const int64_t slot = static_cast<int64_t>(head) * a.Nd + r;  // out_latent's [head, row]
-    const int64_t pslot = (static_cast<int64_t>(split) * a.Nd + r) * a.heads + head;
+    const int64_t slot = static_cast<int64_t>(head) * a.Nd + out_row;  // out_latent's [head, row]
+    const int64_t pslot = (static_cast<int64_t>(split) * a.Nd + out_row) * a.heads + head;
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       const int d = wg * 256 + j * 8 + c2;
@@ -343,20 +424,29 @@ bool wgmma_decode_applies(const TcDecodeArgs& a) {
                          reinterpret_cast<uintptr_t>(a.cache) | static_cast<uintptr_t>(a.q_stride * 2) |
                          static_cast<uintptr_t>(a.head_dim * 2) | static_cast<uintptr_t>(a.nope_dims * 2)) %
                         16) == 0;
-  return hopper && aligned && a.R == kLatent && a.head_dim - a.nope_dims == kRope && a.heads > 32;
+  return hopper && aligned && a.R == kLatent && a.head_dim - a.nope_dims == kRope && a.heads >= 1;
 }
 
-int wgmma_decode_heads_per_block() { return kHeads; }
+int wgmma_decode_head_blocks(const TcDecodeArgs& a) { return (a.heads + kHeads - 1) / kHeads; }
 
 void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cudaStream_t stream) {
+  static const bool overlap = [] {
+    const char* v = std::getenv("MOELINK_MLA_DECODE_OVERLAP");
+    return v != nullptr && std::string(v) == "1";
+  }();
   static std::once_flag attribute_set;
   std::call_once(attribute_set, [] {
-    MOELINK_CUDA_CHECK(cudaFuncSetAttribute(wgmma_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(kSmemBytes)));
+    for (const void* kernel : {reinterpret_cast<const void*>(wgmma_decode_kernel<false>),
+                               reinterpret_cast<const void*>(wgmma_decode_kernel<true>)})
+      MOELINK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(kSmemBytes)));
   });
-  const dim3 grid(static_cast<unsigned>(a.rows_bound), static_cast<unsigned>((a.heads + kHeads - 1) / kHeads),
+  const dim3 grid(static_cast<unsigned>(a.rows_bound), static_cast<unsigned>(wgmma_decode_head_blocks(a)),
                   static_cast<unsigned>(splits));
-  wgmma_decode_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace);
+  if (overlap)
+    wgmma_decode_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace);
+  else
+    wgmma_decode_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
