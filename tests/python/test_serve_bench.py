@@ -63,6 +63,41 @@ def test_serve_bench_loads_the_server_with_and_without_prefix_caching(tmp_path):
     assert svg.count("TTFT p50, ms") == 4 and svg.count(">cache off<") == 12 and "output tok/s" in svg
 
 
+def test_serve_bench_runs_a_cell_per_rate_and_concurrency(tmp_path):
+    """--rate 0,40: a closed-loop cell and one of Poisson arrivals at 40/s
+    per concurrency, each with every request completed and its rate
+    recorded; the arrivals at 40/s spread the cell's 8 requests (the last
+    one starts after the rate's expected span, with the seed's draws)."""
+    from moelink.serve.tiny_model import write_tiny_model
+    write_tiny_model(str(tmp_path), layers=2, seed=4)
+    out = tmp_path / "serve.json"
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench", "serve_bench.py"), "--model", str(tmp_path),
+           "--serve-args", "--num-pages 64 --page-size 16 --max-running 4 --token-budget 64",
+           "--cache", "on", "--traces", "shared-prefix", "--rate", "0,40", "--concurrency", "2",
+           "--requests", "8", "--context", "160", "--max-tokens", "4", "--machine", "ci",
+           "--json", str(out), "--svg", str(tmp_path / "serve.svg")]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    assert res.returncode == 0, res.stderr
+    rec = json.loads(out.read_text())
+    assert rec["rates_per_s"] == [0.0, 40.0]
+    assert [(c["rate_per_s"], c["concurrency"]) for c in rec["cells"]] == [(0.0, 2), (40.0, 2)]
+    for c in rec["cells"]:
+        assert c["errors"] == 0 and c["completed"] == c["requests"] == 8, c["error_examples"]
+    import random
+    rng = random.Random(1)  # run_cell's draws with the default --seed 1
+    last_start = sum(rng.expovariate(40.0) for _ in range(8))
+    assert rec["cells"][1]["wall_s"] >= last_start
+    assert "C 2 at 40/s: TTFT p50, ms" in (tmp_path / "serve.svg").read_text()
+
+
+@pytest.mark.parametrize("rate", ["fast", "-1", ","])
+def test_serve_bench_refuses_a_bad_rate(rate):
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench", "serve_bench.py"), "--url",
+           "http://127.0.0.1:9/v1", "--vocab", "512", "--rate", rate]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=60)
+    assert res.returncode == 2 and "--rate" in res.stderr and "arrivals per second" in res.stderr
+
+
 def test_serve_bench_refuses_a_url_without_the_vocabulary():
     cmd = [sys.executable, os.path.join(ROOT, "tools", "bench", "serve_bench.py"), "--url",
            "http://127.0.0.1:9/v1"]

@@ -14,7 +14,7 @@ multi-turn, vLLM's multi-turn generator shape; tools/bench/scheduler_traces.py)
 and concurrency C (--concurrency), a cell sends --requests requests (at
 least C; multi-turn: at least 4 C, as C sessions of turns), at most C in
 flight (a closed loop; --rate R > 0: Poisson arrivals at R/s,
-still at most C in flight), every one streamed (/v1/completions, token-id
+still at most C in flight; several rates: a cell per rate and concurrency), every one streamed (/v1/completions, token-id
 prompts, ignore_eos, --max-tokens output tokens):
   output_tok_s       output tokens over the cell's wall time;
   ttft_ms, itl_ms    time to the first streamed token and between streamed
@@ -284,20 +284,21 @@ def bare_step_us(model_bench, batch):
 
 
 def write_svg(path, rec):
-    """Per trace and concurrency: TTFT and ITL p50 (ms) and output tokens/s,
-    a bar per prefix-caching setting, each row on its own scale."""
+    """Per trace, rate and concurrency: TTFT and ITL p50 (ms) and output
+    tokens/s, a bar per prefix-caching setting, each row on its own scale."""
     from benchlib import stacked_bars_svg
     colours = {"on": "#26a69a", "off": "#ef6c00", "as-is": "#42a5f5"}
     cells = rec["cells"]
     rows = []
     for trace in dict.fromkeys(c["trace"] for c in cells):
-        for conc in dict.fromkeys(c["concurrency"] for c in cells if c["trace"] == trace):
-            mine = [c for c in cells if c["trace"] == trace and c["concurrency"] == conc]
+        for rate, conc in dict.fromkeys((c["rate_per_s"], c["concurrency"]) for c in cells if c["trace"] == trace):
+            mine = [c for c in cells if c["trace"] == trace and (c["rate_per_s"], c["concurrency"]) == (rate, conc)]
+            where = f"{trace} C {conc}" + (f" at {rate:g}/s" if rate > 0 else "")
             for label, get in (("TTFT p50, ms", lambda c: c["ttft_ms"]["p50"]),
                                ("ITL p50, ms", lambda c: c["itl_ms"]["p50"]),
                                ("output tok/s", lambda c: c["output_tok_s"])):
                 bars = [(f"cache {c['prefix_caching']}", {c["prefix_caching"]: get(c) or 0.0}) for c in mine]
-                rows.append((f"{trace} C {conc}: {label}", bars))
+                rows.append((f"{where}: {label}", bars))
     title = f"moelink-serve under load on {rec['gpu'] or rec['machine']}: prefix caching on and off"
     subtitle = (f"{rec['requests']} requests a cell, context {rec['context']}, {rec['max_tokens']} output tokens; "
                 f"{rec['date'][:10]}, commit {rec['git_commit']}")
@@ -313,7 +314,8 @@ def main():
     p.add_argument("--cache", default="on,off", help="prefix caching of the servers started (with --model)")
     p.add_argument("--traces", default="shared-prefix,multi-turn")
     p.add_argument("--concurrency", default="1,16,64,128", help="requests in flight at most")
-    p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: closed loop)")
+    p.add_argument("--rate", default="0",
+                   help="Poisson arrivals per second, comma-separated: a cell each (0: closed loop)")
     p.add_argument("--requests", type=int, default=256, help="requests per cell")
     p.add_argument("--context", type=int, default=5000, help="prompt tokens at most (a shared-prefix prompt's)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
@@ -331,6 +333,13 @@ def main():
             a.vocab = json.load(f)["vocab_size"]
     elif a.vocab is None:
         p.error("--url needs --vocab (the prompts' token ids must fit the model's vocabulary)")
+    try:
+        rates = [float(v) for v in a.rate.split(",") if v]
+    except ValueError:
+        p.error(f"--rate {a.rate!r}: comma-separated arrivals per second (numbers >= 0; 0: closed loop)")
+    if not rates or any(r < 0 for r in rates):
+        p.error(f"--rate {a.rate!r}: comma-separated arrivals per second (numbers >= 0; 0: closed loop)")
+    concurrencies = [int(v) for v in a.concurrency.split(",") if v]
     gpu = "nvlink" in a.serve_args or a.url is not None
     try:
         import torch  # noqa: F401 (the record names the GPU where there is one)
@@ -339,7 +348,7 @@ def main():
         gpu = False
     rec = header("serve_bench", a.machine, gpu=gpu)
     rec.update(serve_args=a.serve_args, url=a.url, context=a.context, max_tokens=a.max_tokens,
-               requests=a.requests, rate_per_s=a.rate, cells=[])
+               requests=a.requests, rates_per_s=rates, cells=[])
     bench = None
     if a.model_bench:
         with open(a.model_bench) as f:
@@ -354,12 +363,12 @@ def main():
         server = Server(a.url, a.model, args, a.server_log, a.start_timeout)
         try:
             for trace in [t for t in a.traces.split(",") if t]:
-                for k, c in enumerate(int(v) for v in a.concurrency.split(",") if v):
+                for k, (rate, c) in enumerate((r, c) for r in rates for c in concurrencies):
                     # Prompts of its own per cell: a cell finds none of an earlier one's in the cache.
                     # Enough requests for C in flight: C prompts, or C sessions of 4 turns.
                     count = max(a.requests, c * (4 if trace == "multi-turn" else 1))
                     sessions = trace_requests(trace, count, a.context, a.vocab, a.max_tokens, a.seed + k)
-                    cell = run_cell(server, sessions, c, a.max_tokens, a.rate, a.seed)
+                    cell = run_cell(server, sessions, c, a.max_tokens, rate, a.seed)
                     cell.update(trace=trace, prefix_caching=cache)
                     if bench and "server" in cell:
                         bare = bare_step_us(bench, cell["server"]["decode_batch"])
@@ -369,7 +378,8 @@ def main():
                                                "overhead": cell["server"]["decode_step_us"] / bare[1] - 1}
                     rec["cells"].append(cell)
                     s = cell.get("server", {})
-                    print(f"serve_bench: {trace:13s} cache {cache:3s} C {c:4d}  {cell['output_tok_s']:9.1f} tok/s  "
+                    print(f"serve_bench: {trace:13s} cache {cache:3s} C {c:4d}" +
+                          (f" at {rate:g}/s" if rate > 0 else "") + f"  {cell['output_tok_s']:9.1f} tok/s  "
                           f"TTFT p50 {cell['ttft_ms']['p50'] or 0:8.1f} p99 {cell['ttft_ms']['p99'] or 0:8.1f} ms  "
                           f"ITL p50 {cell['itl_ms']['p50'] or 0:7.1f} p99 {cell['itl_ms']['p99'] or 0:7.1f} ms  "
                           f"cached {cell['cached_share']:.2f}  errors {cell['errors']}" +

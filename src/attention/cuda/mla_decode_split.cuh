@@ -6,6 +6,7 @@
 
 #include <cuda_bf16.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -60,6 +61,42 @@ struct Partials {
 __host__ __device__ inline Partials partials_of(void* ws, int splits, int64_t Nd, int heads, int R) {
   float* out = static_cast<float*>(ws);
   return {out, out + static_cast<size_t>(splits) * Nd * heads * R};
+}
+
+// A thread's scores in `Tiles` n8 accumulator tiles of the MMAs' layout
+// (element e of tile j: its row (e >> 1) of two, 8 rows apart; key key0 +
+// 8 j + (e & 1), key0 holding the thread's first column) scaled into log2
+// units with keys at or past their row's end[] masked; returns the maxima
+// of the two rows over the thread's quad (the 4 lanes that hold a row's
+// tile).
+template <int Tiles>
+__device__ __forceinline__ void scale_mask_max(float* sc, int64_t key0, const int64_t (&end)[2], float scale,
+                                               float (&row_max)[2]) {
+  row_max[0] = row_max[1] = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < Tiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool in = key0 + j * 8 + (e & 1) < end[e >> 1];
+      sc[4 * j + e] = in ? sc[4 * j + e] * scale : -INFINITY;
+      row_max[e >> 1] = fmaxf(row_max[e >> 1], sc[4 * j + e]);
+    }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
+    row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
+  }
+}
+
+// A decode row the plan skips (request < 0): heads [h0, h0 + count) of
+// out_latent [heads, Nd, R] get zeros, by a block's `threads` threads. Only
+// when its keys are not split: the merge kernel writes them otherwise.
+__device__ __forceinline__ void zero_skipped_row(uint16_t* out_latent, int64_t Nd, int64_t r, int h0, int count,
+                                                 int heads, int R, int tid, int threads) {
+  for (int i = tid; i < count * R; i += threads) {
+    const int h = h0 + i / R;
+    if (h < heads) out_latent[(static_cast<int64_t>(h) * Nd + r) * R + i % R] = 0;
+  }
 }
 
 }  // namespace moelink::detail::attention::decode

@@ -88,11 +88,7 @@ __global__ void __launch_bounds__(Shape<R, G>::kThreads) tc_decode_kernel(TcDeco
   const int h0 = block_h0 + group * kHeadsPerGroup;
   const int g = lane / 4, c2 = (lane % 4) * 2;  // an accumulator's row (and row + 8) and first column
   if (request < 0) {  // a row the plan skips: zeros (the merge writes them when split)
-    if (splits == 1)
-      for (int i = tid; i < S::kHeads * R; i += kThreads) {
-        const int h = block_h0 + i / R;
-        if (h < a.heads) a.out_latent[(static_cast<int64_t>(h) * a.Nd + r) * R + i % R] = 0;
-      }
+    if (splits == 1) zero_skipped_row(a.out_latent, a.Nd, r, block_h0, S::kHeads, a.heads, R, tid, kThreads);
     return;
   }
   const int64_t keys = static_cast<int64_t>(a.plan.position[r]) + 1;
@@ -171,20 +167,9 @@ __global__ void __launch_bounds__(Shape<R, G>::kThreads) tc_decode_kernel(TcDeco
     }
     // Scaled into log2 units; keys past the range masked.
     const int64_t key_base = range.begin + static_cast<int64_t>(t) * kKeysPerStage + warp * 16 + c2;
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool in = key_base + j * 8 + (e & 1) < range.end;
-        sc[j][e] = in ? sc[j][e] * scale : -INFINITY;
-        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], sc[j][e]);
-      }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
-      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-    }
+    const int64_t end[2] = {range.end, range.end};
+    float tile_max[2];
+    scale_mask_max<2>(&sc[0][0], key_base, end, scale, tile_max);
     if (lane % 4 == 0) {
       red_max[(group * kWarps + warp) * kHeadsPerGroup + g] = tile_max[0];
       red_max[(group * kWarps + warp) * kHeadsPerGroup + g + 8] = tile_max[1];

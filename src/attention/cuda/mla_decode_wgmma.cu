@@ -168,11 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
   };
   auto slot_head = [&](int slot) { return head0 + slot % per_row; };
   if (request < 0) {  // a row the plan skips: zeros (the merge writes them when split)
-    if (splits == 1)
-      for (int i = tid; i < per_row * kLatent; i += kThreads) {
-        const int h = head0 + i / kLatent;
-        if (h < a.heads) a.out_latent[(static_cast<int64_t>(h) * a.Nd + r) * kLatent + i % kLatent] = 0;
-      }
+    if (splits == 1) zero_skipped_row(a.out_latent, a.Nd, r, head0, per_row, a.heads, kLatent, tid, kThreads);
     return;
   }
   // Keys of the block: its last row's (each slot masked to its own row's).
@@ -247,20 +243,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
   auto softmax_to_p = [&](int t) {
     // Scaled into log2 units; keys past each slot's end masked; this stage's row maxima.
     const int64_t key0 = range.begin + static_cast<int64_t>(t) * kKeysPerStage + wg * 32 + c2;
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool in = key0 + j * 8 + (e & 1) < key_end[e >> 1];
-        sc[4 * j + e] = in ? sc[4 * j + e] * scale : -INFINITY;
-        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], sc[4 * j + e]);
-      }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
-      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-    }
+    float tile_max[2];
+    scale_mask_max<4>(sc, key0, key_end, scale, tile_max);
     if (lane % 4 == 0) {
       red_max[wg * kHeads + row0] = tile_max[0];
       red_max[wg * kHeads + row1] = tile_max[1];
