@@ -68,14 +68,21 @@ def test_fp8_checkpoint_loads_as_the_values_it_stands_for(tmp_path):
     assert err_control > 3 * err
 
 
-def test_model_bench_runs_on_the_cpu_path(tmp_path):
-    out = tmp_path / "bench.json"
+def _bench(tmp_path, *args):
+    """model_bench.py's command on the tiny widths and the cpu backend (its
+    checkpoints under tmp_path), with `args`; and the environment it runs in."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [os.path.join(ROOT, "tools", "bench")])
     cmd = [sys.executable, os.path.join(ROOT, "tools", "bench", "model_bench.py"), "--tiny", "--backend", "cpu",
-           "--moe-layers", "2", "--batches", "1,3", "--kv", "40", "--page-size", "16", "--iters", "2",
-           "--checkpoint-dir", str(tmp_path / "ckpt"), "--machine", "ci", "--json", str(out),
-           "--svg", str(tmp_path / "bench.svg")]
+           "--kv", "40", "--page-size", "16", "--iters", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
+           "--machine", "ci", *args]
+    return cmd, env
+
+
+def test_model_bench_runs_on_the_cpu_path(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd, env = _bench(tmp_path, "--moe-layers", "2", "--batches", "1,3", "--json", str(out),
+                      "--svg", str(tmp_path / "bench.svg"))
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr
     rec = json.loads(out.read_text())
@@ -111,12 +118,8 @@ def test_step_inputs_spread_contexts_and_shuffle_pages():
 
 def test_model_bench_with_spread_contexts_and_shuffled_pages(tmp_path):
     out = tmp_path / "bench.json"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [os.path.join(ROOT, "tools", "bench")])
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench", "model_bench.py"), "--tiny", "--backend", "cpu",
-           "--shapes", "ep8", "--moe-layers", "1", "--batches", "3", "--q-lens", "1", "--kv", "40",
-           "--kv-spread", "30", "--shuffle-pages", "--page-size", "16", "--iters", "2",
-           "--checkpoint-dir", str(tmp_path / "ckpt"), "--machine", "ci", "--json", str(out)]
+    cmd, env = _bench(tmp_path, "--shapes", "ep8", "--moe-layers", "1", "--batches", "3", "--q-lens", "1",
+                      "--kv-spread", "30", "--shuffle-pages", "--json", str(out))
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr
     rec = json.loads(out.read_text())
