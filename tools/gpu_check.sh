@@ -26,8 +26,9 @@
 #   libfabric (FI_HMEM CUDA) preloaded.
 #   attention (not in the default): tools/bench/attention_bench.py, MLA
 #   decode on moelink's kernel, FlashInfer's and FlashMLA's (built first by
-#   tools/build_flashmla.sh from .deps/flashmla-9241ae3.tar.xz, a few
-#   minutes; MOELINK_ATTENTION_BENCH_ARGS adds arguments).
+#   tools/build_flashmla.sh from .deps/flashmla-9241ae3.tar.xz, about 2
+#   minutes), and the merged qkv_a_proj against its two GEMMs apart
+#   (MOELINK_ATTENTION_BENCH_ARGS adds arguments).
 #   serve-batch128 (not in the default): the same server decoding 128
 #   shared-prefix requests of 256 tokens at once (serve-batch128.json).
 #   wheel (not in the default): the wheel in .deps/moelink-wheel (built
@@ -249,7 +250,7 @@ if has attention; then
   fm=()
   PYTHON=$py bash tools/build_flashmla.sh /tmp/moelink-flashmla && fm=(--flashmla /tmp/moelink-flashmla) || status=1
   cmd=($py tools/bench/attention_bench.py --machine "$machine" --json "$OUT/attention.json" "${fm[@]}"
-       ${MOELINK_ATTENTION_BENCH_ARGS:-})
+       --qkv-a 1,8,32,64,128,256 ${MOELINK_ATTENTION_BENCH_ARGS:-})
   echo "${cmd[*]}"
   PYTHONPATH="$root/build-gpu/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
     tee "$OUT/attention-bench.log" | tail -40 || status=1

@@ -68,14 +68,21 @@ def test_fp8_checkpoint_loads_as_the_values_it_stands_for(tmp_path):
     assert err_control > 3 * err
 
 
-def test_model_bench_runs_on_the_cpu_path(tmp_path):
-    out = tmp_path / "bench.json"
+def _bench(tmp_path, *args):
+    """model_bench.py's command on the tiny widths and the cpu backend (its
+    checkpoints under tmp_path), with `args`; and the environment it runs in."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [os.path.join(ROOT, "tools", "bench")])
     cmd = [sys.executable, os.path.join(ROOT, "tools", "bench", "model_bench.py"), "--tiny", "--backend", "cpu",
-           "--moe-layers", "2", "--batches", "1,3", "--kv", "40", "--page-size", "16", "--iters", "2",
-           "--checkpoint-dir", str(tmp_path / "ckpt"), "--machine", "ci", "--json", str(out),
-           "--svg", str(tmp_path / "bench.svg")]
+           "--kv", "40", "--page-size", "16", "--iters", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
+           "--machine", "ci", *args]
+    return cmd, env
+
+
+def test_model_bench_runs_on_the_cpu_path(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd, env = _bench(tmp_path, "--moe-layers", "2", "--batches", "1,3", "--json", str(out),
+                      "--svg", str(tmp_path / "bench.svg"))
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr
     rec = json.loads(out.read_text())
@@ -94,3 +101,29 @@ def test_model_bench_runs_on_the_cpu_path(tmp_path):
     # A second run reuses the checkpoints it wrote.
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0 and "writing a random fp8 checkpoint" not in res.stderr, res.stderr
+
+
+def test_step_inputs_spread_contexts_and_shuffle_pages():
+    """--kv-spread gives the step's requests contexts from kv to kv + spread;
+    --shuffle-pages deals every page of the pool once, in a random order."""
+    sys.path.insert(0, os.path.join(ROOT, "tools", "bench"))
+    from model_bench import step_inputs
+    x = step_inputs(FIELDS, 5, 2, 100, 4, seed=1, kv_spread=40, shuffle_pages=True)
+    assert x["kv_len"].tolist() == [102, 112, 122, 132, 142]
+    assert sorted(x["block_table"].ravel().tolist()) == list(range(20))
+    assert x["block_table"].ravel().tolist() != list(range(20))
+    plain = step_inputs(FIELDS, 1, 1, 100, 4, seed=1)
+    assert plain["kv_len"].tolist() == [101] and plain["block_table"].tolist() == [[0, 1, 2, 3]]
+
+
+def test_model_bench_with_spread_contexts_and_shuffled_pages(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd, env = _bench(tmp_path, "--shapes", "ep8", "--moe-layers", "1", "--batches", "3", "--q-lens", "1",
+                      "--kv-spread", "30", "--shuffle-pages", "--json", str(out))
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rec = json.loads(out.read_text())
+    assert rec["kv_spread"] == 30 and rec["shuffle_pages"] is True
+    assert [(r["batch"], r["q_len"]) for r in rec["shapes"][0]["results"]] == [(3, 1)]
+    bad = subprocess.run(cmd[:-2] + ["--kv-spread", "-1"], capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode != 0 and "--kv-spread -1" in bad.stderr

@@ -31,6 +31,14 @@ Both kernels' outputs are compared before timing (relative L2 of the step's
 output), and FlashMLA's against an fp32 reference on the case's first
 request, so a fast wrong result cannot win.
 
+With --qkv-a M1,M2,...: the seed's merged qkv_a_proj (q_a_proj 1536 rows
+and kv_a_proj_with_mqa 576, padded to 640, one fp8 block-scaled GEMM of N
+2176 over K 7168, as MLAAttention runs it) against the two GEMMs apart, on
+moelink's dense GEMM (Experts.gemm), each captured in a CUDA graph, at M
+tokens; its floor is the larger of the fp8 weights at the copy bandwidth
+and its FLOPs at the dense fp8 peak (both measured in the run). Results in
+the record's `qkv_a` rows.
+
     PYTHONPATH=build/python python3 tools/bench/attention_bench.py --json out.json
 """
 import argparse
@@ -132,6 +140,41 @@ def flashmla_case(fm, cache, table, kv_len, B, q_len, heads, scale, iters):
     return us, rel
 
 
+def qkv_a_results(token_counts, iters, bw, fp8_peak, hidden=7168, q_rows=1536, kv_rows=640):
+    """The merged qkv_a_proj GEMM against q_a_proj's and kv_a_proj's apart
+    (moelink's Experts.gemm), at each token count; both checked against an
+    fp32 product of the dequantized operands first."""
+    from experts_bench import block_weight, dequant, graph_us, quant_rows
+    ex = moelink.Experts(1, 128, hidden, 2048, expected_rows=16)
+    w, ws = block_weight(1, q_rows + kv_rows, hidden)
+    parts = [(w[0][:q_rows], ws[0][:q_rows // 128]), (w[0][q_rows:], ws[0][q_rows // 128:])]
+    out = []
+    for m in token_counts:
+        x, xs = quant_rows(torch.randn(m, hidden, device="cuda"))
+        merged = torch.empty(m, q_rows + kv_rows, dtype=torch.bfloat16, device="cuda")
+        apart = [torch.empty(m, p[0].shape[0], dtype=torch.bfloat16, device="cuda") for p in parts]
+        fns = {"merged": lambda: ex.gemm(merged, x, xs, w[0], ws[0]),
+               "apart": lambda: [ex.gemm(y, x, xs, pw, pws) for y, (pw, pws) in zip(apart, parts)]}
+        ref = dequant(x, xs, 1) @ dequant(w[0], ws[0], 128).t()
+        for f in fns.values():
+            f()
+        ex.check()
+        errs = {"merged": ((merged.float() - ref).norm() / ref.norm()).item(),
+                "apart": ((torch.cat(apart, 1).float() - ref).norm() / ref.norm()).item()}
+        for k, e in errs.items():
+            if not e < 1e-2:  # measured 1.7e-3 on the dense GEMM (experts_bench)
+                raise SystemExit(f"attention_bench: qkv_a {k} at M={m}: relative L2 {e:.2e} against fp32")
+        times = {k: graph_us(f, iters, reps=5) for k, f in fns.items()}
+        weight_bytes = w.numel() + ws.numel() * 4
+        floor = max(weight_bytes / bw * 1e6, 2 * m * w.shape[1] * hidden / fp8_peak * 1e6)
+        row = {"tokens": m, "n_merged": q_rows + kv_rows, "k": hidden, "merged_us": times["merged"],
+               "apart_us": times["apart"], "floor_us": floor, "rel_l2_vs_fp32": errs}
+        print(f"qkv_a M {m:4d}: merged {times['merged']:.1f} us, apart {times['apart']:.1f} us, "
+              f"floor {floor:.1f} us (merged / floor {times['merged'] / floor:.2f})", file=sys.stderr)
+        out.append(row)
+    return out
+
+
 def random_weights(cfg):
     """bf16 weights (moelink quantizes them to fp8 blocks), all heads."""
     D, H = cfg.hidden_size, cfg.num_attention_heads
@@ -158,6 +201,7 @@ def main():
     p.add_argument("--machine", default="nvidia-h200")
     p.add_argument("--json", default="-")
     p.add_argument("--flashmla", default=None, help="a directory tools/build_flashmla.sh built FlashMLA into")
+    p.add_argument("--qkv-a", default="", help="token counts of the merged qkv_a_proj comparison (empty: none)")
     a = p.parse_args()
     torch.manual_seed(0)
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
@@ -234,6 +278,10 @@ def main():
                           file=sys.stderr)
                 cache = None  # freed before the next case's
     rec["results"] = rows
+    if a.qkv_a:
+        from experts_bench import dense_fp8_tflops
+        rec["dense_fp8_tflops"] = dense_fp8_tflops(a.iters)
+        rec["qkv_a"] = qkv_a_results(ints(a.qkv_a), a.iters, bw, rec["dense_fp8_tflops"] * 1e12)
     write_json(rec, a.json)
 
 

@@ -146,7 +146,7 @@ def device_used_bytes():
 def make_model(a, fields, ckpt, num_layers, max_b, max_q):
     """The model of num_layers layers, loaded; its pages a request; the device
     memory it took (weights, KV cache and scratch; None on the CPU path)."""
-    pages_per_request = math.ceil((a.kv + max_q + KV_GROWTH) / a.page_size)
+    pages_per_request = math.ceil((a.kv + a.kv_spread + max_q + KV_GROWTH) / a.page_size)
     gpu = a.backend not in HOST_BACKENDS
     before = device_used_bytes() if gpu else None
     m = moelink.Model(os.path.join(ckpt, "config.json"), backend=a.backend, max_tokens=max_b * max_q,
@@ -170,15 +170,19 @@ def make_model(a, fields, ckpt, num_layers, max_b, max_q):
 KV_GROWTH = 32  # graph_us's steps: contexts kv + q .. kv + q + KV_GROWTH - 1 tokens
 
 
-def step_inputs(fields, b, q, kv, pages_per_request, seed, same_token=False):
+def step_inputs(fields, b, q, kv, pages_per_request, seed, same_token=False, kv_spread=0, shuffle_pages=False):
     """Host arrays of a decode step of b requests of q rows on kv-token contexts
-    (same_token: every row the same token id)."""
+    (same_token: every row the same token id; kv_spread: request i's context
+    kv + i * kv_spread // (b - 1) tokens, as a server's batch of requests
+    that started apart; shuffle_pages: the requests' pages dealt from a
+    random order of the pool, as a server's cache hands them out)."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(4, fields["vocab_size"], 1 if same_token else b * q)
+    pages = rng.permutation(b * pages_per_request) if shuffle_pages else np.arange(b * pages_per_request)
     return dict(token_ids=np.resize(ids, b * q).astype(np.int32),
                 q_start=(np.arange(b + 1) * q).astype(np.int32),
-                kv_len=np.full(b, kv + q, np.int32),
-                block_table=np.arange(b * pages_per_request, dtype=np.int32).reshape(b, pages_per_request),
+                kv_len=(kv + q + np.arange(b) * kv_spread // max(b - 1, 1)).astype(np.int32),
+                block_table=pages.astype(np.int32).reshape(b, pages_per_request),
                 num_drafts=np.full(b, q - 1, np.int32) if q > 1 else None,
                 next_tokens=np.zeros(b, np.int32),
                 accepted=np.zeros(b, np.int32) if q > 1 else None)
@@ -188,7 +192,7 @@ def time_model(a, timer, model, fields, ppr, full, cells):
     """graph_us (and, on the full model, eager_us and kernels) per cell."""
     out = {}
     for b, q in cells:
-        x = step_inputs(fields, b, q, a.kv, ppr, a.seed + b, a.same_token)
+        x = step_inputs(fields, b, q, a.kv, ppr, a.seed + b, a.same_token, a.kv_spread, a.shuffle_pages)
 
         steps = [0]
 
@@ -407,6 +411,10 @@ def main():
     p.add_argument("--same-token", action="store_true",
                    help="every row the same token id (a random-weight model's greedy output in serving "
                         "repeats: every token then picks the same experts)")
+    p.add_argument("--kv-spread", type=int, default=0,
+                   help="contexts from kv to kv + this many tokens across a step's requests (a server's batch)")
+    p.add_argument("--shuffle-pages", action="store_true",
+                   help="the requests' pages in a random order of the pool (as a server's cache hands them out)")
     p.add_argument("--acceptance", type=float, default=0.8, help="accepted drafts assumed in tokens_per_s")
     p.add_argument("--overlap", default="auto", help="the MoE layers' overlap mode")
     p.add_argument("--iters", type=int, default=20)
@@ -430,6 +438,8 @@ def main():
             raise SystemExit(f"model_bench: --q-lens: {q} is not 1 or 2")
     if a.plan and not os.access(a.plan, os.X_OK):
         raise SystemExit(f"model_bench: --plan {a.plan}: no such executable (build the moelink-plan target)")
+    if a.kv < 0 or a.kv_spread < 0:
+        raise SystemExit(f"model_bench: --kv {a.kv} and --kv-spread {a.kv_spread} must be >= 0")
     if a.moe_layers < 1 or not a.batches or min(a.batches) < 1:
         raise SystemExit("model_bench: --moe-layers and every batch must be >= 1")
     if a.checkpoint_dir is None:
@@ -440,7 +450,7 @@ def main():
     timer = Timer(gpu)
     rec = header("model_bench", a.machine, gpu=gpu)
     rec.update(backend=a.backend, kv=a.kv, page_size=a.page_size, acceptance=a.acceptance, overlap=a.overlap,
-               same_token=a.same_token,
+               same_token=a.same_token, kv_spread=a.kv_spread, shuffle_pages=a.shuffle_pages,
                moe_layers=a.moe_layers, tiny=a.tiny)
     if gpu:
         from benchlib import copy_gbs

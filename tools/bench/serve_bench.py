@@ -336,7 +336,7 @@ def main():
     try:
         rates = [float(v) for v in a.rate.split(",") if v]
     except ValueError:
-        p.error(f"--rate {a.rate!r}: comma-separated arrivals per second (numbers >= 0; 0: closed loop)")
+        rates = []
     if not rates or any(r < 0 for r in rates):
         p.error(f"--rate {a.rate!r}: comma-separated arrivals per second (numbers >= 0; 0: closed loop)")
     concurrencies = [int(v) for v in a.concurrency.split(",") if v]

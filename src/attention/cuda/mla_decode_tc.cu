@@ -4,11 +4,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <mutex>
 #include <string>
 
 #include "attention/cuda/mla_decode_split.cuh"
+#include "core/arg_checks.h"
 #include "moelink/errors.h"
 #include "nvlink/cuda_check.h"
 
@@ -311,21 +311,15 @@ int sm_count() {
 // 2026-12-06 on an H100, 128 heads, kv 5000: 2 groups 69 / 566 / 2145 us at
 // batch 1 / 32 / 128 against 72 / 1396 / 5634 us with one).
 int groups_for(const TcDecodeArgs& a) {
-  static const int asked = [] {
-    const char* v = std::getenv("MOELINK_MLA_TC_GROUPS");
-    return v != nullptr && std::string(v) == "1" ? 1 : 2;
-  }();
+  static const int asked = env_int("MOELINK_MLA_TC_GROUPS", 2, 1, 2);
   return a.heads > kHeadsPerGroup ? asked : 1;
 }
 
 // Whether the warpgroup-MMA kernel runs these arguments.
 bool use_wgmma(const TcDecodeArgs& a) {
 #if defined(MOELINK_WGMMA_DECODE)
-  static const bool off = [] {
-    const char* v = std::getenv("MOELINK_MLA_DECODE_WGMMA");
-    return v != nullptr && std::string(v) == "0";
-  }();
-  return !off && wgmma_decode_applies(a);
+  static const bool on = env_int("MOELINK_MLA_DECODE_WGMMA", 1, 0, 1) == 1;
+  return on && wgmma_decode_applies(a);
 #else
   (void)a;
   return false;
@@ -337,10 +331,7 @@ bool use_wgmma(const TcDecodeArgs& a) {
 // adds partials to write and merge (at one request of 128 heads, 66 splits
 // wrote 17 MB of them). MOELINK_MLA_DECODE_SPLIT_STAGES sets it (A/B runs).
 int64_t min_split_stages() {
-  static const int64_t v = [] {
-    const char* e = std::getenv("MOELINK_MLA_DECODE_SPLIT_STAGES");
-    return e != nullptr ? std::max<int64_t>(1, std::atoll(e)) : int64_t{4};
-  }();
+  static const int64_t v = env_int("MOELINK_MLA_DECODE_SPLIT_STAGES", 4, 1, kMaxSplits);
   return v;
 }
 

@@ -5,11 +5,14 @@
 // MLA's absorbed decode is multi-query attention: every head of a request
 // reads the same cache rows [latent R | rotary 64], as keys over all R + 64
 // dims and as values over the R latent dims. A block takes one decode row
-// and 16 heads (the MMAs' M) against the row's keys, 64 keys a stage,
+// and 32 heads (16 at 16 heads or fewer), two groups of 4 warps with 16
+// heads each (the MMAs' M), against the row's keys, 64 keys a stage,
 // streamed into shared memory with cp.async two stages deep while the
-// previous stage computes: scores Q K^T over R + 64 dims (each of the 4
-// warps 16 keys), the online softmax across the warps, then P V (each warp
-// R / 4 output dims). Rows whose keys are too few to fill the GPU split
+// previous stage computes: scores Q K^T over R + 64 dims (each of a group's
+// 4 warps 16 keys), the online softmax across the warps, then P V (each
+// warp R / 4 output dims). On Hopper at latent 512 the warpgroup-MMA kernel
+// (mla_decode_wgmma.cu) runs instead where it applies (below). Rows whose
+// keys are too few to fill the GPU split
 // their keys over several blocks (grid.z) whose normalized outputs and
 // log-sum-exps a second kernel merges. Every count (rows, keys, requests)
 // is read on the device: the grid depends only on the buffers' bounds, so
