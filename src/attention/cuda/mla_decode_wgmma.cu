@@ -27,12 +27,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <mutex>
-#include <string>
 
 #include "attention/cuda/mla_decode_split.cuh"
 #include "attention/cuda/mla_decode_tc.h"
+#include "core/arg_checks.h"
 #include "nvlink/cuda_check.h"
 
 namespace moelink::detail::attention {
@@ -414,10 +413,7 @@ bool wgmma_decode_applies(const TcDecodeArgs& a) {
 int wgmma_decode_head_blocks(const TcDecodeArgs& a) { return (a.heads + kHeads - 1) / kHeads; }
 
 void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cudaStream_t stream) {
-  static const bool overlap = [] {
-    const char* v = std::getenv("MOELINK_MLA_DECODE_OVERLAP");
-    return v != nullptr && std::string(v) == "1";
-  }();
+  static const bool overlap = env_int("MOELINK_MLA_DECODE_OVERLAP", 0, 0, 1) == 1;
   static std::once_flag attribute_set;
   std::call_once(attribute_set, [] {
     for (const void* kernel : {reinterpret_cast<const void*>(wgmma_decode_kernel<false>),
