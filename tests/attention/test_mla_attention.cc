@@ -817,6 +817,29 @@ TEST(MLAAttentionCuda, DecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
   check_decode_graph(small_config(), moelink::MLADecodeKernel::kAuto, false);
 }
 
+// The same on moelink's warpgroup kernel (latent 512; 128 heads: two head
+// blocks, and 16: a request's rows packed into one block).
+TEST(MLAAttentionCuda, OwnWarpgroupDecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  for (int heads : {128, 16}) {
+    SCOPED_TRACE("heads " + std::to_string(heads));
+    check_decode_graph(flashinfer_config(heads).first, moelink::MLADecodeKernel::kMoelink, false);
+  }
+}
+
+// An empty decode batch at latent 512 on moelink's kernel writes nothing and
+// the next step runs.
+TEST(MLAAttentionCuda, OwnWarpgroupDecodeEmptyBatchThenAStep) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  Harness h(AttentionDevice::kCUDA, flashinfer_config(128).first, fresh_seed(), 4, 64, 1, true,
+            moelink::MLADecodeKernel::kMoelink);
+  EXPECT_TRUE(h.run({{}, {}, 0, 4}).empty());
+  const int id = h.add_request(5);
+  h.poke_cache(id, 4);
+  const std::vector<double> out = h.run({{id}, {1}, 1});
+  for (double v : out) EXPECT_TRUE(std::isfinite(v));
+}
+
 TEST(MLAAttentionCuda, FlashInferDecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
   if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   const std::pair<MLAConfig, std::string> fc = flashinfer_config();
