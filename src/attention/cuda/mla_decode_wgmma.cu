@@ -133,7 +133,8 @@ __device__ __forceinline__ void mma_values(float (&d)[128], uint64_t desc_a, uin
 // kOverlap: stage t + 1's scores issued behind stage t's P V (an A/B
 // candidate, MOELINK_MLA_DECODE_OVERLAP=1, not yet measured).
 template <bool kOverlap>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs a, void* workspace) {
+__global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs a, void* workspace,
+                                                                   bool heads_inner) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __trap();  // wgmma is sm_90a's (wgmma_decode_applies asks for a Hopper GPU)
 #else
@@ -149,12 +150,16 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
   // of an MTP request (its keys streamed once for q_len 2): slot s is head
   // s % 32 of the request's row s / 32, and the block of its second row
   // leaves the request to the first's.
-  const int64_t r = blockIdx.x, decode_rows = a.plan.decode_rows[0];
+  // heads_inner: blockIdx.x = row x head blocks + head block, so a row's
+  // head blocks run side by side and the second reads its keys from L2;
+  // else blockIdx.x is the row and blockIdx.y the head block.
+  const int64_t r = heads_inner ? blockIdx.x / gridDim.y : blockIdx.x, decode_rows = a.plan.decode_rows[0];
+  const int head_block = heads_inner ? blockIdx.x % gridDim.y : blockIdx.y;
   const int split = blockIdx.z, splits = gridDim.z;
   if (r >= decode_rows) return;
   const int32_t request = a.plan.request[r];
   const bool packed = a.heads <= kHeads / 2;
-  const int per_row = packed ? kHeads / 2 : kHeads, head0 = packed ? 0 : blockIdx.y * kHeads;
+  const int per_row = packed ? kHeads / 2 : kHeads, head0 = packed ? 0 : head_block * kHeads;
   if (packed && request >= 0 && r > 0 && a.plan.request[r - 1] == request) return;  // the first row's block
   const int rows = packed && request >= 0 && r + 1 < decode_rows && a.plan.request[r + 1] == request ? 2 : 1;
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
@@ -421,12 +426,15 @@ void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cud
       MOELINK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               static_cast<int>(kSmemBytes)));
   });
-  const dim3 grid(static_cast<unsigned>(a.rows_bound), static_cast<unsigned>(wgmma_decode_head_blocks(a)),
-                  static_cast<unsigned>(splits));
+  static const bool heads_inner = env_int("MOELINK_MLA_DECODE_HEADS_INNER", 1, 0, 1) == 1;
+  const int head_blocks = wgmma_decode_head_blocks(a);
+  // With heads_inner, grid.y only tells the kernel the head blocks: x covers them.
+  const dim3 grid(static_cast<unsigned>(a.rows_bound * (heads_inner ? head_blocks : 1)),
+                  static_cast<unsigned>(head_blocks), static_cast<unsigned>(splits));
   if (overlap)
-    wgmma_decode_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace);
+    wgmma_decode_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, heads_inner);
   else
-    wgmma_decode_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace);
+    wgmma_decode_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, heads_inner);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
