@@ -66,5 +66,9 @@ void launch_tc_decode(const TcDecodeArgs& a, void* workspace, cudaStream_t strea
 // block a multiprocessor), whose partials launch_tc_decode merges.
 bool wgmma_decode_applies(const TcDecodeArgs& a);
 void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cudaStream_t stream);
+// Its out-of-step variant for more than 32 heads (mla_decode_seesaw.cu;
+// launch_wgmma_decode picks it under MOELINK_MLA_DECODE_SEESAW=1).
+void launch_seesaw_decode(const TcDecodeArgs& a, void* workspace, int splits, bool heads_inner,
+                          cudaStream_t stream);
 
 }  // namespace moelink::detail::attention

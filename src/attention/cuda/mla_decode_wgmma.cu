@@ -31,6 +31,7 @@
 
 #include "attention/cuda/mla_decode_split.cuh"
 #include "attention/cuda/mla_decode_tc.h"
+#include "attention/cuda/wgmma.cuh"
 #include "core/arg_checks.h"
 #include "nvlink/cuda_check.h"
 
@@ -38,13 +39,13 @@ namespace moelink::detail::attention {
 namespace {
 
 using namespace decode;
+using namespace wgmma;
 
 constexpr int kHeads = 64;                       // a block's heads: wgmma's M
 constexpr int kLatent = 512, kRow = kLatent + kRope;
 constexpr int kAtoms = kRow / 64;                // 64-dim swizzle atoms of a row
 constexpr int kChunks = kRow / 8;                // 16-byte pieces of a row
 constexpr int kThreads = 256;                    // two warpgroups
-constexpr uint32_t kAtomBlock = 64 * 128;        // 64 rows of one atom: 8 KB
 constexpr uint32_t kTile = kAtoms * kAtomBlock;  // 64 rows x 576 dims: 72 KB
 constexpr uint32_t kPTile = kAtomBlock;          // 64 heads x 64 keys of P
 constexpr uint32_t kRedBytes = 2 * 2 * kHeads * 4;  // row maxima and sums, a row per warpgroup
@@ -53,81 +54,6 @@ constexpr uint32_t kRedBytes = 2 * 2 * kHeads * 4;  // row maxima and sums, a ro
 constexpr size_t kSmemBytes = 3 * size_t(kTile) + kPTile + kRedBytes + 1024;
 static_assert(kSmemBytes <= 227 * 1024, "past a Hopper block's shared memory");
 
-// ------------------------------------------------------------ shared-memory tiles
-
-// Byte offset of 16-byte piece `chunk` of row `row` in a swizzled tile.
-__device__ __forceinline__ uint32_t tile_offset(int row, int chunk) {
-  return (chunk >> 3) * kAtomBlock + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
-}
-
-// wgmma's shared-memory matrix descriptor, 128-byte swizzle: the start
-// address, LBO and SBO (bytes; 16-byte units in the descriptor).
-//   K-major (Q, K, P): SBO = 1024, the stride of 8-row groups (LBO unused);
-//   MN-major (V): LBO = 8 KB, the stride of 64-column atoms along N; SBO =
-//   1024, the stride of 8-row groups along K.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>(lbo >> 4) << 16 |
-         static_cast<uint64_t>(sbo >> 4) << 32 | 1ull << 62;
-}
-
-// ------------------------------------------------------------ wgmma
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>  // at most N groups still running
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// The generic proxy's shared-memory writes (cp.async, stores) seen by the
-// async proxy that wgmma reads through.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Keeps the compiler from moving accumulator reads or writes across a
-// wgmma's issue or wait.
-template <int N>
-__device__ __forceinline__ void fence_registers(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// d [64 x 32] += A [64 x 16] . B [32 x 16]^T, both K-major in shared memory.
-__device__ __forceinline__ void mma_scores(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-      "%16, %17, accumulate, 1, 1, 0, 0;\n}\n"
-      :
-        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
-}
-
-// d [64 x 256] += A [64 x 16] (K-major) . B [16 x 256] (MN-major), from shared memory.
-__device__ __forceinline__ void mma_values(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-      "%128, %129, accumulate, 1, 1, 0, 1;\n}\n"
-      :
-        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
-}
 // ------------------------------------------------------------ the kernel
 
 // kOverlap: stage t + 1's scores issued behind stage t's P V (an A/B
@@ -238,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
       const uint32_t in_atom = (k % 4) * 32;  // a K step's 16 dims within the 128-byte row
       const uint64_t qa = smem_desc(q_tile + (k / 4) * kAtomBlock + in_atom, 16, 1024);
       const uint64_t kb = smem_desc(stage + (k / 4) * kAtomBlock + wg * 32 * 128 + in_atom, 16, 1024);
-      mma_scores(sc, qa, kb);
+      mma_64x32_ss(sc, qa, kb);
     }
     wgmma_commit();
   };
@@ -296,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
     for (int k = 0; k < kKeysPerStage / 16; ++k) {
       const uint64_t pa = smem_desc(p_tile + k * 32, 16, 1024);
       const uint64_t vb = smem_desc(stage + wg * 4 * kAtomBlock + k * 16 * 128, kAtomBlock, 1024);
-      mma_values(out, pa, vb);
+      mma_64x256_ss(out, pa, vb);
     }
     wgmma_commit();
   };
@@ -427,6 +353,8 @@ void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cud
                                               static_cast<int>(kSmemBytes)));
   });
   static const bool heads_inner = env_int("MOELINK_MLA_DECODE_HEADS_INNER", 1, 0, 1) == 1;
+  static const bool seesaw = env_int("MOELINK_MLA_DECODE_SEESAW", 0, 0, 1) == 1;
+  if (seesaw && a.heads > kHeads / 2) return launch_seesaw_decode(a, workspace, splits, heads_inner, stream);
   const int head_blocks = wgmma_decode_head_blocks(a);
   // With heads_inner, grid.y only tells the kernel the head blocks: x covers them.
   const dim3 grid(static_cast<unsigned>(a.rows_bound * (heads_inner ? head_blocks : 1)),
