@@ -89,6 +89,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   const int row0 = wtid / 32 * 16 + lane / 4, row1 = row0 + 8, c2 = (lane % 4) * 2;
   const KeyRange range = split_keys(static_cast<int64_t>(a.plan.position[r]) + 1, split, splits);
   const Partials part = partials_of(workspace, splits, a.Nd, a.heads, kLatent);
+  if (range.begin >= range.end) return mark_empty_split(part, a.Nd, split, r, head0, kHeads, a.heads, tid);
   const int64_t key_end[2] = {range.end, range.end};
   const int stages = static_cast<int>((range.end - range.begin + kKeysPerStage - 1) / kKeysPerStage);
   const int pairs = (stages + 1) / 2;

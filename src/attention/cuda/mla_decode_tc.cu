@@ -94,6 +94,7 @@ __global__ void __launch_bounds__(Shape<R, G>::kThreads) tc_decode_kernel(TcDeco
   const int64_t keys = static_cast<int64_t>(a.plan.position[r]) + 1;
   const KeyRange range = split_keys(keys, split, splits);
   const Partials part = partials_of(workspace, splits, a.Nd, a.heads, R);
+  if (range.begin >= range.end) return mark_empty_split(part, a.Nd, split, r, block_h0, S::kHeads, a.heads, tid);
 
   // This block's queries: 16 heads x [latent R | rotary 64]; heads past
   // `heads` are zeros (their scores are computed, never stored). 16-byte

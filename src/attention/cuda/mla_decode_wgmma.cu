@@ -105,6 +105,10 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
   const int64_t keys = static_cast<int64_t>(a.plan.position[r + rows - 1]) + 1;
   const KeyRange range = split_keys(keys, split, splits);
   const Partials part = partials_of(workspace, splits, a.Nd, a.heads, kLatent);
+  if (range.begin >= range.end) {  // an empty split: -inf for each slot's row and head
+    for (int q = 0; q < rows; ++q) mark_empty_split(part, a.Nd, split, r + q, head0, per_row, a.heads, tid);
+    return;
+  }
   int64_t key_end[2];  // the thread's two slots: their keys end here (their rows' positions + 1)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
