@@ -8,6 +8,7 @@
 #include <string>
 
 #include "attention/cuda/mla_decode_split.cuh"
+#include "attention/decode_splits.h"
 #include "core/arg_checks.h"
 #include "moelink/errors.h"
 #include "nvlink/cuda_check.h"
@@ -336,38 +337,24 @@ int64_t min_split_stages() {
   return v;
 }
 
-// Splits of each row's keys. Blocks run in waves of `slots` (two blocks a
-// multiprocessor of the mma.sync kernel, one of the warpgroup kernel);
-// each split count s (up to the longest row's stages, the warpgroup
-// kernel's at least min_split_stages() a split) costs its waves times a
-// block's stages, plus one stage for the block's prologue and its share of
-// the merge; the cheapest wins, the fewest splits among equals. The host
-// knows the decode rows only as rows_bound, twice the requests: with one
-// query row a request half the grid's blocks leave at once, so the cost is
-// the sum of both cases (every request one row, every request two).
-// (Filling the machine by rounding up could start a second wave for a few
-// blocks: 64 busy blocks on 132 multiprocessors took 3 splits, 2 waves of
-// 27 stages, where 2 splits run one wave of 40.)
-// MOELINK_MLA_DECODE_SPLITS_BY_WAVES=0 keeps the older rule, the fewest
-// splits that give every slot a block of the grid (A/B runs).
+// Splits of each row's keys: decode_splits (attention/decode_splits.h)
+// over the grid's blocks (two a multiprocessor of the mma.sync kernel, one
+// of the warpgroup kernel). MOELINK_MLA_DECODE_SPLITS_BY_WAVES=0 keeps the
+// older rule, the fewest splits that give every slot a block of the grid
+// (A/B runs).
 int splits_for(const TcDecodeArgs& a) {
   const bool wgmma = use_wgmma(a);
   const int heads_per_block = wgmma ? 64 : groups_for(a) * kHeadsPerGroup;
   const int64_t head_blocks = (a.heads + heads_per_block - 1) / heads_per_block;
-  const int64_t blocks = std::max<int64_t>(1, a.rows_bound * head_blocks);
-  const int64_t stages = std::max<int64_t>(1, (a.max_keys + kKeysPerStage - 1) / kKeysPerStage);
-  const int64_t slots = (wgmma ? 1 : 2) * static_cast<int64_t>(sm_count());
-  const int64_t most = std::clamp<int64_t>(wgmma ? stages / min_split_stages() : stages, 1, kMaxSplits);
+  DecodeSplitShape shape;
+  shape.busy_one = std::max<int64_t>(1, (a.rows_bound + 1) / 2 * head_blocks);
+  shape.busy_two = std::max<int64_t>(1, a.rows_bound * head_blocks);
+  shape.stages = std::max<int64_t>(1, (a.max_keys + kKeysPerStage - 1) / kKeysPerStage);
+  shape.slots = (wgmma ? 1 : 2) * static_cast<int64_t>(sm_count());
+  shape.most = std::clamp<int64_t>(wgmma ? shape.stages / min_split_stages() : shape.stages, 1, kMaxSplits);
   static const bool by_waves = env_int("MOELINK_MLA_DECODE_SPLITS_BY_WAVES", 1, 0, 1) == 1;
-  if (!by_waves) return static_cast<int>(std::min((slots + blocks - 1) / blocks, most));
-  const int64_t busy[2] = {std::max<int64_t>(1, (a.rows_bound + 1) / 2 * head_blocks), blocks};
-  int64_t best = 1, best_cost = INT64_MAX;
-  for (int64_t s = 1; s <= most; ++s) {
-    int64_t cost = 0;
-    for (const int64_t b : busy) cost += (b * s + slots - 1) / slots * ((stages + s - 1) / s + 1);
-    if (cost < best_cost) best = s, best_cost = cost;
-  }
-  return static_cast<int>(best);
+  if (!by_waves) return static_cast<int>(std::min((shape.slots + shape.busy_two - 1) / shape.busy_two, shape.most));
+  return static_cast<int>(decode_splits(shape));
 }
 
 template <int R, int G>
