@@ -27,7 +27,8 @@
 #   attention (not in the default): tools/bench/attention_bench.py, MLA
 #   decode on moelink's kernel, FlashInfer's and FlashMLA's (built first by
 #   tools/build_flashmla.sh from .deps/flashmla-9241ae3.tar.xz, about 2
-#   minutes), and the merged qkv_a_proj against its two GEMMs apart
+#   minutes), the merged qkv_a_proj against its two GEMMs apart and the
+#   W_UK / W_UV batched GEMMs against torch.bmm
 #   (MOELINK_ATTENTION_BENCH_ARGS adds arguments).
 #   serve-batch128 (not in the default): the same server decoding 128
 #   shared-prefix requests of 256 tokens at once (serve-batch128.json).
@@ -259,7 +260,7 @@ if has attention; then
   fm=()
   PYTHON=$py bash tools/build_flashmla.sh /tmp/moelink-flashmla && fm=(--flashmla /tmp/moelink-flashmla) || status=1
   cmd=($py tools/bench/attention_bench.py --machine "$machine" --json "$OUT/attention.json" "${fm[@]}"
-       --qkv-a 1,8,32,64,128,256 ${MOELINK_ATTENTION_BENCH_ARGS:-})
+       --qkv-a 1,8,32,64,128,256 --bmm 1,8,32,64,128,256 ${MOELINK_ATTENTION_BENCH_ARGS:-})
   echo "${cmd[*]}"
   PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
     tee "$OUT/attention-bench.log" | tail -40 || status=1
