@@ -64,7 +64,7 @@ __device__ __forceinline__ void scale_all(float (&d)[N], float f) {
 }
 
 __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs a, void* workspace,
-                                                                    bool heads_inner) {
+                                                                    int inner_head_blocks) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __trap();  // wgmma is sm_90a's
 #else
@@ -75,8 +75,10 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   float* max_pub = reinterpret_cast<float*>(smem_raw + (base + 3 * kTile - raw));  // [2 warpgroups][64 heads]
   float* red_sum = max_pub + 2 * kHeads;                                           // [2 warpgroups][64 heads]
 
-  const int64_t r = heads_inner ? blockIdx.x / gridDim.y : blockIdx.x, decode_rows = a.plan.decode_rows[0];
-  const int head0 = (heads_inner ? blockIdx.x % gridDim.y : blockIdx.y) * kHeads;
+  // The grid as mla_decode_wgmma.cu's (inner_head_blocks > 0: a row's head blocks side by side).
+  const int64_t r = inner_head_blocks > 0 ? blockIdx.x / inner_head_blocks : blockIdx.x;
+  const int64_t decode_rows = a.plan.decode_rows[0];
+  const int head0 = (inner_head_blocks > 0 ? blockIdx.x % inner_head_blocks : blockIdx.y) * kHeads;
   const int split = blockIdx.z, splits = gridDim.z;
   if (r >= decode_rows) return;
   const int32_t request = a.plan.request[r];
@@ -354,8 +356,8 @@ void launch_seesaw_decode(const TcDecodeArgs& a, void* workspace, int splits, bo
   });
   const int head_blocks = (a.heads + kHeads - 1) / kHeads;
   const dim3 grid(static_cast<unsigned>(a.rows_bound * (heads_inner ? head_blocks : 1)),
-                  static_cast<unsigned>(head_blocks), static_cast<unsigned>(splits));
-  seesaw_decode_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, heads_inner);
+                  static_cast<unsigned>(heads_inner ? 1 : head_blocks), static_cast<unsigned>(splits));
+  seesaw_decode_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, heads_inner ? head_blocks : 0);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 

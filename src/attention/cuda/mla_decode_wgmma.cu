@@ -60,7 +60,7 @@ static_assert(kSmemBytes <= 227 * 1024, "past a Hopper block's shared memory");
 // candidate, MOELINK_MLA_DECODE_OVERLAP=1, not yet measured).
 template <bool kOverlap>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs a, void* workspace,
-                                                                   bool heads_inner) {
+                                                                   int inner_head_blocks) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __trap();  // wgmma is sm_90a's (wgmma_decode_applies asks for a Hopper GPU)
 #else
@@ -76,11 +76,12 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
   // of an MTP request (its keys streamed once for q_len 2): slot s is head
   // s % 32 of the request's row s / 32, and the block of its second row
   // leaves the request to the first's.
-  // heads_inner: blockIdx.x = row x head blocks + head block, so a row's
-  // head blocks run side by side and the second reads its keys from L2;
-  // else blockIdx.x is the row and blockIdx.y the head block.
-  const int64_t r = heads_inner ? blockIdx.x / gridDim.y : blockIdx.x, decode_rows = a.plan.decode_rows[0];
-  const int head_block = heads_inner ? blockIdx.x % gridDim.y : blockIdx.y;
+  // inner_head_blocks > 0: blockIdx.x = row x head blocks + head block, so
+  // a row's head blocks run side by side (the second could read the row's
+  // keys from L2); else blockIdx.x is the row and blockIdx.y the head block.
+  const int64_t r = inner_head_blocks > 0 ? blockIdx.x / inner_head_blocks : blockIdx.x;
+  const int64_t decode_rows = a.plan.decode_rows[0];
+  const int head_block = inner_head_blocks > 0 ? blockIdx.x % inner_head_blocks : blockIdx.y;
   const int split = blockIdx.z, splits = gridDim.z;
   if (r >= decode_rows) return;
   const int32_t request = a.plan.request[r];
@@ -356,17 +357,17 @@ void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cud
       MOELINK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               static_cast<int>(kSmemBytes)));
   });
-  static const bool heads_inner = env_int("MOELINK_MLA_DECODE_HEADS_INNER", 1, 0, 1) == 1;
+  static const bool heads_inner = env_int("MOELINK_MLA_DECODE_HEADS_INNER", 0, 0, 1) == 1;
   static const bool seesaw = env_int("MOELINK_MLA_DECODE_SEESAW", 0, 0, 1) == 1;
   if (seesaw && a.heads > kHeads / 2) return launch_seesaw_decode(a, workspace, splits, heads_inner, stream);
   const int head_blocks = wgmma_decode_head_blocks(a);
-  // With heads_inner, grid.y only tells the kernel the head blocks: x covers them.
   const dim3 grid(static_cast<unsigned>(a.rows_bound * (heads_inner ? head_blocks : 1)),
-                  static_cast<unsigned>(head_blocks), static_cast<unsigned>(splits));
+                  static_cast<unsigned>(heads_inner ? 1 : head_blocks), static_cast<unsigned>(splits));
+  const int inner = heads_inner ? head_blocks : 0;
   if (overlap)
-    wgmma_decode_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, heads_inner);
+    wgmma_decode_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner);
   else
-    wgmma_decode_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, heads_inner);
+    wgmma_decode_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
