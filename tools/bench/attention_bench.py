@@ -55,7 +55,7 @@ from benchlib import copy_gbs, header, write_json
 # MMAs at latent 512 and more than 32 heads on Hopper, else mma.sync) and
 # their merge of split keys (the scalar decode_attention_kernel where their
 # shapes do not apply), FlashInfer's.
-KERNELS = {"moelink": ("wgmma_decode_kernel", "tc_decode_kernel", "tc_decode_merge_kernel",
+KERNELS = {"moelink": ("wgmma_decode_kernel", "seesaw_decode_kernel", "tc_decode_kernel", "tc_decode_merge_kernel",
                        "decode_attention_kernel"),
            "flashinfer": ("BatchMLAPageAttentionHopper",)}
 
