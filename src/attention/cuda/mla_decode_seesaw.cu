@@ -2,7 +2,8 @@
 // out of step ("seesaw"), for more than 32 heads (64 heads of one decode
 // row a block; DeepSeek-V3's cache rows, latent 512 + rotary 64). An A/B
 // candidate against mla_decode_wgmma.cu's kernel, where both warpgroups
-// score every stage together (MOELINK_MLA_DECODE_SEESAW=1 picks this one).
+// score every stage together (MOELINK_MLA_DECODE_SEESAW=1 picks this one;
+// on an H100, 2026-12-06: correct, about 9 % slower, docs/attention.md).
 //
 // The stages (64 keys each) alternate between two tiles: warpgroup 0 scores
 // the even stages (tile 0), warpgroup 1 the odd ones (tile 1), each over all
