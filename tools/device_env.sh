@@ -16,6 +16,9 @@ nccl_home="$site/nvidia/nccl"
 # started without it (and NVSHMEM's own plugins sit beside it).
 nvshmem_home=${NVSHMEM_HOME:-$site/nvidia/nvshmem}
 export LD_LIBRARY_PATH="$nvshmem_home/lib:$nccl_home/lib:${LD_LIBRARY_PATH:-}"
+# cuBLAS for binaries built on the CPU machine (tools/build_for_device.sh),
+# whose run path names that machine's CUDA directory.
+[[ -d /usr/local/cuda/lib64 ]] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:/usr/local/cuda/lib64"
 # libfabric (the internode backends) from Debian's packages, unpacked into
 # .deps/sysroot by tools/prepare_device_deps.sh: that machine has none.
 fabric_args=()

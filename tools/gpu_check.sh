@@ -27,7 +27,8 @@
 #   attention (not in the default): tools/bench/attention_bench.py, MLA
 #   decode on moelink's kernel, FlashInfer's and FlashMLA's (built first by
 #   tools/build_flashmla.sh from .deps/flashmla-9241ae3.tar.xz, about 2
-#   minutes), and the merged qkv_a_proj against its two GEMMs apart
+#   minutes), the merged qkv_a_proj against its two GEMMs apart and the
+#   W_UK / W_UV batched GEMMs against torch.bmm
 #   (MOELINK_ATTENTION_BENCH_ARGS adds arguments).
 #   serve-batch128 (not in the default): the same server decoding 128
 #   shared-prefix requests of 256 tokens at once (serve-batch128.json).
@@ -44,6 +45,10 @@
 #   CPU r, its worker on CPU N+1+r; past the CPU set, beside the workers of
 #   ranks 2, 3, ...)
 #   (MOELINK_FABRIC_BENCH_ARGS replaces the default arguments).
+# MOELINK_BUILD_DIR (default build-gpu) is the build tree; one built on the
+# CPU machine by tools/build_for_device.sh and carried runs without the
+# build step (e.g. MOELINK_BUILD_DIR=build-device bash tools/gpu_check.sh
+# test), which saves the device the build's minutes.
 # MOELINK_BUILD_TARGETS builds only those targets (e.g. "_C
 # moelink_layer_tests"; default: all). MOELINK_CMAKE_ARGS adds configure arguments (e.g.
 # -DMOELINK_EXPERTS_TILE_SWEEP=ON for experts_bench.py --tiles).
@@ -53,13 +58,14 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 steps=${*:-build test python sanitize bench internode experts}
+bdir=${MOELINK_BUILD_DIR:-build-gpu}
 source "$root/tools/device_env.sh"
 python_build=OFF
 { has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has pd-gpu || has attention || has vllm; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
-  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  cmake -S . -B $bdir -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DMOELINK_GTEST_SOURCE_DIR="$root/.deps/googletest" \
     -DMOELINK_EXTRA_INCLUDE_DIR="$root/.deps/include" \
     -DNCCL_ROOT="$nccl_home" -DNVSHMEM_HOME="$nvshmem_home" \
@@ -67,7 +73,7 @@ if has build; then
     ${MOELINK_CMAKE_ARGS:-} \
     -DPython_EXECUTABLE="$py" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
   grep -E "moelink: (backend|backends|TransferEngine|CUTLASS|FlashInfer)" "$OUT/configure.log"
-  cmake --build build-gpu -j "$(nproc)" ${MOELINK_BUILD_TARGETS:+--target $MOELINK_BUILD_TARGETS} \
+  cmake --build $bdir -j "$(nproc)" ${MOELINK_BUILD_TARGETS:+--target $MOELINK_BUILD_TARGETS} \
     >"$OUT/build.log" 2>&1 || { grep -B2 -A10 error "$OUT/build.log" | head -60; exit 1; }
   echo "build ok"
 fi
@@ -85,17 +91,21 @@ run_gtests() {  # title binary filter log [optional]
 }
 
 if has test; then
-  run_gtests "GPU test suite ($ngpu GPUs)" build-gpu/tests/moelink_tests \
+  run_gtests "GPU test suite ($ngpu GPUs)" $bdir/tests/moelink_tests \
     "${MOELINK_GTEST_FILTER:-*}" tests.log
-  run_gtests "expert kernels (CUDA and CPU)" build-gpu/tests/moelink_experts_tests \
+  run_gtests "expert kernels (CUDA and CPU)" $bdir/tests/moelink_experts_tests \
     "${MOELINK_EXPERTS_FILTER:-*}" experts-tests.log
   run_gtests "MoE layer (cpu and nvlink backends, ranks sharing the GPUs)" \
-    build-gpu/tests/moelink_layer_tests "${MOELINK_LAYER_FILTER:-*}" layer-tests.log
+    $bdir/tests/moelink_layer_tests "${MOELINK_LAYER_FILTER:-*}" layer-tests.log
+  run_gtests "MLA attention (CUDA and CPU paths, FlashInfer's kernels where built)" \
+    $bdir/tests/moelink_attention_tests "${MOELINK_ATTENTION_FILTER:-*}" attention-tests.log optional
+  run_gtests "the model (CUDA and CPU paths, decode graphs, overlap modes)" \
+    $bdir/tests/moelink_model_tests "${MOELINK_MODEL_FILTER:-*}" model-tests.log optional
   run_gtests "TransferEngine GPU tests (a kernel polls signal_on_imm's flag; shm / tcp)" \
-    build-gpu/src/fabric/tests/moelink_fabric_tests "${MOELINK_FABRIC_FILTER:-*Gpu*}" fabric-tests.log \
+    $bdir/src/fabric/tests/moelink_fabric_tests "${MOELINK_FABRIC_FILTER:-*Gpu*}" fabric-tests.log \
     optional
   run_gtests "internode backend tests (GPU and CPU, libfabric shm / tcp)" \
-    build-gpu/src/fabric/tests/moelink_internode_tests "${MOELINK_INTERNODE_FILTER:-*}" \
+    $bdir/src/fabric/tests/moelink_internode_tests "${MOELINK_INTERNODE_FILTER:-*}" \
     internode-tests.log optional
 fi
 
@@ -110,7 +120,7 @@ if has pd-gpu; then
     LD_LIBRARY_PATH="$lfc/lib:$cudart_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" FI_LOG_LEVEL=warn \
       $lfc/bin/fi_info -p shm -c FI_HMEM 2>&1 | grep -E "provider|hmem|HMEM" | head -5
     LD_PRELOAD=$lfc/lib/libfabric.so.1 LD_LIBRARY_PATH="$cudart_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-      FI_TCP_IFACE=lo MOELINK_PYTHONPATH="$root/build-gpu/python" \
+      FI_TCP_IFACE=lo MOELINK_PYTHONPATH="$root/$bdir/python" \
       $py -m pytest -q -rs tests/python/test_pd_handoff.py -k nvlink >"$OUT/pytest-pd-gpu.log" 2>&1 || status=1
     tail -8 "$OUT/pytest-pd-gpu.log"
   else
@@ -140,7 +150,7 @@ fi
 if has vllm; then
   echo "== vLLM's modular kernel with moelink's prepare/finalize on nvlink (vLLM's Python files from .deps)"
   if [[ -n ${vllm_src:-} ]]; then
-    PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$vllm_src" MOELINK_PYTHONPATH="$root/build-gpu/python" \
+    PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$vllm_src" MOELINK_PYTHONPATH="$root/$bdir/python" \
       $py -m pytest -q -rs -p no:cacheprovider tests/python/test_vllm_prepare_finalize.py -k "nvlink or plugin" \
       >"$OUT/pytest-vllm.log" 2>&1 || status=1
     tail -4 "$OUT/pytest-vllm.log"
@@ -151,7 +161,7 @@ fi
 
 if has python; then
   echo "== Python binding tests (torch)"
-  MOELINK_PYTHONPATH="$root/build-gpu/python" $py -m pytest -q -rs tests/python >"$OUT/pytest.log" 2>&1 || status=1
+  MOELINK_PYTHONPATH="$root/$bdir/python" $py -m pytest -q -rs tests/python >"$OUT/pytest.log" 2>&1 || status=1
   tail -5 "$OUT/pytest.log"
 fi
 
@@ -159,18 +169,18 @@ if has sanitize; then
   echo "== compute-sanitizer (memcheck, racecheck) on the small GPU cases"
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --target-processes all --error-exitcode 9 \
-      build-gpu/tests/moelink_tests --gtest_filter="${MOELINK_SANITIZE_FILTER:-GpuAllToAll.Small*}" \
+      $bdir/tests/moelink_tests --gtest_filter="${MOELINK_SANITIZE_FILTER:-GpuAllToAll.Small*}" \
       >"$OUT/sanitizer-$tool.log" 2>&1 || status=1
     grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/sanitizer-$tool.log" | tail -6
   done
   echo "== compute-sanitizer memcheck on the MoE layer (one small case per mode, world 2)"
   compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
-    build-gpu/tests/moelink_layer_tests \
+    $bdir/tests/moelink_layer_tests \
     --gtest_filter="${MOELINK_LAYER_SANITIZE_FILTER:-*GpuMoELayer*DeepSeekLike_W2_*}" \
     >"$OUT/sanitizer-layer-memcheck.log" 2>&1 || status=1
   grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/sanitizer-layer-memcheck.log" | tail -6
   echo "== compute-sanitizer memcheck on the expert kernels (small cases, graph replay, errors)"
-  compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/moelink_experts_tests \
+  compute-sanitizer --tool memcheck --error-exitcode 9 $bdir/tests/moelink_experts_tests \
     --gtest_filter="${MOELINK_EXPERTS_SANITIZE_FILTER:-*GpuExperts*Small*:*GpuExpertsDense*:*GpuExpertsErrors*:*GpuExpertsGraph*}" \
     >"$OUT/sanitizer-experts-memcheck.log" 2>&1 || status=1
   grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/sanitizer-experts-memcheck.log" | tail -6
@@ -178,7 +188,7 @@ fi
 
 if has bench; then
   echo "== moelink-bench"
-  cmd=(build-gpu/tools/bench/moelink-bench --nproc "$ngpu" --machine "$machine"
+  cmd=($bdir/tools/bench/moelink-bench --nproc "$ngpu" --machine "$machine"
        --json "$OUT/bench.json" ${MOELINK_BENCH_ARGS:-})
   echo "${cmd[*]}"
   "${cmd[@]}" 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
@@ -186,7 +196,7 @@ fi
 if has internode; then
   echo "== moelink-bench: internode (libfabric shm, host staging) beside nvlink"
   np=${MOELINK_BENCH_NPROC:-$(( ngpu > 2 ? ngpu : 2 ))}
-  cmd=(build-gpu/tools/bench/moelink-bench --nproc "$np" --backend internode --compare nvlink
+  cmd=($bdir/tools/bench/moelink-bench --nproc "$np" --backend internode --compare nvlink
        --fabric-provider shm --machine "$machine" --json "$OUT/bench-internode.json"
        ${MOELINK_INTERNODE_BENCH_ARGS:-})
   echo "${cmd[*]}"
@@ -197,7 +207,7 @@ if has experts; then
   cmd=($py tools/bench/experts_bench.py --machine "$machine" --json "$OUT/experts.json"
        ${MOELINK_EXPERTS_BENCH_ARGS:-})
   echo "${cmd[*]}"
-  PYTHONPATH="$root/build-gpu/python${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 | tee "$OUT/experts-bench.log" | tail -30 ||
+  PYTHONPATH="$root/$bdir/python${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 | tee "$OUT/experts-bench.log" | tail -30 ||
     status=1
 fi
 if has layer; then
@@ -205,15 +215,15 @@ if has layer; then
   cmd=($py tools/bench/layer_bench.py --machine "$machine" --json "$OUT/layer.json"
        ${MOELINK_LAYER_BENCH_ARGS:-})
   echo "${cmd[*]}"
-  PYTHONPATH="$root/build-gpu/python${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 | tee "$OUT/layer-bench.log" | tail -40 ||
+  PYTHONPATH="$root/$bdir/python${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 | tee "$OUT/layer-bench.log" | tail -40 ||
     status=1
 fi
 if has model; then
   echo "== the model's decode step: tools/bench/model_bench.py"
-  cmd=($py tools/bench/model_bench.py --machine "$machine" --plan build-gpu/tools/plan/moelink-plan
+  cmd=($py tools/bench/model_bench.py --machine "$machine" --plan $bdir/tools/plan/moelink-plan
        --json "$OUT/model.json" --svg "$OUT/model.svg" ${MOELINK_MODEL_BENCH_ARGS:-})
   echo "${cmd[*]}"
-  PYTHONPATH="$root/build-gpu/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
+  PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
     tee "$OUT/model-bench.log" | tail -40 || status=1
 fi
 if has model-sanitize; then
@@ -222,14 +232,14 @@ if has model-sanitize; then
        ${MOELINK_MODEL_SANITIZE_ARGS:---shapes ep8 --moe-layers 1 --iters 1 --profile-batches 0}
        --machine "$machine" --json "$OUT/model-sanitize.json")
   echo "${cmd[*]}"
-  PYTHONPATH="$root/build-gpu/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" \
+  PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" \
     >"$OUT/sanitizer-model-memcheck.log" 2>&1 || status=1
   grep -E "ERROR SUMMARY|Invalid|Device Frame|model_bench:   B" "$OUT/sanitizer-model-memcheck.log" | cut -c1-240 | head -40
 fi
 serve_bench() {  # name args...: serve_bench.py on the full-width EP8-shaped model into $OUT/name.json
   local name=$1; shift
   local model=/dev/shm/moelink-serve-bench-ep8
-  [[ -f $model/tokenizer.json ]] || PYTHONPATH="$root/build-gpu/python" \
+  [[ -f $model/tokenizer.json ]] || PYTHONPATH="$root/$bdir/python" \
     $py -m moelink.serve.tiny_model "$model" --full-width --layers 5 --experts 32 || status=1
   cmd=($py tools/bench/serve_bench.py --model "$model" --machine "$machine" --json "$OUT/$name.json"
        --svg "$OUT/$name.svg"
@@ -238,7 +248,7 @@ serve_bench() {  # name args...: serve_bench.py on the full-width EP8-shaped mod
        "$@")
   [[ -f $OUT/model.json ]] && cmd+=(--model-bench "$OUT/model.json")
   echo "${cmd[*]}"
-  PYTHONPATH="$root/build-gpu/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
+  PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
     tee "$OUT/$name-bench.log" | tail -40 || status=1
 }
 if has serve; then
@@ -250,9 +260,9 @@ if has attention; then
   fm=()
   PYTHON=$py bash tools/build_flashmla.sh /tmp/moelink-flashmla && fm=(--flashmla /tmp/moelink-flashmla) || status=1
   cmd=($py tools/bench/attention_bench.py --machine "$machine" --json "$OUT/attention.json" "${fm[@]}"
-       --qkv-a 1,8,32,64,128,256 ${MOELINK_ATTENTION_BENCH_ARGS:-})
+       --qkv-a 1,8,32,64,128,256 --bmm 1,8,32,64,128,256 ${MOELINK_ATTENTION_BENCH_ARGS:-})
   echo "${cmd[*]}"
-  PYTHONPATH="$root/build-gpu/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
+  PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
     tee "$OUT/attention-bench.log" | tail -40 || status=1
 fi
 if has serve-batch128; then
@@ -263,7 +273,7 @@ if has fabric; then
   for mode in yield busy-poll; do
     echo "== moelink-fabric-bench ($mode)"
     extra=(); [[ $mode == busy-poll ]] && extra=(--busy-poll)
-    cmd=(build-gpu/src/fabric/fabric_bench/moelink-fabric-bench
+    cmd=($bdir/src/fabric/fabric_bench/moelink-fabric-bench
          ${MOELINK_FABRIC_BENCH_ARGS:---provider shm,tcp --peers 2,4,8 --lat-iters 1000 --rate-iters 2000 --rounds 6 --pin}
          "${extra[@]}" --json "$OUT/fabric-$mode.json")
     echo "${cmd[*]}"

@@ -162,7 +162,13 @@ struct MLABatch {
   // FlashInfer's decode then plans from them instead of reading the
   // device's back, which synchronizes the stream once a layer.
   Tensor host_q_start, host_kv_len, host_block_table;
+  // Which of the attention's kMLAPlanSlots FlashInfer decode plans this
+  // batch uses: a model step in a CUDA graph plans three batches (the whole
+  // step's, and its two micro-batches') and each keeps its own plan for the
+  // replays (prepare_graph_replay with the same slot). Other callers: 0.
+  int plan_slot = 0;
 };
+inline constexpr int kMLAPlanSlots = 3;
 
 namespace detail {
 class MLAAttentionImpl;

@@ -432,6 +432,9 @@ class MLAAttentionImpl {
     if (b.num_decode < 0 || b.num_decode > b.num_requests)
       bad(call, "batch.num_decode", "= " + std::to_string(b.num_decode) + " must be in [0, " +
                                         std::to_string(b.num_requests) + "] (num_requests)");
+    if (b.plan_slot < 0 || b.plan_slot >= kMLAPlanSlots)
+      bad(call, "batch.plan_slot", "= " + std::to_string(b.plan_slot) + " must be in [0, " +
+                                       std::to_string(kMLAPlanSlots) + ")");
     const int64_t B = b.num_requests;
     auto vector_of = [&](const char* field, const Tensor& t, int64_t len) {
       if (!t.defined()) bad(call, field, "is missing (null data pointer)");

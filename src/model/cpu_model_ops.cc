@@ -47,6 +47,21 @@ class CpuModelOps final : public HostMemory<ModelOps> {
     for (int i = 0; i <= count; ++i) dst[i] = src[first + i] - base;
   }
 
+  void move_rows(const Tensor& part, const Tensor& whole, const int32_t* first, const int32_t* count,
+                 bool into_part, cudaStream_t) override {
+    const int64_t n = std::min<int64_t>(std::max<int32_t>(*count, 0), part.shape[0]), D = part.shape[1];
+    auto* p = static_cast<uint16_t*>(part.data);
+    auto* w = static_cast<uint16_t*>(whole.data) + static_cast<int64_t>(*first) * whole.stride[0];
+    for (int64_t r = 0; r < n; ++r) {
+      uint16_t* a = p + r * part.stride[0];
+      uint16_t* b = w + r * whole.stride[0];
+      if (into_part)
+        std::memcpy(a, b, D * 2);
+      else
+        std::memcpy(b, a, D * 2);
+    }
+  }
+
   void embed(const Tensor& h, const Tensor& token_ids, const uint16_t* table, int64_t vocab,
              const int32_t* rows, ModelErrorRecord* error, cudaStream_t) override {
     const int64_t D = h.shape[1];

@@ -23,7 +23,10 @@
 // attention runs, a's combine while b's experts run, b's combine while a's
 // next attention runs (two_batch_layers). A rank whose step cannot split
 // (q_start not on the host, a half too large for its AllToAll) runs each
-// MoE layer's forward(), which micro-batches on the same two AllToAlls.
+// MoE layer's forward(), which micro-batches on the same two AllToAlls. A
+// decode graph splits its bucket at nb / 2 (step_in_graph places the
+// requests so that both halves carry some); the second micro-batch's rows
+// move into buffers of their own, since a replay's rows start elsewhere.
 #include "moelink/model.h"
 
 #include <algorithm>
@@ -211,6 +214,11 @@ class ModelImpl {
     rows_ = ModelBuffer(*ops_, 4);
     two_q_start_ = ModelBuffer(*ops_, (static_cast<size_t>(ao.max_requests) + 1) * 4);
     two_rows_ = ModelBuffer(*ops_, 2 * 4);
+    // The second micro-batch's residual rows and scratch (floor(T / 2) rows).
+    const size_t second = static_cast<size_t>(std::max<int64_t>(T / 2, 1)) * D * 2;
+    two_h_ = ModelBuffer(*ops_, second);
+    two_normed_ = ModelBuffer(*ops_, second);
+    two_part_ = ModelBuffer(*ops_, second);
     final_norm_ = ModelBuffer(*ops_, D * 4);
     ExpertConfig qc;  // quantize() takes any shapes
     qc.num_experts = 1;
@@ -333,7 +341,7 @@ class ModelImpl {
       decoder_layer(layers_v_[l], l, h, normed, part, in.batch, n, rows, bound, stream);
     if (split_at < layers_) {
       two_batch_layers(mb, split_at, stream);
-      ++two_batch_steps_;
+      if (!capturing_) ++two_batch_steps_;  // a capture runs nothing: its replays count
     }
     ops.add_rms_norm(h, Tensor{}, normed, final_norm_.as<float>(), eps(), rows, stream);
     if (B > 0) sample_and_verify(in, out, normed, rows, stream);
@@ -450,35 +458,50 @@ class ModelImpl {
     return *slot;
   }
 
+  // Whether a bucket's graph runs its MoE layers as two micro-batches: the
+  // requests split at nb / 2 (each half of up to nb / 2 requests, two rows
+  // each at most, within floor(T / 2) rows).
+  bool graph_splits(int nb) const {
+    return micro_batching() && nb >= 2 && nb <= o_.moe.max_tokens / 2;
+  }
+
   // step_from_host through the bucket's graph: the host batch padded to
   // the bucket with empty requests into the graph's buffers; the bucket's
   // first step eager, the second captured; FlashInfer's plans made from the
-  // padded host copies before each replay.
+  // padded host copies before each replay. Where the graph runs two
+  // micro-batches its slots [0, nb / 2) take the first ceil(B / 2) requests
+  // and slots [nb / 2, nb) the others, so both halves carry requests.
   void step_in_graph(const StepInput& in, const StepOutput& out, cudaStream_t stream) {
     const int B = in.batch.num_requests;
     DecodeGraph& g = decode_graph(B);
     const int nb = g.bucket, P = o_.attention.max_pages_per_request;
+    const bool two = graph_splits(nb);
+    const int half = (B + 1) / 2;
+    auto slot_of = [&](int i) { return two && i >= half ? nb / 2 + (i - half) : i; };
     const auto* q = static_cast<const int32_t*>(in.batch.q_start.data);
     const int64_t cols = in.batch.block_table.shape[1], tstride = in.batch.block_table.stride[0];
     auto i32 = [](const Tensor& t, int i, int32_t d) { return t.defined() ? static_cast<const int32_t*>(t.data)[i] : d; };
-    std::vector<int32_t> ids(graph_rows(nb), 0), qs(nb + 1, q[B]), kl(nb, 0), table(static_cast<size_t>(nb) * P, 0),
-        top_k(nb, 0), drafts(nb, 0), known(nb, -1);
+    std::vector<int32_t> ids(graph_rows(nb), 0), qs(nb + 1, 0), kl(nb, 0), table(static_cast<size_t>(nb) * P, 0),
+        top_k(nb, 0), drafts(nb, 0), known(nb, -1), q_len(nb, 0);
     std::vector<float> temperature(nb, 0.0f), top_p(nb, 1.0f);
     std::vector<int64_t> seed(nb, 0);
-    for (int64_t r = 0; r < q[B]; ++r) ids[r] = i32(in.token_ids, static_cast<int>(r), 0);
     for (int i = 0; i < B; ++i) {
-      qs[i] = q[i];
-      kl[i] = i32(in.batch.kv_len, i, 0);
+      const int k = slot_of(i);
+      q_len[k] = q[i + 1] - q[i];
+      kl[k] = i32(in.batch.kv_len, i, 0);
       for (int64_t c = 0; c < cols; ++c)
-        table[static_cast<size_t>(i) * P + c] = static_cast<const int32_t*>(in.batch.block_table.data)[i * tstride + c];
+        table[static_cast<size_t>(k) * P + c] = static_cast<const int32_t*>(in.batch.block_table.data)[i * tstride + c];
       const SamplingParams& sp = in.sampling;
-      if (sp.temperature.defined()) temperature[i] = static_cast<const float*>(sp.temperature.data)[i];
-      top_k[i] = i32(sp.top_k, i, 0);
-      if (sp.top_p.defined()) top_p[i] = static_cast<const float*>(sp.top_p.data)[i];
-      if (sp.seed.defined()) seed[i] = static_cast<const int64_t*>(sp.seed.data)[i];
-      drafts[i] = i32(in.num_drafts, i, 0);
-      known[i] = i32(in.known_next, i, -1);
+      if (sp.temperature.defined()) temperature[k] = static_cast<const float*>(sp.temperature.data)[i];
+      top_k[k] = i32(sp.top_k, i, 0);
+      if (sp.top_p.defined()) top_p[k] = static_cast<const float*>(sp.top_p.data)[i];
+      if (sp.seed.defined()) seed[k] = static_cast<const int64_t*>(sp.seed.data)[i];
+      drafts[k] = i32(in.num_drafts, i, 0);
+      known[k] = i32(in.known_next, i, -1);
     }
+    for (int k = 0; k < nb; ++k) qs[k + 1] = qs[k] + q_len[k];
+    for (int i = 0; i < B; ++i)
+      for (int r = 0; r < q[i + 1] - q[i]; ++r) ids[qs[slot_of(i)] + r] = i32(in.token_ids, q[i] + r, 0);
     auto put = [&](ModelBuffer& dst, const void* src, size_t bytes) { ops_->copy_in(dst.get(), src, bytes); };
     put(g.ids, ids.data(), ids.size() * 4);
     put(g.q_start, qs.data(), qs.size() * 4);
@@ -516,11 +539,12 @@ class ModelImpl {
     } else {
       if (!g.graph) {
         try {
-          struct Capturing {  // split_two stays off inside the capture
+          struct Capturing {  // split_two takes the bucket's split inside the capture
             bool& flag;
-            explicit Capturing(bool& f) : flag(f) { flag = true; }
-            ~Capturing() { flag = false; }
-          } capturing(capturing_);
+            int& split;
+            Capturing(bool& f, int& s, int value) : flag(f), split(s) { flag = true, split = value; }
+            ~Capturing() { flag = false, split = -1; }
+          } capturing(capturing_, graph_split_, two ? nb / 2 : -1);
           g.graph = ops_->capture([&](cudaStream_t s) { step(d, o, s); });
           ++graph_stats_.captures;
         } catch (const Error&) {
@@ -534,14 +558,26 @@ class ModelImpl {
       if (g.graph && !g.failed) {
         bool planned = true;
         try {
-          for (int l = 0; l < static_cast<int>(layers_v_.size()); ++l)
-            layers_v_[l].attention->prepare_graph_replay(d.batch, kv_cache(l));
+          // The plans the graph's attention calls read: the whole batch's
+          // (slot 0) in the layers before the MoE ones and the MTP module,
+          // each micro-batch's (slots 1 and 2) in the MoE layers.
+          MicroBatch mb[2];
+          if (two) micro_batch_views(d.batch, qs.data(), nb / 2, true, mb);
+          for (int l = 0; l < static_cast<int>(layers_v_.size()); ++l) {
+            if (two && l >= first_moe_layer() && l < layers_) {
+              for (const MicroBatch& m : mb)
+                if (m.count > 0) layers_v_[l].attention->prepare_graph_replay(m.batch, kv_cache(l));
+            } else {
+              layers_v_[l].attention->prepare_graph_replay(d.batch, kv_cache(l));
+            }
+          }
         } catch (const InvalidArgument&) {
           planned = false;  // FlashInfer's schedule for this batch has another grid: eagerly this time
         }
         if (planned) {
           ops_->replay(*g.graph, stream);
           ++graph_stats_.replays;
+          if (two) ++two_batch_steps_;
         } else {
           step(d, o, stream);
           ++graph_stats_.eager_steps;
@@ -549,8 +585,12 @@ class ModelImpl {
       }
     }
     ops_->sync(stream);
+    // Each request's results from its slot.
     auto back = [&](const Tensor& host, const ModelBuffer& dev) {
-      if (host.defined() && B > 0) ops_->copy_out(host.data, dev.get(), static_cast<size_t>(B) * 4);
+      if (!host.defined() || B == 0) return;
+      std::vector<int32_t> all(nb);
+      ops_->copy_out(all.data(), dev.get(), static_cast<size_t>(nb) * 4);
+      for (int i = 0; i < B; ++i) static_cast<int32_t*>(host.data)[i] = all[slot_of(i)];
     };
     back(out.next_tokens, g.next);
     back(out.accepted, g.accepted);
@@ -621,29 +661,45 @@ class ModelImpl {
 
   // ------------------------------------------------------------ two micro-batches
 
-  // A micro-batch of the step: requests [first, first + count) and their
-  // rows [row0, row0 + rows) (host values), its batch, its row count on the
-  // device.
+  // A micro-batch of the step: requests [first, first + count) and, at
+  // most, `rows` rows (host values: its rows exactly in an eager step, the
+  // buffers' bound in a graph, whose replays bring other rows), its batch
+  // (plan slot 1 or 2), its row count on the device, and its rows of the
+  // residual stream and scratch: the first micro-batch's are the step's
+  // first rows, the second's buffers of its own (its rows moved there and
+  // back by the device: where they start is q_start[first], which a
+  // graph's replays change).
   struct MicroBatch {
     int first = 0, count = 0;
-    int64_t row0 = 0, rows = 0;
+    int64_t rows = 0;
     MLABatch batch;
     int32_t* rows_dev = nullptr;
+    const int32_t* row0_dev = nullptr;  // q_start + first: where its rows start in the step's
+    Tensor h, normed, part;
   };
 
   int first_moe_layer() const { return std::min(c_.first_k_dense_replace, layers_); }
+  // Whether the MoE layers run two micro-batches (their mode for max_tokens,
+  // alike on every rank).
+  bool micro_batching() const {
+    const int first = first_moe_layer();
+    return first < layers_ && layers_v_[first].moe &&
+           layers_v_[first].moe->overlap_for(o_.moe.max_tokens) == MoEOverlap::kMicroBatch;
+  }
+  // The two micro-batches' row capacities: the MoE layers' two AllToAlls'
+  // (ceil(T / 2) and floor(T / 2)).
+  int64_t micro_capacity(int p) const {
+    const int64_t T = o_.moe.max_tokens;
+    return p == 0 ? (T + 1) / 2 : T / 2;
+  }
 
   // Splits the step's requests into two micro-batches for two_batch_layers:
-  // true when the MoE layers micro-batch (their mode for max_tokens, alike on
-  // every rank), q_start is known on the host and valid, no graph is being
-  // captured (a replay's rows may split elsewhere), and a split of the
-  // requests fits the layers' two AllToAlls (rows <= ceil(T / 2) and
-  // floor(T / 2)); the split with the most even rows.
+  // true when the MoE layers micro-batch, q_start is known on the host and
+  // valid, and a split of the requests fits the layers' two AllToAlls (the
+  // split with the most even rows; inside a decode graph's capture, the
+  // bucket's fixed split graph_split_, whose halves fit by construction).
   bool split_two(const MLABatch& b, int64_t n, MicroBatch (&mb)[2], cudaStream_t stream) {
-    const int first = first_moe_layer();
-    if (capturing_ || first >= layers_ || !layers_v_[first].moe) return false;
-    const int64_t T = o_.moe.max_tokens;
-    if (layers_v_[first].moe->overlap_for(T) != MoEOverlap::kMicroBatch) return false;
+    if (!micro_batching()) return false;
     const int B = b.num_requests;
     const int32_t* q = nullptr;
     if (B > 0) {
@@ -653,48 +709,75 @@ class ModelImpl {
         if (q[i + 1] < q[i]) return false;  // a bad q_start: the layers' forward reports it
       if (q[B] > n) return false;
     }
-    const int64_t total = B > 0 ? q[B] : 0, cap0 = (T + 1) / 2, cap1 = T - cap0;
     int split = -1;
-    int64_t gap = 0;
-    for (int i = 0; i <= B; ++i) {
-      const int64_t ra = B > 0 ? q[i] : 0;
-      if (ra > cap0 || total - ra > cap1) continue;
-      const int64_t g = std::abs(2 * ra - total);
-      if (split < 0 || g < gap) split = i, gap = g;
+    if (capturing_) {
+      split = graph_split_;
+    } else {
+      const int64_t total = B > 0 ? q[B] : 0;
+      int64_t gap = 0;
+      for (int i = 0; i <= B; ++i) {
+        const int64_t ra = B > 0 ? q[i] : 0;
+        if (ra > micro_capacity(0) || total - ra > micro_capacity(1)) continue;
+        const int64_t g = std::abs(2 * ra - total);
+        if (split < 0 || g < gap) split = i, gap = g;
+      }
     }
     if (split < 0) return false;
-    const int32_t* q_dev = static_cast<const int32_t*>(b.q_start.data);
-    int32_t* rows_dev = two_rows_.as<int32_t>();
-    int32_t* rebased = two_q_start_.as<int32_t>();
+    micro_batch_views(b, q, split, capturing_, mb);
+    // On the device: the second's q_start rebased, both row counts.
     for (int p = 0; p < 2; ++p) {
       MicroBatch& m = mb[p];
-      m.first = p == 0 ? 0 : split;
-      m.count = p == 0 ? split : B - split;
-      m.row0 = B > 0 ? q[m.first] : 0;
-      m.rows = B > 0 ? q[m.first + m.count] - m.row0 : 0;
-      m.rows_dev = rows_dev + p;
-      MLABatch& s = m.batch;
-      s.num_requests = m.count;
-      s.num_decode = std::clamp(b.num_decode - m.first, 0, m.count);
       if (B == 0) {
         ops_->copy_async(m.rows_dev, zero_.as(), 4, stream);
         continue;
       }
-      const int32_t* qs = p == 0 ? q_dev : rebased;
-      if (p == 1) ops_->rebase_offsets(rebased, q_dev, m.first, m.count, stream);
-      ops_->step_rows(qs, m.count, n, m.rows_dev, stream);
+      if (p == 1) ops_->rebase_offsets(two_q_start_.as<int32_t>(), static_cast<const int32_t*>(b.q_start.data),
+                                       m.first, m.count, stream);
+      ops_->step_rows(static_cast<const int32_t*>(m.batch.q_start.data), m.count, m.rows, m.rows_dev, stream);
+    }
+    return true;
+  }
+
+  // The two micro-batches' views of batch b split before request `split`
+  // (host q_start q, null without requests): their requests, batches (plan
+  // slots 1 and 2, the second's q_start rebased into two_q_start_ and on the
+  // host), row bounds (exact, or the capacities in a graph) and buffers.
+  // Host work only: a graph's replays make these again to plan FlashInfer.
+  void micro_batch_views(const MLABatch& b, const int32_t* q, int split, bool graph, MicroBatch (&mb)[2]) {
+    const int B = b.num_requests;
+    const int64_t D = c_.attention.hidden_size;
+    const int32_t* q_dev = static_cast<const int32_t*>(b.q_start.data);
+    for (int p = 0; p < 2; ++p) {
+      MicroBatch& m = mb[p];
+      m = MicroBatch{};
+      m.first = p == 0 ? 0 : split;
+      m.count = p == 0 ? split : B - split;
+      const int64_t exact = B > 0 ? q[m.first + m.count] - q[m.first] : 0;
+      m.rows = graph ? micro_capacity(p) : exact;
+      m.rows_dev = two_rows_.as<int32_t>() + p;
+      m.row0_dev = B > 0 ? q_dev + m.first : nullptr;
+      const int64_t shape_rows = std::max<int64_t>(std::min(m.rows, micro_capacity(p)), 1);
+      const ModelBuffer* bufs[3] = {&h_, &normed_, &part_};
+      if (p == 1) bufs[0] = &two_h_, bufs[1] = &two_normed_, bufs[2] = &two_part_;
+      Tensor* views[3] = {&m.h, &m.normed, &m.part};
+      for (int k = 0; k < 3; ++k) *views[k] = Tensor::contiguous(bufs[k]->as(), DType::kBFloat16, {shape_rows, D});
+      MLABatch& s = m.batch;
+      s.num_requests = m.count;
+      s.num_decode = std::clamp(b.num_decode - m.first, 0, m.count);
+      s.plan_slot = 1 + p;
+      if (B == 0) continue;
+      const int32_t* qs = p == 0 ? q_dev : two_q_start_.as<int32_t>();
       s.q_start = Tensor::contiguous(const_cast<int32_t*>(qs), DType::kInt32, {m.count + 1});
       s.kv_len = rows_of(b.kv_len, m.first, m.count);
       s.block_table = rows_of(b.block_table, m.first, m.count);
       if (!host_ && b.host_q_start.defined()) {
         host_q_start_[p].assign(q + m.first, q + m.first + m.count + 1);
-        for (int32_t& v : host_q_start_[p]) v -= static_cast<int32_t>(m.row0);
+        for (int32_t& v : host_q_start_[p]) v -= q[m.first];
         s.host_q_start = Tensor::contiguous(host_q_start_[p].data(), DType::kInt32, {m.count + 1});
         if (b.host_kv_len.defined()) s.host_kv_len = rows_of(b.host_kv_len, m.first, m.count);
         if (b.host_block_table.defined()) s.host_block_table = rows_of(b.host_block_table, m.first, m.count);
       }
     }
-    return true;
   }
 
   // The MoE layers from `first` on, two micro-batches three stages apart:
@@ -704,29 +787,23 @@ class ModelImpl {
   //              a combine receive, h += it, a's next attention and send;
   //              b combine receive, h += it, b's next attention and send
   // so that one micro-batch's transfers run under the other's compute. Each
-  // works on its own rows of h, normed and part.
+  // works on its own rows of h, normed and part: the second's residual
+  // rows move into its buffer first and back after the last layer.
   void two_batch_layers(MicroBatch (&mb)[2], int first, cudaStream_t stream) {
     ModelOps& ops = *ops_;
-    const int64_t D = c_.attention.hidden_size;
-    // A micro-batch's rows of a [T, D] buffer (one row, unused, when empty:
-    // its MoE stages still take part in the exchanges).
-    auto rows_of_buffer = [&](const ModelBuffer& buf, const MicroBatch& m) {
-      return Tensor::contiguous(static_cast<char*>(buf.as()) + (m.rows > 0 ? m.row0 : 0) * D * 2,
-                                DType::kBFloat16, {std::max<int64_t>(m.rows, 1), D});
-    };
+    const Tensor h = Tensor::contiguous(h_.as(), DType::kBFloat16, {o_.moe.max_tokens, c_.attention.hidden_size});
+    if (mb[1].row0_dev != nullptr) ops.move_rows(mb[1].h, h, mb[1].row0_dev, mb[1].rows_dev, true, stream);
     auto begin = [&](int p, int l) {
       Layer& layer = layers_v_[l];
       const MicroBatch& m = mb[p];
-      const Tensor h = rows_of_buffer(h_, m), part = rows_of_buffer(part_, m), normed = rows_of_buffer(normed_, m);
-      if (m.rows > 0 && m.count > 0) layer.attention->forward(part, h, m.batch, kv_cache(l), stream);
-      ops.add_rms_norm(h, part, normed, layer.post_norm.as<float>(), eps(), m.rows_dev, stream);
-      layer.moe->stage_begin(p, part, normed, Tensor::contiguous(m.rows_dev, DType::kInt32, {1}), stream);
+      if (m.rows > 0 && m.count > 0) layer.attention->forward(m.part, m.h, m.batch, kv_cache(l), stream);
+      ops.add_rms_norm(m.h, m.part, m.normed, layer.post_norm.as<float>(), eps(), m.rows_dev, stream);
+      layer.moe->stage_begin(p, m.part, m.normed, Tensor::contiguous(m.rows_dev, DType::kInt32, {1}), stream);
     };
     auto end = [&](int p, int l) {
       const MicroBatch& m = mb[p];
       layers_v_[l].moe->stage_end(p, stream);
-      ops.add_rms_norm(rows_of_buffer(h_, m), rows_of_buffer(part_, m), Tensor{}, nullptr, eps(), m.rows_dev,
-                       stream);
+      ops.add_rms_norm(m.h, m.part, Tensor{}, nullptr, eps(), m.rows_dev, stream);
     };
     begin(0, first);
     begin(1, first);
@@ -739,6 +816,7 @@ class ModelImpl {
       end(1, l);
       if (l + 1 < layers_) begin(1, l + 1);
     }
+    if (mb[1].row0_dev != nullptr) ops.move_rows(mb[1].h, h, mb[1].row0_dev, mb[1].rows_dev, false, stream);
   }
 
   // lm_head on the rows sampled (each request's last row, and the row
@@ -922,10 +1000,11 @@ class ModelImpl {
   // Two micro-batches (split_two): the second's q_start on the device and
   // the host, both row counts on the device; how many steps ran so; whether
   // a decode graph is being captured (its replays may split elsewhere).
-  ModelBuffer two_q_start_, two_rows_;
+  ModelBuffer two_q_start_, two_rows_, two_h_, two_normed_, two_part_;
   std::vector<int32_t> host_q_start_[2];
   int64_t two_batch_steps_ = 0;
   bool capturing_ = false;
+  int graph_split_ = -1;  // inside a capture: the bucket's split of its requests (-1: none)
 };
 
 }  // namespace detail

@@ -39,6 +39,13 @@ class ModelOps : public DeviceMemory {
   // dst[i] = src[first + i] - src[first] for i in [0, count]: the q_start
   // of requests first .. first + count - 1 alone (a micro-batch's).
   virtual void rebase_offsets(int32_t* dst, const int32_t* src, int first, int count, cudaStream_t stream) = 0;
+  // Rows [0, count[0]) of `part` and rows [first[0], first[0] + count[0]) of
+  // `whole` (bf16 [*, D], each its own row stride; at most part's rows):
+  // into_part, part's = whole's; else whole's = part's. A micro-batch's rows
+  // into buffers of its own and back, the offset and count read where the
+  // step runs (a graph replays them for new ones).
+  virtual void move_rows(const Tensor& part, const Tensor& whole, const int32_t* first, const int32_t* count,
+                         bool into_part, cudaStream_t stream) = 0;
   // h [*, D] bf16 = table [V, D] bf16 rows of token_ids [*] (a bad id gives
   // a zero row and an error).
   virtual void embed(const Tensor& h, const Tensor& token_ids, const uint16_t* table, int64_t vocab,

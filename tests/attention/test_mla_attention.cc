@@ -817,6 +817,29 @@ TEST(MLAAttentionCuda, DecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
   check_decode_graph(small_config(), moelink::MLADecodeKernel::kAuto, false);
 }
 
+// The same on moelink's warpgroup kernel (latent 512; 128 heads: two head
+// blocks, and 16: a request's rows packed into one block).
+TEST(MLAAttentionCuda, OwnWarpgroupDecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  for (int heads : {128, 16}) {
+    SCOPED_TRACE("heads " + std::to_string(heads));
+    check_decode_graph(flashinfer_config(heads).first, moelink::MLADecodeKernel::kMoelink, false);
+  }
+}
+
+// An empty decode batch at latent 512 on moelink's kernel writes nothing and
+// the next step runs.
+TEST(MLAAttentionCuda, OwnWarpgroupDecodeEmptyBatchThenAStep) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  Harness h(AttentionDevice::kCUDA, flashinfer_config(128).first, fresh_seed(), 4, 64, 1, true,
+            moelink::MLADecodeKernel::kMoelink);
+  EXPECT_TRUE(h.run({{}, {}, 0, 4}).empty());
+  const int id = h.add_request(5);
+  h.poke_cache(id, 4);
+  const std::vector<double> out = h.run({{id}, {1}, 1});
+  for (double v : out) EXPECT_TRUE(std::isfinite(v));
+}
+
 TEST(MLAAttentionCuda, FlashInferDecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
   if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   const std::pair<MLAConfig, std::string> fc = flashinfer_config();
@@ -1028,36 +1051,45 @@ TEST(MLAAttentionCuda, FlashInferDecodeAt128HeadsMatchesTheOwnKernel) {
   }
 }
 
-// moelink's decode kernel at DeepSeek's latent 512 and more than 32 heads
-// (the warpgroup-MMA kernel on Hopper) against the CPU path: 48 heads (one
-// block of 64, 16 of them past the heads) and 128 (two blocks); contexts of
-// 1, 63, 64, 65 and 1500 tokens in one batch (several key splits, splits
-// without keys), q_len 1 and 2, pages in random order with NaN in the
-// unused ones. The bound is MatchesTheCpuPath's (fp8 rounding flips).
+// moelink's decode kernel at DeepSeek's latent 512 (the warpgroup-MMA
+// kernel on Hopper) against the CPU path at `heads`: contexts of 1, 63, 64,
+// 65 and 1500 tokens in one batch (several key splits, splits without
+// keys), q_len 1 and 2, pages in random order with NaN in the unused ones.
+// The bound is MatchesTheCpuPath's (fp8 rounding flips).
+void check_own_decode_against_cpu(int heads) {
+  const MLAConfig c = flashinfer_config(heads).first;
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("heads " + std::to_string(heads) + ", seed " + std::to_string(seed));
+  Harness cpu(AttentionDevice::kCPU, c, seed, 64, 64),
+      gpu(AttentionDevice::kCUDA, c, seed, 64, 64, 1, true, moelink::MLADecodeKernel::kMoelink);
+  const std::vector<int64_t> lengths{1, 63, 64, 65, 1500}, q_lens{1, 2, 1, 2, 1};
+  std::vector<double> got[2];
+  int k = 0;
+  for (Harness* h : {&cpu, &gpu}) {
+    std::vector<int> ids;
+    for (int64_t len : lengths) ids.push_back(h->add_request(len));
+    for (size_t i = 0; i < ids.size(); ++i) h->poke_cache(ids[i], lengths[i] - q_lens[i]);  // the context
+    got[k++] = h->run({ids, q_lens, static_cast<int>(ids.size())});
+  }
+  Compare cmp;
+  cmp.rows(got[1].data(), got[0], c.hidden_size);
+  EXPECT_EQ(cmp.nan, 0);
+  EXPECT_LT(cmp.rel(), 4e-2) << "moelink's decode at " << heads << " heads against the CPU path";
+  std::printf("[ measured ] moelink's decode at %d heads against the CPU path: relative L2 %.2e, worst row %.2e\n",
+              heads, cmp.rel(), cmp.worst_row);
+}
+
+// 48 heads (one block of 64, 16 of them past the heads) and 128 (two blocks).
 TEST(MLAAttentionCuda, OwnDecodeAtManyHeadsMatchesTheCpuPath) {
   if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  for (int heads : {48, 128}) {
-    const MLAConfig c = flashinfer_config(heads).first;
-    const uint64_t seed = fresh_seed();
-    SCOPED_TRACE("heads " + std::to_string(heads) + ", seed " + std::to_string(seed));
-    Harness cpu(AttentionDevice::kCPU, c, seed, 64, 64),
-        gpu(AttentionDevice::kCUDA, c, seed, 64, 64, 1, true, moelink::MLADecodeKernel::kMoelink);
-    const std::vector<int64_t> lengths{1, 63, 64, 65, 1500}, q_lens{1, 2, 1, 2, 1};
-    std::vector<double> got[2];
-    int k = 0;
-    for (Harness* h : {&cpu, &gpu}) {
-      std::vector<int> ids;
-      for (int64_t len : lengths) ids.push_back(h->add_request(len));
-      for (size_t i = 0; i < ids.size(); ++i) h->poke_cache(ids[i], lengths[i] - q_lens[i]);  // the context
-      got[k++] = h->run({ids, q_lens, static_cast<int>(ids.size())});
-    }
-    Compare cmp;
-    cmp.rows(got[1].data(), got[0], c.hidden_size);
-    EXPECT_EQ(cmp.nan, 0);
-    EXPECT_LT(cmp.rel(), 4e-2) << "moelink's decode at " << heads << " heads against the CPU path";
-    std::printf("[ measured ] moelink's decode at %d heads against the CPU path: relative L2 %.2e, worst row %.2e\n",
-                heads, cmp.rel(), cmp.worst_row);
-  }
+  for (int heads : {48, 128}) check_own_decode_against_cpu(heads);
+}
+
+// 16 and 32 heads: a block takes both query rows of an MTP request (32
+// slots each; the second row's block leaves it to the first's).
+TEST(MLAAttentionCuda, OwnDecodeAtFewHeadsMatchesTheCpuPath) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  for (int heads : {16, 32}) check_own_decode_against_cpu(heads);
 }
 
 // The CUDA path against the CPU path on the same weights and steps: the

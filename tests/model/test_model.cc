@@ -626,7 +626,11 @@ TEST(ModelCuda, ADecodeStepReplayedInACudaGraphEqualsEagerSteps) {
 // bucket's graph (eager first, captured second, replayed after) give the
 // tokens of the same steps without graphs, as the batch size, the
 // lengths and the drafts change; a prefill between them runs eagerly.
-void check_decode_graphs(int heads, int kv_lora, int max_tokens = 32) {
+// overlap: the graphed model's MoE mode (the plain one runs none): with
+// micro-batch, buckets 2 and 4 run their MoE layers as two micro-batches
+// inside the graph (each its own FlashInfer plan), bucket 1 as one.
+void check_decode_graphs(int heads, int kv_lora, int max_tokens = 32,
+                         moelink::MoEOverlap overlap = moelink::MoEOverlap::kAuto) {
   const std::string dir = write_tiny_model(fresh_seed(), heads, kv_lora);
   run_ranks(1, [&](int, moelink::Bootstrap& boot) {
     moelink::ModelOptions o;
@@ -637,8 +641,10 @@ void check_decode_graphs(int heads, int kv_lora, int max_tokens = 32) {
     o.attention.max_pages_per_request = 4;
     o.num_pages = 16;
     const moelink::ModelConfig cfg = moelink::ModelConfig::from_hf_config_json(read_text(dir + "/config.json"));
+    o.moe.overlap = overlap == moelink::MoEOverlap::kMicroBatch ? moelink::MoEOverlap::kNone : overlap;
     auto plain = moelink::Model::create(cfg, o, boot);
     o.decode_graphs = true;
+    o.moe.overlap = overlap;
     auto graphed = moelink::Model::create(cfg, o, boot);
     plain->load_checkpoint(dir);
     graphed->load_checkpoint(dir);
@@ -688,8 +694,13 @@ void check_decode_graphs(int heads, int kv_lora, int max_tokens = 32) {
     // on its attention plan.
     std::mt19937_64 rng(fresh_seed());
     const std::vector<std::vector<int>> batches{{0, 1, 2}, {0, 1, 2}, {0, 1, 2}, {2, 0}, {1}, {0, 1, 2}, {1, 2}, {2, 1}};
+    int64_t two_before = 0, replays_before = 0;  // before the last step (a replay of bucket 2)
     for (size_t step = 0; step < batches.size(); ++step) {
       if (step == 3) prefill(tokens(5, 13), 12);
+      if (step + 1 == batches.size()) {
+        two_before = graphed->two_batch_steps();
+        replays_before = graphed->decode_graph_stats().replays;
+      }
       const std::vector<int>& reqs = batches[step];
       std::vector<int32_t> ids, q_start{0}, kv_len, table, drafts;
       for (int i : reqs) {
@@ -715,6 +726,11 @@ void check_decode_graphs(int heads, int kv_lora, int max_tokens = 32) {
         << gs.replays << " + " << gs.eager_steps;
     RANK_CHECK(gs.eager_steps >= 3 && gs.replays >= 1) << gs.replays << " replays, " << gs.eager_steps << " eager";
     RANK_CHECK(ps.replays == 0 && ps.eager_steps == 0 && ps.captures == 0);
+    if (overlap == moelink::MoEOverlap::kMicroBatch) {  // the last step: a replay, in two micro-batches
+      RANK_CHECK(gs.replays == replays_before + 1) << gs.replays << " replays, " << replays_before << " before";
+      RANK_CHECK(graphed->two_batch_steps() == two_before + 1)
+          << graphed->two_batch_steps() << " steps in two micro-batches, " << two_before << " before";
+    }
   }, 180);
 }
 
@@ -729,6 +745,20 @@ TEST(ModelCuda, DecodeGraphsGiveTheTokensOfEagerSteps) {
 TEST(ModelCuda, FlashInferDecodeGraphsGiveTheTokensOfEagerSteps) {
   if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   check_decode_graphs(128, 512);
+}
+
+// The MoE layers as two micro-batches across attention and MoE inside the
+// decode graphs: the tokens of eager steps in mode none, on moelink's decode
+// kernel and on FlashInfer's (a plan for the whole batch and one for each
+// micro-batch, replanned before every replay).
+TEST(ModelCuda, MicroBatchDecodeGraphsGiveTheTokensOfEagerSteps) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  check_decode_graphs(4, 128, 32, moelink::MoEOverlap::kMicroBatch);
+}
+
+TEST(ModelCuda, FlashInferMicroBatchDecodeGraphsGiveTheTokensOfEagerSteps) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  check_decode_graphs(128, 512, 32, moelink::MoEOverlap::kMicroBatch);
 }
 
 // max_tokens = max_requests (no drafts: one row a request): a bucket's

@@ -55,7 +55,7 @@ from benchlib import copy_gbs, header, write_json
 # MMAs at latent 512 and more than 32 heads on Hopper, else mma.sync) and
 # their merge of split keys (the scalar decode_attention_kernel where their
 # shapes do not apply), FlashInfer's.
-KERNELS = {"moelink": ("wgmma_decode_kernel", "tc_decode_kernel", "tc_decode_merge_kernel",
+KERNELS = {"moelink": ("wgmma_decode_kernel", "seesaw_decode_kernel", "tc_decode_kernel", "tc_decode_merge_kernel",
                        "decode_attention_kernel"),
            "flashinfer": ("BatchMLAPageAttentionHopper",)}
 
@@ -175,6 +175,54 @@ def qkv_a_results(token_counts, iters, bw, fp8_peak, hidden=7168, q_rows=1536, k
     return out
 
 
+def bmm_results(token_counts, iters, bw, fp8_peak, heads=128, nope=128, latent=512, v=128):
+    """The absorbed decode's two per-head GEMMs, k_b_proj's W_UK^T (q_nope
+    [heads, m, 128] -> [heads, m, 512]) and v_b_proj's W_UV ([heads, m, 512]
+    -> [heads, m, 128]), as MLAAttention runs them (the 1x128 quantization of
+    the activations, then moelink's fp8 block-scaled grouped GEMM, one group
+    a head, its tiles chosen for m rows) against torch.bmm in bf16 on the
+    same shapes; both checked against an fp32 product first."""
+    from experts_bench import block_weight, dequant, graph_us, quant_rows
+    out = []
+    for m in token_counts:
+        ex = moelink.Experts(heads, m, 128, 128, expected_rows=m)
+        count = torch.full((heads,), m, dtype=torch.int32, device="cuda")
+        for name, k, n in (("w_uk", nope, latent), ("w_uv", latent, v)):
+            x = torch.randn(heads, m, k, device="cuda").to(torch.bfloat16)
+            w, ws = block_weight(heads, n, k)
+            w_bf16 = dequant(w, ws, 128).to(torch.bfloat16)
+            xq = torch.empty(heads * m, k, dtype=w.dtype, device="cuda")
+            xs = torch.empty(heads * m, k // 128, dtype=torch.float32, device="cuda")
+            y = torch.empty(heads, m, n, dtype=torch.bfloat16, device="cuda")
+            y_torch = torch.empty_like(y)
+            w_t = w_bf16.transpose(1, 2).contiguous()  # [heads, k, n]: torch.bmm's right operand
+
+            def moelink_fn():
+                ex.quantize(xq, xs, x.view(heads * m, k))
+                ex.grouped_gemm(y, count, xq.view(heads, m, k), xs.view(heads, m, k // 128), w, ws)
+            fns = {"moelink": moelink_fn, "torch_bf16": lambda: torch.bmm(x, w_t, out=y_torch)}
+            for f in fns.values():
+                f()
+            ex.check()
+            ref = torch.bmm(x.float(), dequant(w, ws, 128).transpose(1, 2))
+            errs = {"moelink": ((y.float() - ref).norm() / ref.norm()).item(),
+                    "torch_bf16": ((y_torch.float() - ref).norm() / ref.norm()).item()}
+            if not errs["moelink"] < 5e-2:  # the 1x128 fp8 quantization of x: a few 1e-2 at most
+                raise SystemExit(f"attention_bench: {name} at m={m}: relative L2 {errs['moelink']:.2e} "
+                                 "against fp32")
+            times = {key: graph_us(f, iters, reps=5) for key, f in fns.items()}
+            # Floor: moelink's fp8 weights (and bf16 activations in and out) at the
+            # copy bandwidth, or the FLOPs at the fp8 peak.
+            bytes_ = w.numel() + ws.numel() * 4 + 2 * heads * m * (k + n)
+            floor = max(bytes_ / bw * 1e6, 2 * heads * m * k * n / fp8_peak * 1e6)
+            row = {"gemm": name, "tokens": m, "heads": heads, "k": k, "n": n, "moelink_us": times["moelink"],
+                   "torch_bf16_us": times["torch_bf16"], "floor_us": floor, "rel_l2_vs_fp32": errs}
+            print(f"{name} m {m:4d}: moelink {times['moelink']:.1f} us (quantize + fp8 grouped GEMM), "
+                  f"torch bf16 bmm {times['torch_bf16']:.1f} us, floor {floor:.1f} us", file=sys.stderr)
+            out.append(row)
+    return out
+
+
 def random_weights(cfg):
     """bf16 weights (moelink quantizes them to fp8 blocks), all heads."""
     D, H = cfg.hidden_size, cfg.num_attention_heads
@@ -202,6 +250,8 @@ def main():
     p.add_argument("--json", default="-")
     p.add_argument("--flashmla", default=None, help="a directory tools/build_flashmla.sh built FlashMLA into")
     p.add_argument("--qkv-a", default="", help="token counts of the merged qkv_a_proj comparison (empty: none)")
+    p.add_argument("--bmm", default="", help="token counts of the W_UK / W_UV batched GEMMs against torch.bmm "
+                                             "(empty: none)")
     a = p.parse_args()
     torch.manual_seed(0)
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
@@ -282,6 +332,11 @@ def main():
         from experts_bench import dense_fp8_tflops
         rec["dense_fp8_tflops"] = dense_fp8_tflops(a.iters)
         rec["qkv_a"] = qkv_a_results(ints(a.qkv_a), a.iters, bw, rec["dense_fp8_tflops"] * 1e12)
+    if a.bmm:
+        from experts_bench import dense_fp8_tflops
+        if "dense_fp8_tflops" not in rec:
+            rec["dense_fp8_tflops"] = dense_fp8_tflops(a.iters)
+        rec["bmm"] = bmm_results(ints(a.bmm), a.iters, bw, rec["dense_fp8_tflops"] * 1e12)
     write_json(rec, a.json)
 
 

@@ -47,7 +47,8 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
                             "kv_lora_rank = 512 and qk_rope_head_dim = 64, got " +
                             std::to_string(c.kv_lora_rank) + " and " + std::to_string(c.qk_rope_head_dim));
     if (kernel != MLADecodeKernel::kMoelink && FlashInferMLA::built() && shapes)
-      flashinfer_ = FlashInferMLA::create(local_heads);
+      flashinfer_[0] = FlashInferMLA::create(local_heads);
+    local_heads_ = local_heads;
     const bool prefill_shapes = c.qk_nope_head_dim + c.qk_rope_head_dim == FlashInferPrefill::kQkDims &&
                                 c.qk_rope_head_dim == 64 && c.v_head_dim == FlashInferPrefill::kVDims;
     if (prefill == MLAPrefillKernel::kFlashInfer && !FlashInferPrefill::built())
@@ -110,7 +111,7 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
                         const Tensor& cache, const MLABatch& b, const RowPlan& plan, int heads,
                         int nope_dims, float scale, cudaStream_t stream) override {
     const int R = static_cast<int>(q_latent.shape[2]), Dr = static_cast<int>(cache.shape[2]) - R;
-    if (flashinfer_ && flashinfer_plan(b, cache, stream)) {
+    if (flashinfer_[0] && flashinfer_plan(b, cache, stream)) {
       const int64_t Nd = q_latent.shape[1];
       const int head_dim = nope_dims + Dr;
       FlashInferMLAArgs a{};
@@ -127,7 +128,7 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
       a.out_stride_row = R;
       a.out_stride_head = Nd * R;
       a.scale = scale;
-      flashinfer_->run(a, stream);
+      flashinfer(b.plan_slot).run(a, stream);
       return;
     }
     if (tc_decode_supported(R, Dr)) {  // moelink's decode on tensor cores
@@ -220,7 +221,7 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
     MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
     const bool capture = capturing != cudaStreamCaptureStatusNone;
     const bool host = b.host_q_start.defined() && b.host_kv_len.defined() && b.host_block_table.defined();
-    if (capture) flashinfer_->forget_capture(b.num_decode, stream);  // until this capture plans FlashInfer
+    if (capture) flashinfer(b.plan_slot).forget_capture(b.num_decode, stream);  // until this capture plans it
     if (capture && !host) {
       if (kernel_ == MLADecodeKernel::kFlashInfer)
         throw InvalidArgument("moelink: MLAAttention.forward: MLAOptions.decode_kernel = flashinfer "
@@ -231,14 +232,14 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
     }
     if (!capture && !host) MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream));  // values from the stream's work
     if (!host_schedule(b, cache, host)) return false;
-    flashinfer_->plan(q_start_.data(), kv_indptr_.data(), kv_len_.data(), b.num_decode, stream);
+    flashinfer(b.plan_slot).plan(q_start_.data(), kv_indptr_.data(), kv_len_.data(), b.num_decode, stream);
     return true;
   }
 
   // A graph captured with FlashInfer's decode at this batch size: its plan
   // for the next replay's batch.
   void prepare_replay(const MLABatch& b, const Tensor& cache) override {
-    if (!flashinfer_ || !flashinfer_->captured(b.num_decode)) return;
+    if (!flashinfer_[0] || !flashinfer(b.plan_slot).captured(b.num_decode)) return;
     if (!(b.host_q_start.defined() && b.host_kv_len.defined() && b.host_block_table.defined()))
       throw InvalidArgument("moelink: MLAAttention.prepare_graph_replay: the graph runs FlashInfer's decode, "
                             "whose plan needs MLABatch's host copies (host_q_start, host_kv_len, "
@@ -247,7 +248,7 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
       throw InvalidArgument("moelink: MLAAttention.prepare_graph_replay: a decode request of this batch "
                             "has more than 2 query tokens, a length beyond its pages or a page outside "
                             "the cache (FlashInfer's captured decode cannot skip it): run it eagerly");
-    flashinfer_->replan(q_start_.data(), kv_indptr_.data(), kv_len_.data(), b.num_decode);
+    flashinfer(b.plan_slot).replan(q_start_.data(), kv_indptr_.data(), kv_len_.data(), b.num_decode);
   }
 
   // The decode requests' q_start, kv_len and kv_indptr (rows of the block
@@ -330,7 +331,17 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
   MLADecodeKernel kernel_;
   std::unique_ptr<FlashInferPrefill> flashinfer_prefill_;  // null: moelink's prefill kernel
   GrowingDeviceBuffer prefill_keys_, prefill_out_;        // FlashInfer's keys; one call's output and LSE
-  std::unique_ptr<FlashInferMLA> flashinfer_;
+  // FlashInfer's decode (null in [0]: moelink's kernel), a plan and its
+  // workspaces per MLABatch.plan_slot; slots past 0 made on first use.
+  FlashInferMLA& flashinfer(int slot) {
+    if (!flashinfer_[slot]) {
+      RelaxedCaptureMode relaxed;  // a first use may come inside a capture
+      flashinfer_[slot] = FlashInferMLA::create(local_heads_);
+    }
+    return *flashinfer_[slot];
+  }
+  std::unique_ptr<FlashInferMLA> flashinfer_[kMLAPlanSlots];
+  int local_heads_ = 0;
   std::vector<int32_t> q_start_, kv_len_, kv_indptr_, table_;
   GrowingDeviceBuffer prefill_memory_;  // one request's running softmax at a time
   GrowingDeviceBuffer decode_workspace_;  // the tensor-core decode's split partials

@@ -63,6 +63,15 @@ __host__ __device__ inline Partials partials_of(void* ws, int splits, int64_t Nd
   return {out, out + static_cast<size_t>(splits) * Nd * heads * R};
 }
 
+// A split without keys (a short row among long ones, or a block table
+// longer than the row): its log-sum-exp is -inf for `count` heads from h0
+// (of `heads`), which is all the merge reads of it; the caller returns
+// before loading its queries.
+__device__ __forceinline__ void mark_empty_split(const Partials& part, int64_t Nd, int split, int64_t r, int h0,
+                                                 int count, int heads, int tid) {
+  if (tid < count && h0 + tid < heads) part.lse[(static_cast<int64_t>(split) * Nd + r) * heads + h0 + tid] = -INFINITY;
+}
+
 // A thread's scores in `Tiles` n8 accumulator tiles of the MMAs' layout
 // (element e of tile j: its row (e >> 1) of two, 8 rows apart; key key0 +
 // 8 j + (e & 1), key0 holding the thread's first column) scaled into log2

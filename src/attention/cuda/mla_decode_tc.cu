@@ -8,6 +8,7 @@
 #include <string>
 
 #include "attention/cuda/mla_decode_split.cuh"
+#include "attention/decode_splits.h"
 #include "core/arg_checks.h"
 #include "moelink/errors.h"
 #include "nvlink/cuda_check.h"
@@ -94,6 +95,7 @@ __global__ void __launch_bounds__(Shape<R, G>::kThreads) tc_decode_kernel(TcDeco
   const int64_t keys = static_cast<int64_t>(a.plan.position[r]) + 1;
   const KeyRange range = split_keys(keys, split, splits);
   const Partials part = partials_of(workspace, splits, a.Nd, a.heads, R);
+  if (range.begin >= range.end) return mark_empty_split(part, a.Nd, split, r, block_h0, S::kHeads, a.heads, tid);
 
   // This block's queries: 16 heads x [latent R | rotary 64]; heads past
   // `heads` are zeros (their scores are computed, never stored). 16-byte
@@ -335,19 +337,24 @@ int64_t min_split_stages() {
   return v;
 }
 
-// Splits of each row's keys: enough blocks to fill every multiprocessor
-// (two blocks each of the mma.sync kernel, one of the warpgroup kernel), no
-// more than the longest row has stages (the warpgroup kernel:
-// min_split_stages() a split).
+// Splits of each row's keys: decode_splits (attention/decode_splits.h)
+// over the grid's blocks (two a multiprocessor of the mma.sync kernel, one
+// of the warpgroup kernel) under MOELINK_MLA_DECODE_SPLITS_BY_WAVES=1 (an
+// A/B candidate, not yet measured cleanly); by default the fewest splits
+// that give every slot a block of the grid.
 int splits_for(const TcDecodeArgs& a) {
   const bool wgmma = use_wgmma(a);
   const int heads_per_block = wgmma ? 64 : groups_for(a) * kHeadsPerGroup;
-  const int64_t blocks = a.rows_bound * ((a.heads + heads_per_block - 1) / heads_per_block);
-  const int64_t stages = std::max<int64_t>(1, (a.max_keys + kKeysPerStage - 1) / kKeysPerStage);
-  const int64_t slots = (wgmma ? 1 : 2) * static_cast<int64_t>(sm_count());
-  const int64_t want = (slots + blocks - 1) / std::max<int64_t>(blocks, 1);
-  const int64_t most = wgmma ? stages / min_split_stages() : stages;
-  return static_cast<int>(std::clamp<int64_t>(std::min(want, most), 1, kMaxSplits));
+  const int64_t head_blocks = (a.heads + heads_per_block - 1) / heads_per_block;
+  DecodeSplitShape shape;
+  shape.busy_one = std::max<int64_t>(1, (a.rows_bound + 1) / 2 * head_blocks);
+  shape.busy_two = std::max<int64_t>(1, a.rows_bound * head_blocks);
+  shape.stages = std::max<int64_t>(1, (a.max_keys + kKeysPerStage - 1) / kKeysPerStage);
+  shape.slots = (wgmma ? 1 : 2) * static_cast<int64_t>(sm_count());
+  shape.most = std::clamp<int64_t>(wgmma ? shape.stages / min_split_stages() : shape.stages, 1, kMaxSplits);
+  static const bool by_waves = env_int("MOELINK_MLA_DECODE_SPLITS_BY_WAVES", 0, 0, 1) == 1;
+  if (!by_waves) return static_cast<int>(std::min((shape.slots + shape.busy_two - 1) / shape.busy_two, shape.most));
+  return static_cast<int>(decode_splits(shape));
 }
 
 template <int R, int G>

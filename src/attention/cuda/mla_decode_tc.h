@@ -61,10 +61,14 @@ void launch_tc_decode(const TcDecodeArgs& a, void* workspace, cudaStream_t strea
 
 // The warpgroup-MMA kernel (mla_decode_wgmma.cu, in builds for sm_90a):
 // whether it takes these arguments on this GPU (Hopper; latent 512, rotary
-// 64, more than 32 heads; 16-byte aligned queries and cache), and its
-// launch over `splits` key splits (64 heads a block, one block a
-// multiprocessor), whose partials launch_tc_decode merges.
+// 64; 16-byte aligned queries and cache), and its launch over `splits` key
+// splits (64 heads a block, or a request's rows at 32 heads or fewer; one
+// block a multiprocessor), whose partials launch_tc_decode merges.
 bool wgmma_decode_applies(const TcDecodeArgs& a);
 void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cudaStream_t stream);
+// Its out-of-step variant for more than 32 heads (mla_decode_seesaw.cu;
+// launch_wgmma_decode picks it under MOELINK_MLA_DECODE_SEESAW=1).
+void launch_seesaw_decode(const TcDecodeArgs& a, void* workspace, int splits, bool heads_inner,
+                          cudaStream_t stream);
 
 }  // namespace moelink::detail::attention

@@ -1,9 +1,11 @@
 // moelink's MLA decode on Hopper's warpgroup MMAs (wgmma, sm_90a), for
-// DeepSeek-V3's cache rows (latent 512 + rotary 64) and more than 32 heads:
-// the "moelink" decode of CudaAttentionOps where it applies (else
-// mla_decode_tc.cu's mma.sync kernel).
+// DeepSeek-V3's cache rows (latent 512 + rotary 64): the "moelink" decode
+// of CudaAttentionOps where it applies (else mla_decode_tc.cu's mma.sync
+// kernel).
 //
-// A block takes one decode row and 64 heads (wgmma's M), two warpgroups:
+// A block takes 64 MMA rows (wgmma's M), two warpgroups: 64 heads of one
+// decode row, or with 32 heads or fewer 32 slots for each of a request's
+// one or two decode rows (MTP's q_len 2 reads the keys once). Then:
 //   Q [64 heads, 576] sits in shared memory for all of the block's keys;
 //   keys stream in 64 a stage, cp.async two stages deep;
 //   scores: warpgroup g scores the 64 heads against keys 32 g .. 32 g + 31
@@ -29,19 +31,21 @@
 
 #include "attention/cuda/mla_decode_split.cuh"
 #include "attention/cuda/mla_decode_tc.h"
+#include "attention/cuda/wgmma.cuh"
+#include "core/arg_checks.h"
 #include "nvlink/cuda_check.h"
 
 namespace moelink::detail::attention {
 namespace {
 
 using namespace decode;
+using namespace wgmma;
 
 constexpr int kHeads = 64;                       // a block's heads: wgmma's M
 constexpr int kLatent = 512, kRow = kLatent + kRope;
 constexpr int kAtoms = kRow / 64;                // 64-dim swizzle atoms of a row
 constexpr int kChunks = kRow / 8;                // 16-byte pieces of a row
 constexpr int kThreads = 256;                    // two warpgroups
-constexpr uint32_t kAtomBlock = 64 * 128;        // 64 rows of one atom: 8 KB
 constexpr uint32_t kTile = kAtoms * kAtomBlock;  // 64 rows x 576 dims: 72 KB
 constexpr uint32_t kPTile = kAtomBlock;          // 64 heads x 64 keys of P
 constexpr uint32_t kRedBytes = 2 * 2 * kHeads * 4;  // row maxima and sums, a row per warpgroup
@@ -50,81 +54,13 @@ constexpr uint32_t kRedBytes = 2 * 2 * kHeads * 4;  // row maxima and sums, a ro
 constexpr size_t kSmemBytes = 3 * size_t(kTile) + kPTile + kRedBytes + 1024;
 static_assert(kSmemBytes <= 227 * 1024, "past a Hopper block's shared memory");
 
-// ------------------------------------------------------------ shared-memory tiles
-
-// Byte offset of 16-byte piece `chunk` of row `row` in a swizzled tile.
-__device__ __forceinline__ uint32_t tile_offset(int row, int chunk) {
-  return (chunk >> 3) * kAtomBlock + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
-}
-
-// wgmma's shared-memory matrix descriptor, 128-byte swizzle: the start
-// address, LBO and SBO (bytes; 16-byte units in the descriptor).
-//   K-major (Q, K, P): SBO = 1024, the stride of 8-row groups (LBO unused);
-//   MN-major (V): LBO = 8 KB, the stride of 64-column atoms along N; SBO =
-//   1024, the stride of 8-row groups along K.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>(lbo >> 4) << 16 |
-         static_cast<uint64_t>(sbo >> 4) << 32 | 1ull << 62;
-}
-
-// ------------------------------------------------------------ wgmma
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// The generic proxy's shared-memory writes (cp.async, stores) seen by the
-// async proxy that wgmma reads through.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Keeps the compiler from moving accumulator reads or writes across a
-// wgmma's issue or wait.
-template <int N>
-__device__ __forceinline__ void fence_registers(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// d [64 x 32] += A [64 x 16] . B [32 x 16]^T, both K-major in shared memory.
-__device__ __forceinline__ void mma_scores(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-      "%16, %17, accumulate, 1, 1, 0, 0;\n}\n"
-      :
-        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
-}
-
-// d [64 x 256] += A [64 x 16] (K-major) . B [16 x 256] (MN-major), from shared memory.
-__device__ __forceinline__ void mma_values(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-      "%128, %129, accumulate, 1, 1, 0, 1;\n}\n"
-      :
-        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
-}
 // ------------------------------------------------------------ the kernel
 
-__global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs a, void* workspace) {
+// kOverlap: stage t + 1's scores issued behind stage t's P V (an A/B
+// candidate, MOELINK_MLA_DECODE_OVERLAP=1, not yet measured).
+template <bool kOverlap>
+__global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs a, void* workspace,
+                                                                   int inner_head_blocks) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __trap();  // wgmma is sm_90a's (wgmma_decode_applies asks for a Hopper GPU)
 #else
@@ -135,29 +71,61 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
   float* red_max = reinterpret_cast<float*>(smem_raw + (p_tile + kPTile - raw));  // [2 warpgroups][64 heads]
   float* red_sum = red_max + 2 * kHeads;                                          // [2 warpgroups][64 heads]
 
-  const int64_t r = blockIdx.x;
-  const int block_h0 = blockIdx.y * kHeads, split = blockIdx.z, splits = gridDim.z;
-  if (r >= a.plan.decode_rows[0]) return;
+  // The block's 64 MMA rows ("slots"). More than 32 heads: 64 heads of
+  // decode row blockIdx.x. 32 or fewer: 32 slots a query row, for both rows
+  // of an MTP request (its keys streamed once for q_len 2): slot s is head
+  // s % 32 of the request's row s / 32, and the block of its second row
+  // leaves the request to the first's.
+  // inner_head_blocks > 0: blockIdx.x = row x head blocks + head block, so
+  // a row's head blocks run side by side (the second could read the row's
+  // keys from L2); else blockIdx.x is the row and blockIdx.y the head block.
+  const int64_t r = inner_head_blocks > 0 ? blockIdx.x / inner_head_blocks : blockIdx.x;
+  const int64_t decode_rows = a.plan.decode_rows[0];
+  const int head_block = inner_head_blocks > 0 ? blockIdx.x % inner_head_blocks : blockIdx.y;
+  const int split = blockIdx.z, splits = gridDim.z;
+  if (r >= decode_rows) return;
   const int32_t request = a.plan.request[r];
+  const bool packed = a.heads <= kHeads / 2;
+  const int per_row = packed ? kHeads / 2 : kHeads, head0 = packed ? 0 : head_block * kHeads;
+  if (packed && request >= 0 && r > 0 && a.plan.request[r - 1] == request) return;  // the first row's block
+  const int rows = packed && request >= 0 && r + 1 < decode_rows && a.plan.request[r + 1] == request ? 2 : 1;
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
-  // A thread's accumulator rows (heads of the block) and first column.
+  // A thread's accumulator rows (slots) and first column.
   const int row0 = (tid % 128) / 32 * 16 + lane / 4, row1 = row0 + 8, c2 = (lane % 4) * 2;
+  // A slot's query row (-1: none, its scores computed and never stored) and head.
+  auto slot_row = [&](int slot) -> int64_t {
+    const int q = slot / per_row;
+    return q < rows && head0 + slot % per_row < a.heads ? r + q : -1;
+  };
+  auto slot_head = [&](int slot) { return head0 + slot % per_row; };
   if (request < 0) {  // a row the plan skips: zeros (the merge writes them when split)
-    if (splits == 1) zero_skipped_row(a.out_latent, a.Nd, r, block_h0, kHeads, a.heads, kLatent, tid, kThreads);
+    if (splits == 1) zero_skipped_row(a.out_latent, a.Nd, r, head0, per_row, a.heads, kLatent, tid, kThreads);
     return;
   }
-  const int64_t keys = static_cast<int64_t>(a.plan.position[r]) + 1;
+  // Keys of the block: its last row's (each slot masked to its own row's).
+  const int64_t keys = static_cast<int64_t>(a.plan.position[r + rows - 1]) + 1;
   const KeyRange range = split_keys(keys, split, splits);
   const Partials part = partials_of(workspace, splits, a.Nd, a.heads, kLatent);
+  if (range.begin >= range.end) {  // an empty split: -inf for each slot's row and head
+    for (int q = 0; q < rows; ++q) mark_empty_split(part, a.Nd, split, r + q, head0, per_row, a.heads, tid);
+    return;
+  }
+  int64_t key_end[2];  // the thread's two slots: their keys end here (their rows' positions + 1)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = slot_row(h == 0 ? row0 : row1);
+    key_end[h] = row < 0 ? range.end : std::min<int64_t>(range.end, a.plan.position[row] + 1);
+  }
 
   // Each thread moves 18 pieces of one row (4 threads a row): the queries
-  // of head tid / 4 (latent, then rotary), and a stage's key tid / 4.
+  // of slot tid / 4 (latent, then rotary), and a stage's key tid / 4.
   const int my_row = tid / 4, first_piece = tid % 4;
   {
-    const int h = block_h0 + my_row;
-    const bool valid = h < a.heads;  // heads past `heads`: zeros, scored, never stored
-    const uint16_t* latent = a.q_latent + (static_cast<int64_t>(h) * a.Nd + r) * kLatent;
-    const uint16_t* rotary = a.q + r * a.q_stride + static_cast<int64_t>(h) * a.head_dim + a.nope_dims;
+    const int64_t row = slot_row(my_row);
+    const int h = slot_head(my_row);
+    const bool valid = row >= 0;  // other slots: zeros
+    const uint16_t* latent = a.q_latent + (static_cast<int64_t>(h) * a.Nd + row) * kLatent;
+    const uint16_t* rotary = a.q + row * a.q_stride + static_cast<int64_t>(h) * a.head_dim + a.nope_dims;
 #pragma unroll
     for (int m = 0; m < kChunks / 4; ++m) {
       const int c = first_piece + 4 * m;
@@ -189,18 +157,9 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
   const float scale = a.scale * kLog2e;
   const int stages = static_cast<int>((range.end - range.begin + kKeysPerStage - 1) / kKeysPerStage);
 
-  if (stages > 0) load_stage(0, range.begin);
-  cp_async_commit();  // the queries and stage 0
-  for (int t = 0; t < stages; ++t) {
-    if (t + 1 < stages) load_stage((t + 1) & 1, range.begin + static_cast<int64_t>(t + 1) * kKeysPerStage);
-    cp_async_commit();
-    cp_async_wait<1>();  // stage t (and, at t = 0, the queries) landed
-    fence_proxy_async();
-    __syncthreads();
-    const uint32_t stage = kv_tiles + (t & 1) * kTile;
-
-    // Scores of keys 32 wg .. 32 wg + 31 of the stage.
-    float sc[16];
+  float sc[16];  // scores: rows row0 / row1, keys 32 wg + 8 j + c2 (+1) of the stage
+  // Issues the scores of keys 32 wg .. 32 wg + 31 of a stage (one group).
+  auto issue_scores = [&](uint32_t stage) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) sc[i] = 0.0f;
     fence_registers(sc);
@@ -210,17 +169,17 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
       const uint32_t in_atom = (k % 4) * 32;  // a K step's 16 dims within the 128-byte row
       const uint64_t qa = smem_desc(q_tile + (k / 4) * kAtomBlock + in_atom, 16, 1024);
       const uint64_t kb = smem_desc(stage + (k / 4) * kAtomBlock + wg * 32 * 128 + in_atom, 16, 1024);
-      mma_scores(sc, qa, kb);
+      mma_64x32_ss(sc, qa, kb);
     }
     wgmma_commit();
-    wgmma_wait_all();
-    fence_registers(sc);
-
-    // Scaled into log2 units; keys past the range masked; this stage's row maxima.
+  };
+  // The scores of stage t (landed in sc) to probabilities in P; the row
+  // maxima, sums and outputs rescaled. Ends with P whole (a barrier).
+  auto softmax_to_p = [&](int t) {
+    // Scaled into log2 units; keys past each slot's end masked; this stage's row maxima.
     const int64_t key0 = range.begin + static_cast<int64_t>(t) * kKeysPerStage + wg * 32 + c2;
-    const int64_t end[2] = {range.end, range.end};
     float tile_max[2];
-    scale_mask_max<4>(sc, key0, end, scale, tile_max);
+    scale_mask_max<4>(sc, key0, key_end, scale, tile_max);
     if (lane % 4 == 0) {
       red_max[wg * kHeads + row0] = tile_max[0];
       red_max[wg * kHeads + row1] = tile_max[1];
@@ -259,20 +218,75 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
     }
     fence_proxy_async();
     __syncthreads();  // P whole
-
-    // out += P (64 heads x 64 keys) . V (64 keys x this warpgroup's 256 dims).
+  };
+  // Issues out += P (64 slots x 64 keys) . V (64 keys x this warpgroup's 256 dims) (one group).
+  auto issue_values = [&](uint32_t stage) {
     fence_registers(out);
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < kKeysPerStage / 16; ++k) {
       const uint64_t pa = smem_desc(p_tile + k * 32, 16, 1024);
       const uint64_t vb = smem_desc(stage + wg * 4 * kAtomBlock + k * 16 * 128, kAtomBlock, 1024);
-      mma_values(out, pa, vb);
+      mma_64x256_ss(out, pa, vb);
     }
     wgmma_commit();
-    wgmma_wait_all();
-    fence_registers(out);
-    __syncthreads();  // the stage's buffer, P and the maxima are free for the next
+  };
+  auto stage_tile = [&](int t) { return kv_tiles + (t & 1) * kTile; };
+
+  if constexpr (!kOverlap) {
+    // Each stage's phases one after the other; stage t + 1 loads meanwhile.
+    if (stages > 0) load_stage(0, range.begin);
+    cp_async_commit();  // the queries and stage 0
+    for (int t = 0; t < stages; ++t) {
+      if (t + 1 < stages) load_stage((t + 1) & 1, range.begin + static_cast<int64_t>(t + 1) * kKeysPerStage);
+      cp_async_commit();
+      cp_async_wait<1>();  // stage t (and, at t = 0, the queries) landed
+      fence_proxy_async();
+      __syncthreads();
+      issue_scores(stage_tile(t));
+      wgmma_wait<0>();
+      fence_registers(sc);
+      softmax_to_p(t);
+      issue_values(stage_tile(t));
+      wgmma_wait<0>();
+      fence_registers(out);
+      __syncthreads();  // the stage's buffer, P and the maxima are free for the next
+    }
+  } else {
+    // Stage t + 1's scores issued behind stage t's P V, so the tensor cores
+    // go from one to the other; stage t + 2 loads once stage t's P V is done.
+    if (stages > 0) load_stage(0, range.begin);
+    cp_async_commit();  // the queries and stage 0
+    if (stages > 1) load_stage(1, range.begin + kKeysPerStage);
+    cp_async_commit();
+    if (stages > 0) {
+      cp_async_wait<1>();
+      fence_proxy_async();
+      __syncthreads();
+      issue_scores(stage_tile(0));
+      wgmma_wait<0>();
+      fence_registers(sc);
+    }
+    for (int t = 0; t < stages; ++t) {
+      softmax_to_p(t);
+      issue_values(stage_tile(t));
+      if (t + 1 < stages) {
+        cp_async_wait<0>();  // stage t + 1 landed
+        fence_proxy_async();
+        __syncthreads();
+        issue_scores(stage_tile(t + 1));
+        wgmma_wait<1>();  // stage t's P V done (stage t + 1's scores may run on)
+        fence_registers(out);
+        __syncthreads();  // every warpgroup's: stage t's buffer and P are free
+        if (t + 2 < stages) load_stage(t & 1, range.begin + static_cast<int64_t>(t + 2) * kKeysPerStage);
+        cp_async_commit();
+        wgmma_wait<0>();
+        fence_registers(sc);
+      } else {
+        wgmma_wait<0>();
+        fence_registers(out);
+      }
+    }
   }
   cp_async_wait<0>();
 
@@ -289,12 +303,13 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
   __syncthreads();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = h == 0 ? row0 : row1, head = block_h0 + row;
-    if (head >= a.heads) continue;
+    const int row = h == 0 ? row0 : row1, head = slot_head(row);
+    const int64_t out_row = slot_row(row);
+    if (out_row < 0) continue;
     const float total = red_sum[row] + red_sum[kHeads + row];
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    const int64_t slot = static_cast<int64_t>(head) * a.Nd + r;  // out_latent's [head, row]
-    const int64_t pslot = (static_cast<int64_t>(split) * a.Nd + r) * a.heads + head;
+    const int64_t slot = static_cast<int64_t>(head) * a.Nd + out_row;  // out_latent's [head, row]
+    const int64_t pslot = (static_cast<int64_t>(split) * a.Nd + out_row) * a.heads + head;
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       const int d = wg * 256 + j * 8 + c2;
@@ -328,20 +343,31 @@ bool wgmma_decode_applies(const TcDecodeArgs& a) {
                          reinterpret_cast<uintptr_t>(a.cache) | static_cast<uintptr_t>(a.q_stride * 2) |
                          static_cast<uintptr_t>(a.head_dim * 2) | static_cast<uintptr_t>(a.nope_dims * 2)) %
                         16) == 0;
-  return hopper && aligned && a.R == kLatent && a.head_dim - a.nope_dims == kRope && a.heads > 32;
+  return hopper && aligned && a.R == kLatent && a.head_dim - a.nope_dims == kRope && a.heads >= 1;
 }
 
-int wgmma_decode_heads_per_block() { return kHeads; }
+int wgmma_decode_head_blocks(const TcDecodeArgs& a) { return (a.heads + kHeads - 1) / kHeads; }
 
 void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cudaStream_t stream) {
+  static const bool overlap = env_int("MOELINK_MLA_DECODE_OVERLAP", 0, 0, 1) == 1;
   static std::once_flag attribute_set;
   std::call_once(attribute_set, [] {
-    MOELINK_CUDA_CHECK(cudaFuncSetAttribute(wgmma_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(kSmemBytes)));
+    for (const void* kernel : {reinterpret_cast<const void*>(wgmma_decode_kernel<false>),
+                               reinterpret_cast<const void*>(wgmma_decode_kernel<true>)})
+      MOELINK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(kSmemBytes)));
   });
-  const dim3 grid(static_cast<unsigned>(a.rows_bound), static_cast<unsigned>((a.heads + kHeads - 1) / kHeads),
-                  static_cast<unsigned>(splits));
-  wgmma_decode_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace);
+  static const bool heads_inner = env_int("MOELINK_MLA_DECODE_HEADS_INNER", 0, 0, 1) == 1;
+  static const bool seesaw = env_int("MOELINK_MLA_DECODE_SEESAW", 0, 0, 1) == 1;
+  if (seesaw && a.heads > kHeads / 2) return launch_seesaw_decode(a, workspace, splits, heads_inner, stream);
+  const int head_blocks = wgmma_decode_head_blocks(a);
+  const dim3 grid(static_cast<unsigned>(a.rows_bound * (heads_inner ? head_blocks : 1)),
+                  static_cast<unsigned>(heads_inner ? 1 : head_blocks), static_cast<unsigned>(splits));
+  const int inner = heads_inner ? head_blocks : 0;
+  if (overlap)
+    wgmma_decode_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner);
+  else
+    wgmma_decode_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -43,6 +43,12 @@ class CudaModelOps final : public CudaMemory<ModelOps> {
     launch_rebase_offsets(dst, src, first, count, stream);
   }
 
+  void move_rows(const Tensor& part, const Tensor& whole, const int32_t* first, const int32_t* count,
+                 bool into_part, cudaStream_t stream) override {
+    launch_move_rows(bf16_data(part), part.stride[0], part.shape[0], bf16_data(whole), whole.stride[0],
+                     part.shape[1], first, count, into_part, stream);
+  }
+
   void embed(const Tensor& h, const Tensor& token_ids, const uint16_t* table, int64_t vocab,
              const int32_t* rows, ModelErrorRecord* error, cudaStream_t stream) override {
     launch_embed(bf16_data(h), h.stride[0], h.shape[1], static_cast<const int32_t*>(token_ids.data),

@@ -32,6 +32,20 @@ __global__ void rebase_offsets_kernel(int32_t* dst, const int32_t* src, int firs
   for (int i = threadIdx.x; i <= count; i += blockDim.x) dst[i] = src[first + i] - base;
 }
 
+__global__ void move_rows_kernel(uint16_t* part, int64_t part_stride, uint16_t* whole, int64_t whole_stride,
+                                 int64_t D, const int32_t* first, const int32_t* count, bool into_part) {
+  const int64_t r = blockIdx.x;
+  if (r >= *count) return;
+  uint16_t* p = part + r * part_stride;
+  uint16_t* w = whole + (static_cast<int64_t>(*first) + r) * whole_stride;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+    if (into_part)
+      p[d] = w[d];
+    else
+      w[d] = p[d];
+  }
+}
+
 __global__ void embed_kernel(uint16_t* h, int64_t h_stride, int64_t D, const int32_t* ids, int64_t ids_stride,
                              const uint16_t* table, int64_t vocab, const int32_t* rows, ModelErrorRecord* error) {
   const int64_t r = blockIdx.x;
@@ -188,6 +202,13 @@ void launch_step_rows(const int32_t* q_start, int num_requests, int64_t n, int32
 
 void launch_rebase_offsets(int32_t* dst, const int32_t* src, int first, int count, cudaStream_t stream) {
   rebase_offsets_kernel<<<1, 128, 0, stream>>>(dst, src, first, count);
+  MOELINK_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_move_rows(uint16_t* part, int64_t part_stride, int64_t max_rows, uint16_t* whole, int64_t whole_stride,
+                      int64_t D, const int32_t* first, const int32_t* count, bool into_part, cudaStream_t stream) {
+  move_rows_kernel<<<grid(max_rows), 256, 0, stream>>>(part, part_stride, whole, whole_stride, D, first, count,
+                                                       into_part);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -14,6 +14,9 @@ namespace moelink::detail::model {
 void launch_step_rows(const int32_t* q_start, int num_requests, int64_t n, int32_t* rows,
                       cudaStream_t stream);
 void launch_rebase_offsets(int32_t* dst, const int32_t* src, int first, int count, cudaStream_t stream);
+// ModelOps::move_rows: a block per row of part (max_rows of them).
+void launch_move_rows(uint16_t* part, int64_t part_stride, int64_t max_rows, uint16_t* whole, int64_t whole_stride,
+                      int64_t D, const int32_t* first, const int32_t* count, bool into_part, cudaStream_t stream);
 void launch_embed(uint16_t* h, int64_t h_stride, int64_t D, const int32_t* ids, int64_t ids_stride,
                   const uint16_t* table, int64_t vocab, const int32_t* rows, int64_t max_rows,
                   ModelErrorRecord* error, cudaStream_t stream);
