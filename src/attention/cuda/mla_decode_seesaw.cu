@@ -58,10 +58,14 @@ enum Barrier : int { kP0Ready = 1, kP1Ready, kTile0Free, kTile1Free, kOwnLoads }
 
 __device__ __forceinline__ float base_of(float m) { return m == -INFINITY ? 0.0f : m; }
 
-template <int N>
-__device__ __forceinline__ void scale_all(float (&d)[N], float f) {
+// The accumulator's rows row0 (elements 4 j, 4 j + 1) times f0 and row1
+// (4 j + 2, 4 j + 3) times f1.
+__device__ __forceinline__ void scale_rows(float (&out)[128], float f0, float f1) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) d[i] *= f;
+  for (int j = 0; j < 32; ++j) {
+    out[4 * j] *= f0, out[4 * j + 1] *= f0;
+    out[4 * j + 2] *= f1, out[4 * j + 3] *= f1;
+  }
 }
 
 __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs a, void* workspace,
@@ -236,11 +240,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
 #pragma unroll
       for (int h = 0; h < 2; ++h) run_sum[h] = run_sum[h] * exp2f(run_max[h] - b0[h]) + sum[h];
       const float f0 = exp2f(run_max[0] - b0[0]), f1 = exp2f(run_max[1] - b0[1]);
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        out[4 * j] *= f0, out[4 * j + 1] *= f0;
-        out[4 * j + 2] *= f1, out[4 * j + 3] *= f1;
-      }
+      scale_rows(out, f0, f1);
       issue_pv_own(my_tile);
       barrier_sync(kP1Ready, kThreads);  // wg 1's maxima and P1
       float m1[2];
@@ -250,11 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       fence_registers(pa);
       const float g0 = exp2f(m0[0] - base_of(m1[0])), g1 = exp2f(m0[1] - base_of(m1[1]));
       run_sum[0] *= g0, run_sum[1] *= g1;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        out[4 * j] *= g0, out[4 * j + 1] *= g0;
-        out[4 * j + 2] *= g1, out[4 * j + 3] *= g1;
-      }
+      scale_rows(out, g0, g1);
       issue_pv_other(other_tile);
       if (reload) {  // tile 0 <- stage 2 p + 2 once wg 1's P V of stage 2 p is done
         barrier_sync(kTile0Free, kThreads);
@@ -276,11 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       }
       const float f0 = exp2f(run_max[0] - base_of(m0[0])), f1 = exp2f(run_max[1] - base_of(m0[1]));
       run_sum[0] *= f0, run_sum[1] *= f1;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        out[4 * j] *= f0, out[4 * j + 1] *= f0;
-        out[4 * j + 2] *= f1, out[4 * j + 3] *= f1;
-      }
+      scale_rows(out, f0, f1);
       issue_pv_other(other_tile);
       probabilities(b1, sum);
       publish_max(m1);
@@ -291,11 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       wgmma_wait<0>();
       fence_registers(out);
       if (reload) barrier_arrive(kTile0Free, kThreads);
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        out[4 * j] *= g0, out[4 * j + 1] *= g0;
-        out[4 * j + 2] *= g1, out[4 * j + 3] *= g1;
-      }
+      scale_rows(out, g0, g1);
       issue_pv_own(my_tile);
       wgmma_wait<0>();
       fence_registers(out);
