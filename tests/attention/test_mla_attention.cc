@@ -633,6 +633,12 @@ TEST_P(MLAAttentionTest, BadBatchValuesAreReportedAndTheObjectStaysUsable) {
   two.num_decode = 2;
   expect_throw_naming<moelink::InvalidArgument>([&] { m.forward(tout, tx, two, cache); },
                                                 {"batch.num_decode", "= 2"});
+  for (const int slot : {-1, moelink::kMLAPlanSlots}) {
+    MLABatch slotted = good;
+    slotted.plan_slot = slot;
+    expect_throw_naming<moelink::InvalidArgument>([&] { m.forward(tout, tx, slotted, cache); },
+                                                  {"batch.plan_slot", "= " + std::to_string(slot)});
+  }
   MLABatch half = good;  // host copies: all three or none
   half.host_q_start = good.q_start;
   expect_throw_naming<moelink::InvalidArgument>([&] { m.forward(tout, tx, half, cache); },
