@@ -39,6 +39,19 @@ tokens; its floor is the larger of the fp8 weights at the copy bandwidth
 and its FLOPs at the dense fp8 peak (both measured in the run). Results in
 the record's `qkv_a` rows.
 
+With --bmm M1,M2,...: the absorbed decode's W_UK / W_UV batched GEMMs as
+MLAAttention runs them against torch.bmm in bf16 (the record's `bmm` rows).
+
+With --prefill S1,S2,...: the prefill (MHA form, 128 heads, head dim 192 /
+128) of one request's S-token chunk, on an empty cache and after S cached
+tokens, through moelink.MLAAttention with each prefill kernel of
+--prefill-kernels: "flashinfer" (FlashInfer's Hopper prefill, moelink's
+default) and "moelink" (moelink's own, the reference). Per case the
+attention kernels alone (torch.profiler), the whole prefill step (wall
+time: projections, kv_b_proj's expansion, AppendKV, the attention, o_proj)
+and the floor, the attention's causal FLOPs (2 heads (192 + 128) per
+query-key pair) at the bf16 peak (the record's `prefill` rows).
+
     PYTHONPATH=build/python python3 tools/bench/attention_bench.py --json out.json
 """
 import argparse
@@ -58,6 +71,12 @@ from benchlib import copy_gbs, header, write_json
 KERNELS = {"moelink": ("wgmma_decode_kernel", "seesaw_decode_kernel", "tc_decode_kernel", "tc_decode_merge_kernel",
                        "decode_attention_kernel"),
            "flashinfer": ("BatchMLAPageAttentionHopper",)}
+# The prefill's attention kernels: FlashInfer's Hopper prefill and the merge
+# of a chunk's two parts (its cached keys, itself) that moelink runs after
+# it; moelink's own prefill kernels.
+PREFILL_KERNELS = {"flashinfer": ("PrefillWithKVCacheKernel", "prefill_merge_kernel"),
+                   "moelink": ("prefill_chunk_kernel", "prefill_begin_kernel", "prefill_finish_kernel",
+                               "prefill_merge_kernel")}
 
 
 def wall_us(fn, iters, warmup=2):
@@ -223,6 +242,52 @@ def bmm_results(token_counts, iters, bw, fp8_peak, heads=128, nope=128, latent=5
     return out
 
 
+def prefill_results(chunks, kernels, weights, cfg, iters, peak):
+    """One request's prefill chunk of S tokens, on an empty cache and after
+    S cached tokens, through MLAAttention with each prefill kernel; the
+    kernels' outputs compared with each other (relative L2 of the step's
+    output) before timing."""
+    out = []
+    max_s = max(chunks)
+    attn = {}
+    for k in kernels:
+        attn[k] = moelink.MLAAttention("deepseek-v3", device="cuda", prefill_kernel=k, max_tokens=max_s,
+                                       max_requests=1, max_pages_per_request=(2 * max_s + 63) // 64)
+        attn[k].set_weights(**weights)
+    heads = cfg.num_attention_heads
+    qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    for S in chunks:
+        for cached in (0, S):
+            L = cached + S
+            pages = (L + 63) // 64
+            cache = (torch.randn(pages, 64, 576, device="cuda") * 0.5).to(torch.bfloat16)
+            table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(1, pages)
+            kv_len = torch.tensor([L], device="cuda", dtype=torch.int32)
+            q_start = torch.tensor([0, S], device="cuda", dtype=torch.int32)
+            x = torch.randn(S, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+            outs = {k: torch.empty_like(x) for k in kernels}
+
+            def step(k):
+                return lambda: attn[k].forward(outs[k], x, cache, q_start, kv_len, table, num_decode=0)
+            for k in kernels:
+                step(k)()
+                attn[k].check()
+            pairs = S * cached + S * (S + 1) // 2  # causal: query i sees cached + i + 1 keys
+            row = {"heads": heads, "chunk": S, "cached": cached, "kv_len": L,
+                   "floor_us": 2 * heads * pairs * (qk + v) / peak * 1e6}
+            if len(kernels) > 1:
+                ref = outs[kernels[0]].float()
+                row["outputs_rel_l2"] = ((outs[kernels[1]].float() - ref).norm() / ref.norm()).item()
+            for k in kernels:
+                row[f"{k}_us"] = kernel_us(step(k), iters, PREFILL_KERNELS[k])
+                row[f"{k}_step_us"] = wall_us(step(k), iters)
+            out.append(row)
+            print(f"prefill S {S} cached {cached}: " + ", ".join(
+                f"{k} kernel {row[k + '_us'] or float('nan'):.0f} us (step {row[k + '_step_us']:.0f})"
+                for k in kernels) + f", floor {row['floor_us']:.0f} us", file=sys.stderr)
+    return out
+
+
 def random_weights(cfg):
     """bf16 weights (moelink quantizes them to fp8 blocks), all heads."""
     D, H = cfg.hidden_size, cfg.num_attention_heads
@@ -252,6 +317,9 @@ def main():
     p.add_argument("--qkv-a", default="", help="token counts of the merged qkv_a_proj comparison (empty: none)")
     p.add_argument("--bmm", default="", help="token counts of the W_UK / W_UV batched GEMMs against torch.bmm "
                                              "(empty: none)")
+    p.add_argument("--prefill", default="", help="chunk lengths of the prefill comparison (empty: none)")
+    p.add_argument("--prefill-kernels", default="flashinfer",
+                   help="prefill kernels to time: flashinfer, moelink (moelink's own, the reference; slow)")
     a = p.parse_args()
     torch.manual_seed(0)
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
@@ -337,6 +405,13 @@ def main():
         if "dense_fp8_tflops" not in rec:
             rec["dense_fp8_tflops"] = dense_fp8_tflops(a.iters)
         rec["bmm"] = bmm_results(ints(a.bmm), a.iters, bw, rec["dense_fp8_tflops"] * 1e12)
+    if a.prefill:
+        kernels = [k for k in a.prefill_kernels.split(",") if k]
+        for k in kernels:
+            if k not in PREFILL_KERNELS:
+                raise SystemExit(f"attention_bench: --prefill-kernels: unknown kernel {k!r} "
+                                 f"(allowed: {', '.join(PREFILL_KERNELS)})")
+        rec["prefill"] = prefill_results(ints(a.prefill), kernels, weights, cfg, a.iters, peak)
     write_json(rec, a.json)
 
 
