@@ -39,6 +39,10 @@ tokens; its floor is the larger of the fp8 weights at the copy bandwidth
 and its FLOPs at the dense fp8 peak (both measured in the run). Results in
 the record's `qkv_a` rows.
 
+With --step-kernels: each case's whole step (forward()) kernel by kernel,
+the largest first, in its row (`<kernel>_step_kernels`): where the step's
+time outside the attention kernel goes.
+
 With --bmm M1,M2,...: the absorbed decode's W_UK / W_UV batched GEMMs as
 MLAAttention runs them against torch.bmm in bf16 (the record's `bmm` rows).
 
@@ -120,6 +124,24 @@ def kernel_us(fn, iters, names):
         if any(n in evt.key for n in names):
             total += getattr(evt, "device_time_total", None) or evt.cuda_time_total
     return total / iters if total > 0 else None
+
+
+def step_kernels(fn, iters, top=12):
+    """The GPU kernels of fn() by their time per call, largest first: the
+    `top` largest as [name, us] and the sum of all (where a step's time goes)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or evt.cuda_time_total
+        if t > 0:
+            rows.append([evt.key[:120], t / iters])
+    rows.sort(key=lambda r: -r[1])
+    return {"top": rows[:top], "sum_us": sum(r[1] for r in rows), "kernels": len(rows)}
 
 
 def bf16_tflops(iters, n=8192):
@@ -317,6 +339,8 @@ def main():
     p.add_argument("--qkv-a", default="", help="token counts of the merged qkv_a_proj comparison (empty: none)")
     p.add_argument("--bmm", default="", help="token counts of the W_UK / W_UV batched GEMMs against torch.bmm "
                                              "(empty: none)")
+    p.add_argument("--step-kernels", action="store_true",
+                   help="record each case's step kernel by kernel (torch.profiler) in its row")
     p.add_argument("--prefill", default="", help="chunk lengths of the prefill comparison (empty: none)")
     p.add_argument("--prefill-kernels", default="flashinfer",
                    help="prefill kernels to time: flashinfer, moelink (moelink's own, the reference; slow)")
@@ -377,6 +401,8 @@ def main():
                     for k, names in KERNELS.items():  # interleaved per case
                         row[f"{k}_us"] = kernel_us(step(k), a.iters, names)
                         row[f"{k}_step_us"] = wall_us(step(k), a.iters)
+                        if a.step_kernels:
+                            row[f"{k}_step_kernels"] = step_kernels(step(k), a.iters)
                     row["flashmla_us"] = row["flashmla_vs_fp32_rel_l2"] = None
                     if fm is not None:
                         # The timing does not depend on the scale; the check uses the same one.
@@ -394,6 +420,10 @@ def main():
                           f"floor {row['floor_us']:.1f} us; steps {row['moelink_step_us']:.0f} / "
                           f"{row['flashinfer_step_us']:.0f} us; outputs differ {diff:.1e}",
                           file=sys.stderr)
+                    for k in KERNELS if a.step_kernels else ():
+                        sk = row[f"{k}_step_kernels"]
+                        print(f"  {k} step: {sk['kernels']} kernels, {sk['sum_us']:.1f} us GPU; " +
+                              "; ".join(f"{n[:60]} {t:.1f}" for n, t in sk["top"]), file=sys.stderr)
                 cache = None  # freed before the next case's
     rec["results"] = rows
     if a.qkv_a:
