@@ -32,6 +32,7 @@
 
 #include "attention/cuda/mla_decode_split.cuh"
 #include "attention/cuda/mla_decode_tc.h"
+#include "attention/cuda/mla_decode_wgmma_rows.cuh"
 #include "attention/cuda/wgmma.cuh"
 #include "nvlink/cuda_check.h"
 
@@ -298,39 +299,10 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   }
   cp_async_wait<0>();
 
-  // Row sums: this thread's share, its quad's, both warpgroups'.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    run_sum[h] += __shfl_xor_sync(0xffffffffu, run_sum[h], 1);
-    run_sum[h] += __shfl_xor_sync(0xffffffffu, run_sum[h], 2);
-  }
-  if (lane % 4 == 0) {
-    red_sum[wg * kHeads + row0] = run_sum[0];
-    red_sum[wg * kHeads + row1] = run_sum[1];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = h == 0 ? row0 : row1, head = head0 + row;
-    if (head >= a.heads) continue;
-    const float total = red_sum[row] + red_sum[kHeads + row];
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    const int64_t slot = static_cast<int64_t>(head) * a.Nd + r;  // out_latent's [head, row]
-    const int64_t pslot = (static_cast<int64_t>(split) * a.Nd + r) * a.heads + head;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int d = wg * 256 + j * 8 + c2;
-      const float v0 = out[4 * j + 2 * h] * inv, v1 = out[4 * j + 2 * h + 1] * inv;
-      if (splits == 1) {
-        *reinterpret_cast<uint32_t*>(a.out_latent + slot * kLatent + d) = pack_bf16(v0, v1);
-      } else {
-        part.out[pslot * kLatent + d] = v0;
-        part.out[pslot * kLatent + d + 1] = v1;
-      }
-    }
-    if (splits > 1 && wg == 0 && lane % 4 == 0)
-      part.lse[pslot] = total > 0.0f ? run_max[h] + log2f(total) : -INFINITY;
-  }
+  const int head[2] = {head0 + row0, head0 + row1};
+  const int64_t out_row[2] = {head[0] < a.heads ? r : -1, head[1] < a.heads ? r : -1};
+  write_warpgroup_rows(a, part, split, splits, {wg, lane, row0, row1, c2}, out, run_sum, run_max, red_sum, head,
+                       out_row);
 #endif
 }
 

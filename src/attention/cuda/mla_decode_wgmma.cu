@@ -31,6 +31,7 @@
 
 #include "attention/cuda/mla_decode_split.cuh"
 #include "attention/cuda/mla_decode_tc.h"
+#include "attention/cuda/mla_decode_wgmma_rows.cuh"
 #include "attention/cuda/wgmma.cuh"
 #include "core/arg_checks.h"
 #include "nvlink/cuda_check.h"
@@ -292,40 +293,10 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs 
   }
   cp_async_wait<0>();
 
-  // Row sums: this thread's share, its quad's, both warpgroups'.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    run_sum[h] += __shfl_xor_sync(0xffffffffu, run_sum[h], 1);
-    run_sum[h] += __shfl_xor_sync(0xffffffffu, run_sum[h], 2);
-  }
-  if (lane % 4 == 0) {
-    red_sum[wg * kHeads + row0] = run_sum[0];
-    red_sum[wg * kHeads + row1] = run_sum[1];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = h == 0 ? row0 : row1, head = slot_head(row);
-    const int64_t out_row = slot_row(row);
-    if (out_row < 0) continue;
-    const float total = red_sum[row] + red_sum[kHeads + row];
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    const int64_t slot = static_cast<int64_t>(head) * a.Nd + out_row;  // out_latent's [head, row]
-    const int64_t pslot = (static_cast<int64_t>(split) * a.Nd + out_row) * a.heads + head;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int d = wg * 256 + j * 8 + c2;
-      const float v0 = out[4 * j + 2 * h] * inv, v1 = out[4 * j + 2 * h + 1] * inv;
-      if (splits == 1) {
-        *reinterpret_cast<uint32_t*>(a.out_latent + slot * kLatent + d) = pack_bf16(v0, v1);
-      } else {
-        part.out[pslot * kLatent + d] = v0;
-        part.out[pslot * kLatent + d + 1] = v1;
-      }
-    }
-    if (splits > 1 && wg == 0 && lane % 4 == 0)
-      part.lse[pslot] = total > 0.0f ? run_max[h] + log2f(total) : -INFINITY;
-  }
+  const int head[2] = {slot_head(row0), slot_head(row1)};
+  const int64_t out_row[2] = {slot_row(row0), slot_row(row1)};
+  write_warpgroup_rows(a, part, split, splits, {wg, lane, row0, row1, c2}, out, run_sum, run_max, red_sum, head,
+                       out_row);
 #endif
 }
 
