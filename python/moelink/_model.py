@@ -27,8 +27,8 @@ class Model:
     Model(config, *, max_tokens, num_pages, backend="nvlink", page_size=64,
           max_requests=64, max_pages_per_request=64, num_layers=0, overlap="auto",
           dp_size=1, tp_size=1, tp_rank=0, mtp=False, decode_graphs=False,
-          decode_kernel="auto", prefill_kernel="auto", group=None, bootstrap=None,
-          timeout_s=None, debug=None)
+          decode_kernel="auto", prefill_kernel="auto", head_gemm="bf16", group=None,
+          bootstrap=None, timeout_s=None, debug=None)
 
     mtp=True also runs the checkpoint's MTP module on every step: step()
     then proposes a draft token per request (draft_tokens=), which the next
@@ -36,7 +36,8 @@ class Model:
     serving engine's decode-only steps through one CUDA graph per batch-size
     bucket (ModelOptions.decode_graphs). decode_kernel and prefill_kernel
     pick every layer's attention kernels as in moelink.MLAAttention
-    ("auto", "flashinfer", "moelink"; GPU backends).
+    ("auto", "flashinfer", "moelink"; GPU backends), head_gemm the absorbed
+    decode's W_UK / W_UV GEMMs ("bf16" or "fp8", as in MLAAttention).
 
     Collective over the ranks (expert parallelism; the same bootstrap rules
     as AllToAll). Load weights with load_checkpoint(), then call step()."""
@@ -46,7 +47,7 @@ class Model:
                  max_pages_per_request: int = 64, num_layers: int = 0, overlap: str = "auto",
                  dp_size: int = 1, tp_size: int = 1, tp_rank: int = 0, mtp: bool = False,
                  decode_graphs: bool = False, decode_kernel: str = "auto", prefill_kernel: str = "auto",
-                 group=None, bootstrap=None, timeout_s: Optional[float] = None,
+                 head_gemm: str = "bf16", group=None, bootstrap=None, timeout_s: Optional[float] = None,
                  debug: Optional[bool] = None):
         cfg = model_full_config(config)
         self._host = backend in _HOST_BACKENDS
@@ -59,7 +60,7 @@ class Model:
                               -1 if debug is None else int(bool(debug)), int(num_layers),
                               int(num_pages), int(page_size), int(max_requests),
                               int(max_pages_per_request), int(tp_size), int(tp_rank), bool(mtp),
-                              bool(decode_graphs), str(decode_kernel), str(prefill_kernel))
+                              bool(decode_graphs), str(decode_kernel), str(prefill_kernel), str(head_gemm))
 
     @property
     def config(self):

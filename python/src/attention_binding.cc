@@ -27,11 +27,12 @@ class PyMLAAttention {
   PyMLAAttention(const MLAConfig& config, const std::string& device, int tp_size, int tp_rank,
                  int page_size, int64_t max_tokens, int max_requests, int max_pages_per_request,
                  int debug, const std::string& decode_kernel, const std::string& prefill_kernel,
-                 const PyMLAAttention* share_with) {
+                 const std::string& head_gemm, const PyMLAAttention* share_with) {
     MLAOptions o;
     o.device = parse_device(device);
     o.decode_kernel = parse_kernel<MLADecodeKernel>("MLAAttention", "decode_kernel", decode_kernel);
     o.prefill_kernel = parse_kernel<MLAPrefillKernel>("MLAAttention", "prefill_kernel", prefill_kernel);
+    o.head_gemm = parse_head_gemm("MLAAttention", head_gemm);
     o.tp_size = tp_size;
     o.tp_rank = tp_rank;
     o.page_size = page_size;
@@ -160,10 +161,10 @@ void bind_attention(nb::module_& m) {
 
   nb::class_<PyMLAAttention>(m, "MLAAttention", "MLA attention (moelink.MLAAttention wraps this).")
       .def(nb::init<const MLAConfig&, const std::string&, int, int, int, int64_t, int, int, int,
-                    const std::string&, const std::string&, const PyMLAAttention*>(),
+                    const std::string&, const std::string&, const std::string&, const PyMLAAttention*>(),
            "config"_a, "device"_a, "tp_size"_a, "tp_rank"_a, "page_size"_a, "max_tokens"_a,
            "max_requests"_a, "max_pages_per_request"_a, "debug"_a, "decode_kernel"_a, "prefill_kernel"_a,
-           "share_with"_a.none())
+           "head_gemm"_a, "share_with"_a.none())
       .def("set_weights", &PyMLAAttention::set_weights, "tensors"_a)
       .def("load_checkpoint", &PyMLAAttention::load_checkpoint, "directory"_a, "layer_index"_a)
       .def("forward", &PyMLAAttention::forward, "out"_a, "x"_a, "kv_cache"_a, "q_start"_a,

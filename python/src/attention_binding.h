@@ -25,4 +25,11 @@ Kernel parse_kernel(const char* owner, const char* field, const std::string& s) 
                         "' must be 'auto', 'flashinfer' or 'moelink'");
 }
 
+// MLAOptions.head_gemm from its name.
+inline MLAHeadGemm parse_head_gemm(const char* owner, const std::string& s) {
+  if (s == "bf16") return MLAHeadGemm::kBf16;
+  if (s == "fp8") return MLAHeadGemm::kFp8;
+  throw InvalidArgument(std::string("moelink: ") + owner + ": head_gemm = '" + s + "' must be 'bf16' or 'fp8'");
+}
+
 }  // namespace moelink::python

@@ -24,7 +24,7 @@ class PyModel {
           const std::string& overlap, int dp_size, double timeout_s, int debug, int num_layers,
           int64_t num_pages, int page_size, int max_requests, int max_pages_per_request, int tp_size,
           int tp_rank, bool mtp, bool decode_graphs, const std::string& decode_kernel,
-          const std::string& prefill_kernel) {
+          const std::string& prefill_kernel, const std::string& head_gemm) {
     ModelOptions o;
     o.num_layers = num_layers;
     o.mtp = mtp;
@@ -38,6 +38,7 @@ class PyModel {
     o.attention.debug = debug;
     o.attention.decode_kernel = parse_kernel<MLADecodeKernel>("Model", "decode_kernel", decode_kernel);
     o.attention.prefill_kernel = parse_kernel<MLAPrefillKernel>("Model", "prefill_kernel", prefill_kernel);
+    o.attention.head_gemm = parse_head_gemm("Model", head_gemm);
     o.num_pages = num_pages;
     host_ = backend_uses_host_memory(o.moe.all_to_all.backend);
     nb::gil_scoped_release release;
@@ -124,11 +125,11 @@ void bind_model(nb::module_& m) {
   nb::class_<PyModel>(m, "Model", "A DeepSeek-V3-family model (moelink.Model wraps this).")
       .def(nb::init<const ModelConfig&, Bootstrap&, int64_t, const std::string&, const std::string&, int,
                     double, int, int, int64_t, int, int, int, int, int, bool, bool, const std::string&,
-                    const std::string&>(),
+                    const std::string&, const std::string&>(),
            "config"_a, "bootstrap"_a, "max_tokens"_a, "backend"_a, "overlap"_a, "dp_size"_a,
            "timeout_s"_a, "debug"_a, "num_layers"_a, "num_pages"_a, "page_size"_a, "max_requests"_a,
            "max_pages_per_request"_a, "tp_size"_a, "tp_rank"_a, "mtp"_a, "decode_graphs"_a,
-           "decode_kernel"_a, "prefill_kernel"_a)
+           "decode_kernel"_a, "prefill_kernel"_a, "head_gemm"_a)
       .def("load_checkpoint", &PyModel::load_checkpoint, "directory"_a)
       .def("step", &PyModel::step, "token_ids"_a, "q_start"_a, "kv_len"_a.none(),
            "block_table"_a.none(), "num_requests"_a, "num_decode"_a, "next_tokens"_a,

@@ -65,6 +65,15 @@ class AttentionOps : public DeviceMemory {
   virtual void merge_heads(const Tensor& dst, const Tensor& src, int heads, const int32_t* rows,
                            cudaStream_t stream) = 0;
 
+  // The absorbed decode's per-head GEMMs in bf16 (MLAHeadGemm::kBf16):
+  //   y [heads, Nd, N] bf16 = x [heads, Nd, K] bf16 . w[h]^T,  w [heads, N, K] bf16,
+  // fp32 accumulation, for each head's rows < rows_bound (the host's bound
+  // on the decode rows: 2 x num_decode). Rows past the device count rows[0]
+  // hold whatever their inputs held and are never read after; the CPU path
+  // computes only rows < rows[0].
+  virtual void head_gemm(const Tensor& y, const Tensor& x, const uint16_t* w, int64_t rows_bound,
+                         const int32_t* rows, cudaStream_t stream) = 0;
+
   // Absorbed decode attention of the first num_decode requests' rows:
   //   out_latent [Hq, Nd, R] bf16 = softmax(scale (q_latent . c + q_pe . k_pe)) . c
   // over each row's request tokens up to its position; q_latent [Hq, Nd, R]

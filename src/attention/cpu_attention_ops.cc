@@ -113,6 +113,25 @@ class CpuAttentionOps final : public HostMemory<AttentionOps> {
         std::memcpy(bf16_row(dst, r) + h * width, bf16_at(src, h, r), width * 2);
   }
 
+  void head_gemm(const Tensor& y, const Tensor& x, const uint16_t* w, int64_t rows_bound, const int32_t* rows,
+                 cudaStream_t) override {
+    const int64_t heads = y.shape[0], N = y.shape[2], K = x.shape[2];
+    const int64_t count = std::min<int64_t>(rows_bound, *rows);
+    std::vector<float> xf(K);
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t r = 0; r < count; ++r) {
+        const uint16_t* xr = bf16_at(x, h, r);
+        for (int64_t k = 0; k < K; ++k) xf[k] = bf16_to_f32(xr[k]);
+        uint16_t* yr = bf16_at(y, h, r);
+        for (int64_t n = 0; n < N; ++n) {
+          const uint16_t* wr = w + (h * N + n) * K;
+          float acc = 0.0f;
+          for (int64_t k = 0; k < K; ++k) acc += xf[k] * bf16_to_f32(wr[k]);
+          yr[n] = f32_to_bf16(acc);
+        }
+      }
+  }
+
   void decode_attention(const Tensor& out_latent, const Tensor& q_latent, const Tensor& q,
                         const Tensor& cache, const MLABatch& b, const RowPlan& plan, int heads,
                         int nope_dims, float scale, cudaStream_t) override {

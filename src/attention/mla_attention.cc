@@ -3,9 +3,11 @@
 //
 //   [input_layernorm] -> quantize -> qkv_a GEMM -> q_a_layernorm -> quantize
 //   -> q_b GEMM -> RoPE(q);   kv_a_layernorm + RoPE(k) -> AppendKV
-//   decode rows:  q_nope per head -> quantize -> W_UK^T batched GEMM (q in
-//                 the latent space) -> attention on the latent cache ->
-//                 quantize -> W_UV batched GEMM -> per-token rows
+//   decode rows:  q_nope per head -> W_UK^T batched GEMM (q in the latent
+//                 space) -> attention on the latent cache -> W_UV batched
+//                 GEMM -> per-token rows; the batched GEMMs in bf16 on
+//                 cuBLAS (MLAHeadGemm::kBf16) or quantize -> fp8 grouped
+//                 GEMM (kFp8)
 //   prefill rows: per request, its cached latent in chunks -> quantize ->
 //                 kv_b GEMM (per-head k_nope, v) -> MHA with running softmax
 //   -> quantize -> o_proj GEMM -> out
@@ -18,6 +20,7 @@
 #include "attention/mla_weights.h"
 #include "attention/rope.h"
 #include "core/arg_checks.h"
+#include "core/float_convert.h"
 #include "moelink/attention.h"
 #include "moelink/errors.h"
 #include "moelink/experts.h"
@@ -61,6 +64,23 @@ struct DeviceMatrix {
     return groups == 1 ? Tensor::contiguous(scale.as(), DType::kFloat32, {rows / kBlock, cols / kBlock})
                        : Tensor::contiguous(scale.as(), DType::kFloat32, {groups, rows / kBlock, cols / kBlock});
   }
+};
+
+// A stack of per-head matrices in bf16 ([groups x rows, cols] row-major),
+// dequantized from their fp8 blocks: the head GEMMs of MLAHeadGemm::kBf16.
+struct HeadMatrixBf16 {
+  OpsBuffer w;
+  void load(AttentionOps& ops, const attention::BlockMatrix& m) {
+    std::vector<uint16_t> v(static_cast<size_t>(m.rows * m.cols));
+    const int64_t blocks = m.cols / kBlock;
+    for (int64_t r = 0; r < m.rows; ++r)
+      for (int64_t c = 0; c < m.cols; ++c)
+        v[r * m.cols + c] =
+            f32_to_bf16(e4m3_to_f32(m.q[r * m.cols + c]) * m.scale[(r / kBlock) * blocks + c / kBlock]);
+    w = OpsBuffer(ops, v.size() * 2);
+    ops.copy_in(w.as(), v.data(), v.size() * 2);
+  }
+  const uint16_t* data() const { return static_cast<const uint16_t*>(w.as()); }
 };
 
 std::string step_error_text(const StepErrorRecord& e) {
@@ -130,6 +150,8 @@ class MLAAttentionImpl {
       bad_option("max_requests", o_.max_requests, "must be in [1, 65536]");
     if (o_.max_pages_per_request < 1 || o_.max_pages_per_request > (1 << 24))
       bad_option("max_pages_per_request", o_.max_pages_per_request, "must be in [1, 2^24]");
+    if (o_.head_gemm != MLAHeadGemm::kBf16 && o_.head_gemm != MLAHeadGemm::kFp8)
+      bad_option("head_gemm", static_cast<int>(o_.head_gemm), "must be MLAHeadGemm::kBf16 (0) or kFp8 (1)");
     debug_ = o_.debug >= 0 ? o_.debug != 0 : env_flag("MOELINK_DEBUG");
     const bool host = o_.device == AttentionDevice::kCPU;
     rope_ = attention::rope_params(c_);
@@ -233,8 +255,13 @@ class MLAAttentionImpl {
     qkv_a_.load(ops, h.qkv_a, 1);
     q_b_.load(ops, h.q_b, 1);
     kv_b_.load(ops, h.kv_b, 1);
-    w_uk_t_.load(ops, h.w_uk_t, Hq_);
-    w_uv_.load(ops, h.w_uv, Hq_);
+    if (o_.head_gemm == MLAHeadGemm::kFp8) {
+      w_uk_t_.load(ops, h.w_uk_t, Hq_);
+      w_uv_.load(ops, h.w_uv, Hq_);
+    } else {
+      w_uk_t_bf16_.load(ops, h.w_uk_t);
+      w_uv_bf16_.load(ops, h.w_uv);
+    }
     o_proj_.load(ops, h.o, 1);
     has_weights_ = true;
   }
@@ -297,7 +324,7 @@ class MLAAttentionImpl {
                   rope_.attention_factor, c_.rope_interleave, stream);
 
     const Tensor attn = Tensor::contiguous(s_->attn.as(), DType::kBFloat16, {n, Hq_ * Dv});
-    if (b.num_decode > 0) decode(attn, q, cache, b, plan, stream);
+    if (b.num_decode > 0) decode(attn, q, cache, b, plan, n, stream);
     if (b.num_decode < b.num_requests) prefill(attn, q, cache, b, bounds, stream);
     project(out, attn, o_proj_, rows, stream);
     if (debug_) check(stream);
@@ -352,7 +379,7 @@ class MLAAttentionImpl {
   }
 
   void decode(const Tensor& attn, const Tensor& q, const Tensor& cache, const MLABatch& b,
-              const RowPlan& plan, cudaStream_t stream) {
+              const RowPlan& plan, int64_t x_rows, cudaStream_t stream) {
     const int64_t Dn = c_.qk_nope_head_dim, Dr = c_.qk_rope_head_dim, R = c_.kv_lora_rank,
                   Dv = c_.v_head_dim;
     AttentionOps& ops = *s_->ops;
@@ -360,13 +387,21 @@ class MLAAttentionImpl {
     const Tensor qn = Tensor::contiguous(s_->qn.as(), DType::kBFloat16, {Hq_, Nd_, Dn});
     ops.split_heads(qn, q, Hq_, Dn + Dr, 0, plan.decode_rows, stream);
     const Tensor qlat = Tensor::contiguous(s_->qlat.as(), DType::kBFloat16, {Hq_, Nd_, R});
-    project_heads(qlat, qn, w_uk_t_, plan.decode_rows, stream);
+    // The host's bound on the decode rows (q_len 1 or 2 a request).
+    const int64_t rows_bound = std::min<int64_t>({x_rows, 2 * int64_t{b.num_decode}, Nd_});
+    if (o_.head_gemm == MLAHeadGemm::kFp8)
+      project_heads(qlat, qn, w_uk_t_, plan.decode_rows, stream);
+    else
+      ops.head_gemm(qlat, qn, w_uk_t_bf16_.data(), rows_bound, plan.decode_rows, stream);
     const Tensor olat = Tensor::contiguous(s_->olat.as(), DType::kBFloat16, {Hq_, Nd_, R});
     ops.decode_attention(olat, qlat, q, cache, b, plan, Hq_, static_cast<int>(Dn),
                          static_cast<float>(c_.softmax_scale()), stream);
     // The latent output through W_UV: [Hq, Nd, R] -> [Hq, Nd, Dv] -> rows.
     const Tensor oh = Tensor::contiguous(s_->oh.as(), DType::kBFloat16, {Hq_, Nd_, Dv});
-    project_heads(oh, olat, w_uv_, plan.decode_rows, stream);
+    if (o_.head_gemm == MLAHeadGemm::kFp8)
+      project_heads(oh, olat, w_uv_, plan.decode_rows, stream);
+    else
+      ops.head_gemm(oh, olat, w_uv_bf16_.data(), rows_bound, plan.decode_rows, stream);
     ops.merge_heads(attn, oh, Hq_, plan.decode_rows, stream);
   }
 
@@ -483,7 +518,8 @@ class MLAAttentionImpl {
   std::shared_ptr<MLAScratch> s_;
   OpsBuffer error_, inv_freq_;
   OpsBuffer input_norm_, q_a_norm_, kv_a_norm_;
-  DeviceMatrix qkv_a_, q_b_, kv_b_, w_uk_t_, w_uv_, o_proj_;
+  DeviceMatrix qkv_a_, q_b_, kv_b_, w_uk_t_, w_uv_, o_proj_;  // w_uk_t_, w_uv_: MLAHeadGemm::kFp8
+  HeadMatrixBf16 w_uk_t_bf16_, w_uv_bf16_;                    // MLAHeadGemm::kBf16
 };
 
 }  // namespace detail

@@ -60,7 +60,8 @@ class Harness {
   Harness(AttentionDevice device, const MLAConfig& c, uint64_t seed, int num_pages, int page_size,
           int tp_size = 1, bool input_norm = true,
           moelink::MLADecodeKernel kernel = moelink::MLADecodeKernel::kAuto,
-          moelink::MLAPrefillKernel prefill = moelink::MLAPrefillKernel::kAuto, Harness* share_with = nullptr)
+          moelink::MLAPrefillKernel prefill = moelink::MLAPrefillKernel::kAuto, Harness* share_with = nullptr,
+          moelink::MLAHeadGemm head_gemm = moelink::MLAHeadGemm::kBf16)
       : c_(c), w_(random_mla_weights(c, seed, input_norm)), rng_(seed ^ 0xA5A5), page_(page_size),
         gpu_(gpu_memory_if(device == AttentionDevice::kCUDA)) {
     cache_.assign(static_cast<size_t>(num_pages) * page_size * c.cache_row(), kNaN);
@@ -72,6 +73,7 @@ class Harness {
       o.device = device;
       o.decode_kernel = kernel;
       o.prefill_kernel = prefill;
+      o.head_gemm = head_gemm;
       o.tp_size = tp_size;
       o.tp_rank = r;
       o.page_size = page_size;
@@ -262,8 +264,8 @@ struct Compare {
 
 // Rows of a step against the reference in HF's form with the projections'
 // common inputs in fp8 (RefFlow::kHF). What is left: the fp8 quantizations
-// only one form makes (decode: q_nope before W_UK, the latent output before
-// W_UV; prefill: the latent before kv_b_proj; e4m3 keeps 3 mantissa bits,
+// only one form makes (decode with MLAHeadGemm::kFp8: q_nope before W_UK,
+// the latent output before W_UV; prefill: the latent before kv_b_proj; e4m3 keeps 3 mantissa bits,
 // about 2.6 % RMS each on what it touches), the bf16 tensors the module
 // stores (0.2 % each), and, since every quantization's input then differs
 // slightly, values rounded to the other fp8 neighbour downstream. The
@@ -338,6 +340,41 @@ TEST_P(MLAAttentionTest, PrefillThenDecodeWithMixedLengthsMatchesReference) {
                           std::to_string(q_lens[i]));
     row += q_lens[i];
   }
+}
+
+// The absorbed decode's head GEMMs in bf16 (the default) and in fp8, on one
+// model and batch (mixed lengths, q_len 1 and 2): both within the
+// reference's bound, and bf16, which skips two of the fp8 quantizations
+// the reference's HF form does not make (q_nope before W_UK, the latent
+// output before W_UV), closer to it than fp8 (so the option takes effect).
+TEST_P(MLAAttentionTest, BothHeadGemmsMatchTheReference) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const MLAConfig c = small_config();
+  const int64_t D = c.hidden_size;
+  const std::vector<int64_t> lengths{1, 65, 300, 2, 129};
+  const std::vector<int64_t> q_lens{1, 2, 1, 2, 1};
+  const moelink::MLAHeadGemm gemms[2] = {moelink::MLAHeadGemm::kBf16, moelink::MLAHeadGemm::kFp8};
+  double rel[2];
+  for (int k = 0; k < 2; ++k) {
+    Harness h(device(), c, seed, 64, 64, 1, true, moelink::MLADecodeKernel::kAuto, moelink::MLAPrefillKernel::kAuto,
+              nullptr, gemms[k]);
+    std::vector<int> ids;
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      ids.push_back(h.add_request(lengths[i]));
+      h.poke_cache(ids.back(), lengths[i] - q_lens[i]);
+    }
+    const std::vector<double> dec = h.run({ids, q_lens, static_cast<int>(ids.size())});
+    Checks cd;
+    int64_t row = 0;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      cd.add(h, &dec[row * D], ids[i], lengths[i] - q_lens[i], lengths[i], D);
+      row += q_lens[i];
+    }
+    expect_close(cd, std::string("decode with head_gemm ") + (k == 0 ? "bf16" : "fp8"));
+    rel[k] = cd.hf.rel();
+  }
+  EXPECT_LT(rel[0], rel[1]) << "bf16 head GEMMs should be closer to the reference than fp8 ones";
 }
 
 // Two layers on one scratch (MLAAttention::create's share_with), each with

@@ -39,6 +39,9 @@ tokens; its floor is the larger of the fp8 weights at the copy bandwidth
 and its FLOPs at the dense fp8 peak (both measured in the run). Results in
 the record's `qkv_a` rows.
 
+--head-gemm bf16|fp8: MLAAttention's head_gemm, the W_UK / W_UV GEMMs
+of every step (the record's `head_gemm`).
+
 With --step-kernels: each case's whole step (forward()) kernel by kernel,
 the largest first, in its row (`<kernel>_step_kernels`): where the step's
 time outside the attention kernel goes.
@@ -339,6 +342,7 @@ def main():
     p.add_argument("--qkv-a", default="", help="token counts of the merged qkv_a_proj comparison (empty: none)")
     p.add_argument("--bmm", default="", help="token counts of the W_UK / W_UV batched GEMMs against torch.bmm "
                                              "(empty: none)")
+    p.add_argument("--head-gemm", default="bf16", help="MLAAttention's head_gemm (W_UK / W_UV): bf16 or fp8")
     p.add_argument("--step-kernels", action="store_true",
                    help="record each case's step kernel by kernel (torch.profiler) in its row")
     p.add_argument("--prefill", default="", help="chunk lengths of the prefill comparison (empty: none)")
@@ -350,6 +354,7 @@ def main():
     heads_list, batches, q_lens, kvs = ints(a.heads), ints(a.batch), ints(a.q_len), ints(a.kv)
     rec = {
         **header("tools/bench/attention_bench.py", a.machine),
+        "head_gemm": a.head_gemm,
         "model": "deepseek-v3 attention (D 7168, latent 512 + rotary 64, page 64, bf16 cache)",
         "peers": {"flashinfer": "FlashInfer 0.7.4 BatchMLAPageAttentionHopper via moelink "
                                 "(decode_kernel='flashinfer')",
@@ -370,7 +375,7 @@ def main():
     rows = []
     for heads in heads_list:
         tp = cfg.num_attention_heads // heads
-        attn = {k: moelink.MLAAttention("deepseek-v3", device="cuda", decode_kernel=k,
+        attn = {k: moelink.MLAAttention("deepseek-v3", device="cuda", decode_kernel=k, head_gemm=a.head_gemm,
                                         tp_size=tp, max_tokens=max_b * max_q, max_requests=max_b,
                                         max_pages_per_request=(max_kv + 63) // 64)
                 for k in KERNELS}

@@ -152,7 +152,7 @@ def make_model(a, fields, ckpt, num_layers, max_b, max_q):
     m = moelink.Model(os.path.join(ckpt, "config.json"), backend=a.backend, max_tokens=max_b * max_q,
                       num_pages=max_b * pages_per_request, page_size=a.page_size, max_requests=max_b,
                       max_pages_per_request=pages_per_request, num_layers=num_layers,
-                      overlap=a.overlap, decode_graphs=a.backend not in HOST_BACKENDS,
+                      overlap=a.overlap, decode_graphs=a.backend not in HOST_BACKENDS, head_gemm=a.head_gemm,
                       bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", free_port(), 60.0))
     t0 = time.time()
     m.load_checkpoint(ckpt)
@@ -417,6 +417,7 @@ def main():
                    help="the requests' pages in a random order of the pool (as a server's cache hands them out)")
     p.add_argument("--acceptance", type=float, default=0.8, help="accepted drafts assumed in tokens_per_s")
     p.add_argument("--overlap", default="auto", help="the MoE layers' overlap mode")
+    p.add_argument("--head-gemm", default="bf16", help="the attention's W_UK / W_UV GEMMs: bf16 or fp8")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--profile-batches", default="1,32,128", help="batches whose graphed step is profiled")
     p.add_argument("--profile-iters", type=int, default=3)
@@ -450,6 +451,7 @@ def main():
     timer = Timer(gpu)
     rec = header("model_bench", a.machine, gpu=gpu)
     rec.update(backend=a.backend, kv=a.kv, page_size=a.page_size, acceptance=a.acceptance, overlap=a.overlap,
+               head_gemm=a.head_gemm,
                same_token=a.same_token, kv_spread=a.kv_spread, shuffle_pages=a.shuffle_pages,
                moe_layers=a.moe_layers, tiny=a.tiny)
     if gpu:

@@ -2,6 +2,7 @@
 // kernels of attention_kernels.cu, each step on the caller's stream; the
 // decode attention on FlashInfer's MLA kernel and the prefill on its Hopper
 // prefill kernel where they apply (MLAOptions.decode_kernel, prefill_kernel).
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include "attention/cuda/mla_decode_tc.h"
 #include "attention/prefill_calls.h"
 #include "moelink/errors.h"
+#include "nvlink/cublas_handles.h"
 #include "nvlink/cuda_check.h"
 #include "nvlink/cuda_memory.h"
 #include "nvlink/cuda_release.h"
@@ -105,6 +107,24 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
                    cudaStream_t stream) override {
     launch_merge_heads(bf16_data(dst), dst.stride[0], bf16_data(src), src.shape[1], src.shape[2], heads, rows,
                        stream);
+  }
+
+  void head_gemm(const Tensor& y, const Tensor& x, const uint16_t* w, int64_t rows_bound, const int32_t*,
+                 cudaStream_t stream) override {
+    const int64_t heads = y.shape[0], Nd = y.shape[1], N = y.shape[2], K = x.shape[2];
+    if (rows_bound <= 0) return;
+    const float one = 1.0f, zero = 0.0f;
+    PooledCublas::ok(cublasSetStream(cublas_.get(), stream), "cublasSetStream");
+    // Column-major, per head: y^T [N, m] = w^T . x^T, where w [N, K]
+    // row-major is a [K, N] column-major operand (op T) and x [m, K]
+    // row-major a [K, m] one.
+    PooledCublas::ok(
+        cublasGemmStridedBatchedEx(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N),
+                                   static_cast<int>(rows_bound), static_cast<int>(K), &one, w, CUDA_R_16BF,
+                                   static_cast<int>(K), N * K, x.data, CUDA_R_16BF, static_cast<int>(K), Nd * K,
+                                   &zero, y.data, CUDA_R_16BF, static_cast<int>(N), Nd * N, static_cast<int>(heads),
+                                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "cublasGemmStridedBatchedEx (MLA head GEMM)");
   }
 
   void decode_attention(const Tensor& out_latent, const Tensor& q_latent, const Tensor& q,
@@ -329,6 +349,7 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
   }
 
   MLADecodeKernel kernel_;
+  PooledCublas cublas_;  // the head GEMMs (MLAHeadGemm::kBf16)
   std::unique_ptr<FlashInferPrefill> flashinfer_prefill_;  // null: moelink's prefill kernel
   GrowingDeviceBuffer prefill_keys_, prefill_out_;        // FlashInfer's keys; one call's output and LSE
   // FlashInfer's decode (null in [0]: moelink's kernel), a plan and its
