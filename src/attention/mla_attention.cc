@@ -151,7 +151,7 @@ class MLAAttentionImpl {
     if (o_.max_pages_per_request < 1 || o_.max_pages_per_request > (1 << 24))
       bad_option("max_pages_per_request", o_.max_pages_per_request, "must be in [1, 2^24]");
     if (o_.head_gemm != MLAHeadGemm::kBf16 && o_.head_gemm != MLAHeadGemm::kFp8)
-      bad_option("head_gemm", static_cast<int>(o_.head_gemm), "must be MLAHeadGemm::kBf16 (0) or kFp8 (1)");
+      bad_option("head_gemm", static_cast<int>(o_.head_gemm), "must be MLAHeadGemm::kFp8 (0) or kBf16 (1)");
     debug_ = o_.debug >= 0 ? o_.debug != 0 : env_flag("MOELINK_DEBUG");
     const bool host = o_.device == AttentionDevice::kCPU;
     rope_ = attention::rope_params(c_);

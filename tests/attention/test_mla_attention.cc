@@ -61,7 +61,7 @@ class Harness {
           int tp_size = 1, bool input_norm = true,
           moelink::MLADecodeKernel kernel = moelink::MLADecodeKernel::kAuto,
           moelink::MLAPrefillKernel prefill = moelink::MLAPrefillKernel::kAuto, Harness* share_with = nullptr,
-          moelink::MLAHeadGemm head_gemm = moelink::MLAHeadGemm::kBf16)
+          moelink::MLAHeadGemm head_gemm = MLAOptions{}.head_gemm)
       : c_(c), w_(random_mla_weights(c, seed, input_norm)), rng_(seed ^ 0xA5A5), page_(page_size),
         gpu_(gpu_memory_if(device == AttentionDevice::kCUDA)) {
     cache_.assign(static_cast<size_t>(num_pages) * page_size * c.cache_row(), kNaN);
@@ -342,7 +342,7 @@ TEST_P(MLAAttentionTest, PrefillThenDecodeWithMixedLengthsMatchesReference) {
   }
 }
 
-// The absorbed decode's head GEMMs in bf16 (the default) and in fp8, on one
+// The absorbed decode's head GEMMs in bf16 and in fp8 (the default), on one
 // model and batch (mixed lengths, q_len 1 and 2): both within the
 // reference's bound, and bf16, which skips two of the fp8 quantizations
 // the reference's HF form does not make (q_nope before W_UK, the latent
