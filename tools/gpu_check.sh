@@ -30,6 +30,13 @@
 #   minutes), the merged qkv_a_proj against its two GEMMs apart and the
 #   W_UK / W_UV batched GEMMs against torch.bmm
 #   (MOELINK_ATTENTION_BENCH_ARGS adds arguments).
+#   head-gemm (not in the default): MLAOptions.head_gemm bf16 (cuBLAS)
+#   against fp8 (the grouped GEMM): the attention test
+#   BothHeadGemmsMatchTheReference (both against the reference, CUDA and
+#   CPU paths), then attention_bench.py (128 and 16
+#   heads, batch 1 / 32 / 128, q_len 1 and 2, kv 5000, --step-kernels) and
+#   model_bench.py (ep8, batch 1 / 32 / 128, q_len 1 and 2), bf16 and fp8
+#   interleaved, two rounds (head-gemm-*.json).
 #   serve-batch128 (not in the default): the same server decoding 128
 #   shared-prefix requests of 256 tokens at once (serve-batch128.json).
 #   wheel (not in the default): the wheel in .deps/moelink-wheel (built
@@ -61,7 +68,7 @@ steps=${*:-build test python sanitize bench internode experts}
 bdir=${MOELINK_BUILD_DIR:-build-gpu}
 source "$root/tools/device_env.sh"
 python_build=OFF
-{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has pd-gpu || has attention || has vllm; } && python_build=ON
+{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has pd-gpu || has attention || has head-gemm || has vllm; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
@@ -264,6 +271,21 @@ if has attention; then
   echo "${cmd[*]}"
   PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
     tee "$OUT/attention-bench.log" | tail -40 || status=1
+fi
+if has head-gemm; then
+  echo "== MLA head GEMMs: bf16 (cuBLAS) against fp8 (grouped GEMM)"
+  $bdir/tests/moelink_attention_tests --gtest_filter='*HeadGemm*' --gtest_brief=1 2>&1 |
+    tee "$OUT/head-gemm-tests.log" | tail -6 || status=1
+  for round in 1 2; do
+    for g in bf16 fp8; do
+      PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" $py tools/bench/attention_bench.py \
+        --machine "$machine" --heads 128,16 --batch 1,32,128 --q-len 1,2 --kv 5000 --head-gemm $g --step-kernels \
+        --json "$OUT/head-gemm-attention-$g-r$round.json" 2>&1 | grep -E "^heads|^  moelink step" || status=1
+      PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" $py tools/bench/model_bench.py \
+        --machine "$machine" --shapes ep8 --batches 1,32,128 --q-lens 1,2 --profile-batches 0 --head-gemm $g \
+        --json "$OUT/head-gemm-model-$g-r$round.json" 2>&1 | tail -8 || status=1
+    done
+  done
 fi
 if has serve-batch128; then
   echo "== moelink-serve decoding 128 requests at once (issue 35's batch-128 rate against the bare step)"

@@ -305,11 +305,13 @@ def test_model_options_reach_the_workers_as_given():
         return p
 
     for o in (ServerOptions(), ServerOptions(num_layers=3, cuda_graphs=True, decode_kernel="moelink",
-                                             prefill_kernel="flashinfer")):
+                                             prefill_kernel="flashinfer", head_gemm="bf16")):
         back = model_options(parser().parse_args(model_argv(o)))
         assert back == {k: getattr(o, k) for k in back}, back
     with pytest.raises(SystemExit):  # argparse names the choices on stderr
         parser().parse_args(["--prefill-kernel", "fa3"])
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--head-gemm", "fp16"])
 
 
 def test_a_worker_whose_engine_failed_reports_everything_failed_and_exits():

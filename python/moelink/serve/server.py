@@ -36,6 +36,7 @@ class ServerOptions:
     prefix_caching: bool = True  # share the KV pages of common prompt prefixes between requests
     decode_kernel: str = "auto"   # GPU backends: MLA decode on "auto", "flashinfer" or "moelink" (MLAOptions)
     prefill_kernel: str = "auto"  # GPU backends: MLA prefill on "auto", "flashinfer" or "moelink"
+    head_gemm: str = "fp8"        # the MLA decode's W_UK / W_UV GEMMs: "fp8" or "bf16" (MLAOptions.head_gemm)
     kv_provider: str = "auto"     # --pd: libfabric provider of the KV hand-off (auto: shm for a GPU cache, else tcp)
 
 
@@ -52,18 +53,20 @@ def add_model_arguments(p) -> None:
                    help="GPU backends: the MLA decode kernel (auto: FlashInfer's where it applies)")
     p.add_argument("--prefill-kernel", default="auto", choices=_KERNELS,
                    help="GPU backends: the MLA prefill kernel (auto: FlashInfer's where it applies)")
+    p.add_argument("--head-gemm", default="fp8", choices=("fp8", "bf16"),
+                   help="the MLA decode's W_UK / W_UV GEMMs: fp8 (grouped GEMM) or bf16 (cuBLAS)")
 
 
 def model_options(a) -> dict:
     """ServerOptions' fields from add_model_arguments' parsed options."""
     return dict(num_layers=a.num_layers, cuda_graphs=a.cuda_graphs, decode_kernel=a.decode_kernel,
-                prefill_kernel=a.prefill_kernel)
+                prefill_kernel=a.prefill_kernel, head_gemm=a.head_gemm)
 
 
 def model_argv(o: ServerOptions) -> list:
     """add_model_arguments' options that give ServerOptions o."""
     argv = ["--num-layers", str(o.num_layers), "--decode-kernel", o.decode_kernel,
-            "--prefill-kernel", o.prefill_kernel]
+            "--prefill-kernel", o.prefill_kernel, "--head-gemm", o.head_gemm]
     return argv + (["--cuda-graphs"] if o.cuda_graphs else [])
 
 
@@ -152,7 +155,7 @@ def load_engine(model_dir: str, o: ServerOptions):
                           max_pages_per_request=pages_per_request, num_layers=o.num_layers,
                           mtp=o.speculative, decode_graphs=o.cuda_graphs,
                           decode_kernel=o.decode_kernel, prefill_kernel=o.prefill_kernel,
-                          bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", _free_port(), 30.0))
+                          head_gemm=o.head_gemm, bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", _free_port(), 30.0))
     model.load_checkpoint(str(d))
     return moelink.Engine(model, num_pages=o.num_pages, page_size=o.page_size,
                           token_budget=o.token_budget, max_running=o.max_running,
