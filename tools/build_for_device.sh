@@ -3,7 +3,10 @@
 # H200 machine runs, so a device call carries them instead of spending its
 # minutes on the build:
 #   bash tools/build_for_device.sh [targets...]
-#   (default: _C moelink_attention_tests moelink_model_tests moelink-plan)
+#   (default: _C moelink_attention_tests moelink_model_tests moelink-plan;
+#   moelink-scheduler adds the scheduler, carried with
+#   .deps/grpc-runtime.tar.xz and .deps/pywheels (grpcio), for
+#   `gpu_check.sh pd-gpu`'s moelink-serve --pd)
 # Then, on the device (paths relative to the checkout; the build tree is
 # build-device):
 #   run(carry=[build-device/tests/..., build-device/python, .deps/sysroot],
@@ -28,6 +31,12 @@ flashinfer=${MOELINK_FLASHINFER_DIR:-/tmp/fi}
 targets=${*:-_C moelink_attention_tests moelink_model_tests moelink-plan}
 [[ -x $py ]] || { echo "build_for_device: no Python at $py (set PYTHON to a python3.12)" >&2; exit 1; }
 $py -m nanobind --cmake_dir >/dev/null 2>&1 || { echo "build_for_device: $py has no nanobind ($py -m pip install nanobind)" >&2; exit 1; }
+# moelink.scheduler's protocol code is generated with grpcio-tools (the
+# version whose grpcio and protobuf tools/prepare_device_deps.sh carries).
+source tools/deps.sh
+$py -c 'import grpc_tools.protoc' 2>/dev/null ||
+  echo "build_for_device: $py has no grpcio-tools: no moelink.scheduler protocol code" \
+       "($py -m pip install grpcio-tools==$grpcio_tools_version)" >&2
 [[ -f $flashinfer/include/flashinfer/attention/mla_hopper.cuh ]] ||
   echo "build_for_device: no FlashInfer headers in $flashinfer: the build runs moelink's kernels only" >&2
 cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
@@ -39,6 +48,7 @@ for t in $targets; do
   case $t in
     _C) carry+=(build-device/python) ;;
     moelink-plan) carry+=(build-device/tools/plan/moelink-plan) ;;
+    moelink-scheduler) carry+=(build-device/tools/scheduler/moelink-scheduler .deps/grpc-runtime.tar.xz .deps/pywheels) ;;
     *) [[ -f build-device/tests/$t ]] && carry+=(build-device/tests/$t) ;;
   esac
 done

@@ -13,6 +13,10 @@
 
 cutlass_version=4.2.0.0  # CUTLASS's C++ headers (nvidia-cutlass wheel) for the expert kernels
 flashinfer_version=0.7.4  # FlashInfer's C++ headers (flashinfer-python wheel) for the MLA decode and prefill kernels
+# The GPU machine's moelink.scheduler (tools/prepare_device_deps.sh carries
+# grpcio and protobuf there; tools/build_for_device.sh generates the
+# protocol code with this grpcio-tools, which needs that protobuf or newer).
+grpcio_tools_version=1.85.1 grpcio_version=1.85.4 protobuf_version=7.36.2
 
 # FlashInfer's MLA headers with the CUTLASS and CCCL they are written
 # against, from the flashinfer-python wheel (100 MB), packed into $1

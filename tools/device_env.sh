@@ -29,15 +29,24 @@ if [[ -d "$root/.deps/sysroot/usr/include/rdma" ]]; then
   # xxHash, for the serving engine (its .pc is relative to the sysroot).
   export PKG_CONFIG_PATH="$sysroot/usr/lib/x86_64-linux-gnu/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
 fi
-# Python packages the image lacks (the openai client, what vLLM's Python
-# files import), installed outside the checkout once per machine and set of
-# wheels.
-if compgen -G "$root/.deps/pywheels/*.whl" >/dev/null; then
+# gRPC's C++ runtime for moelink-scheduler, where a run carries it
+# (.deps/grpc-runtime.tar.xz, tools/prepare_device_deps.sh), unpacked once.
+if [[ -f "$root/.deps/grpc-runtime.tar.xz" ]]; then
+  grpc_dir=/tmp/moelink-grpc-runtime
+  [[ -d $grpc_dir/usr/lib ]] || { mkdir -p $grpc_dir && tar xJf "$root/.deps/grpc-runtime.tar.xz" -C $grpc_dir; }
+  export LD_LIBRARY_PATH="$grpc_dir/usr/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH"
+fi
+# Python packages the image lacks (.deps/pywheels: the openai client,
+# grpcio and protobuf for moelink.scheduler; .deps/pywheels-vllm: what
+# vLLM's Python files import), installed outside the checkout once per
+# machine and set of wheels.
+pywheels=$(ls "$root"/.deps/pywheels/*.whl "$root"/.deps/pywheels-vllm/*.whl 2>/dev/null || true)
+if [[ -n $pywheels ]]; then
   pysite=/tmp/moelink-pysite
-  wheels=$(cd "$root/.deps/pywheels" && ls *.whl)
+  wheels=$(for w in $pywheels; do basename "$w"; done)
   [[ -f $pysite/.wheels && $(cat $pysite/.wheels) == "$wheels" ]] ||
     { $py -m pip install -q --no-index --no-deps --no-compile --upgrade \
-        --no-cache-dir --target "$pysite" "$root"/.deps/pywheels/*.whl && echo "$wheels" >$pysite/.wheels; }
+        --no-cache-dir --target "$pysite" $pywheels && echo "$wheels" >$pysite/.wheels; }
   export PYTHONPATH="$pysite${PYTHONPATH:+:$PYTHONPATH}"
 fi
 # vLLM's Python files (tools/prepare_device_deps.sh packs them from its

@@ -23,7 +23,8 @@
 #   model.json, when there, gives the bare step beside it).
 #   pd-gpu (not in the default): the P/D hand-off tests on the nvlink
 #   backend (KV caches in GPU memory) with .deps/libfabric-cuda.tar.xz's
-#   libfabric (FI_HMEM CUDA) preloaded.
+#   libfabric (FI_HMEM CUDA) preloaded; where moelink-scheduler is built,
+#   moelink-serve --engines 2 --pd on the GPU too (test_serve_pd.py).
 #   attention (not in the default): tools/bench/attention_bench.py, MLA
 #   decode on moelink's kernel, FlashInfer's and FlashMLA's (built first by
 #   tools/build_flashmla.sh from .deps/flashmla-9241ae3.tar.xz, about 2
@@ -130,6 +131,17 @@ if has pd-gpu; then
       FI_TCP_IFACE=lo MOELINK_PYTHONPATH="$root/$bdir/python" \
       $py -m pytest -q -rs tests/python/test_pd_handoff.py -k nvlink >"$OUT/pytest-pd-gpu.log" 2>&1 || status=1
     tail -8 "$OUT/pytest-pd-gpu.log"
+    # moelink-serve --engines 2 --pd on the GPU: the scheduler (with gRPC's
+    # runtime, .deps/grpc-runtime.tar.xz; grpcio from .deps/pywheels), a
+    # prefill and a decode worker sharing the GPU, the openai client.
+    if [[ -x $bdir/tools/scheduler/moelink-scheduler ]]; then
+      LD_PRELOAD=$lfc/lib/libfabric.so.1 LD_LIBRARY_PATH="$cudart_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        FI_TCP_IFACE=lo MOELINK_PYTHONPATH="$root/$bdir/python" MOELINK_BIN_DIR="$root/$bdir/tools/scheduler" \
+        $py -m pytest -q -rs tests/python/test_serve_pd.py -k nvlink >"$OUT/pytest-serve-pd-gpu.log" 2>&1 || status=1
+      tail -8 "$OUT/pytest-serve-pd-gpu.log"
+    else
+      echo "no $bdir/tools/scheduler/moelink-scheduler: moelink-serve --pd on the GPU not run"
+    fi
   else
     echo "no .deps/libfabric-cuda.tar.xz (tools/build_libfabric_cuda.sh makes it)"; status=1
   fi

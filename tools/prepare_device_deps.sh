@@ -7,10 +7,12 @@
 # tools/device_env.sh) for the CUDA expert kernels, FlashInfer's headers
 # (packed; unpacked there) for the MLA decode kernel, xxHash (the serving
 # engine's block hash) into the same sysroot, the `openai` client's wheels
-# that the image lacks (moelink-serve's end-to-end tests), and vLLM's
-# Python files with the wheels they import (the vLLM tests). .deps is then
-# over the 64 MiB a device call carries: carry the parts a call needs
-# (carry: [".deps/pywheels", ...]).
+# that the image lacks (moelink-serve's end-to-end tests) with grpcio and
+# protobuf (moelink.scheduler) in .deps/pywheels, gRPC's C++ runtime
+# packed (moelink-scheduler), and vLLM's Python files with the wheels they
+# import in .deps/pywheels-vllm (the vLLM tests). .deps is then over the 64
+# MiB a device call carries: carry the parts a call needs (carry:
+# [".deps/pywheels", ...]).
 # Run here, on a Debian machine with googletest, libcli11-dev and
 # nlohmann-json3-dev installed.
 set -euo pipefail
@@ -47,7 +49,8 @@ python3 -m pip download -q --disable-pip-version-check --only-binary=:all: --pyt
 # the wheels its fused-MoE modules import beyond the image's packages, for
 # tests/python/test_vllm_prepare_finalize.py on the nvlink backend. No
 # dist-info: without it vLLM takes its generic platform (with it, its CUDA
-# platform imports vllm._C_stable_libtorch, which is not carried).
+# platform imports vllm._C_stable_libtorch, which is not carried). The
+# wheels go to .deps/pywheels-vllm (carried by the vllm runs only).
 vdl=$(mktemp -d)
 python3 -m pip download -q --no-deps --disable-pip-version-check --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 -d "$vdl" "vllm==0.33.0"
@@ -57,7 +60,7 @@ python3 -m pip download -q --no-deps --disable-pip-version-check --only-binary=:
 rm -rf "$vdl"
 python3 -m pip download -q --no-deps --disable-pip-version-check --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$deps/pywheels" \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$deps/pywheels-vllm" \
   aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 apache-tvm-ffi==0.1.11 attrs==26.1.0 \
   cachetools==8.0.3 cbor2==6.3.0 cloudpickle==3.1.3 einops==0.8.2 fastapi==0.136.3 frozenlist==1.8.0 \
   llguidance==1.7.6 msgspec==0.23.0 multidict==7.2.1 oss-harmony==0.0.11 partial-json-parser==0.2.1.1.post7 \
@@ -77,5 +80,19 @@ if [[ ! -f $deps/flashmla-9241ae3.tar.xz ]]; then
   tar -C "$fm" -cJf "$deps/flashmla-9241ae3.tar.xz" FlashMLA
   rm -rf "$fm"
 fi
+# moelink-scheduler on the GPU machine (moelink-serve --engines N [--pd]):
+# gRPC's C++ runtime from Debian, packed (.deps/grpc-runtime.tar.xz, 20 MB
+# unpacked), and the Python side's grpcio and protobuf (the versions of the
+# grpcio-tools that tools/build_for_device.sh generates the protocol code
+# with) beside the openai client in .deps/pywheels; tools/device_env.sh
+# takes both where carried.
+debs=$(mktemp -d)
+(cd "$debs" && apt-get download -q libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 libre2-9 \
+  libc-ares2 >/dev/null 2>&1 && mkdir root && for f in *.deb; do dpkg -x "$f" root; done &&
+  tar -C root -cJf "$deps/grpc-runtime.tar.xz" usr/lib)
+rm -rf "$debs"
+python3 -m pip download -q --no-deps --disable-pip-version-check --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 -d "$deps/pywheels" "grpcio==$grpcio_version" "protobuf==$protobuf_version"
 # libfabric with CUDA memory (the P/D hand-off of GPU caches): tools/build_libfabric_cuda.sh.
 du -sh "$deps"
