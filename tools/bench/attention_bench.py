@@ -342,13 +342,17 @@ def main():
     p.add_argument("--qkv-a", default="", help="token counts of the merged qkv_a_proj comparison (empty: none)")
     p.add_argument("--bmm", default="", help="token counts of the W_UK / W_UV batched GEMMs against torch.bmm "
                                              "(empty: none)")
-    p.add_argument("--head-gemm", default="fp8", help="MLAAttention's head_gemm (W_UK / W_UV): bf16 or fp8")
+    p.add_argument("--head-gemm", default="fp8", choices=("fp8", "bf16"), help="MLAAttention's head_gemm (W_UK / W_UV): bf16 or fp8")
     p.add_argument("--step-kernels", action="store_true",
                    help="record each case's step kernel by kernel (torch.profiler) in its row")
     p.add_argument("--prefill", default="", help="chunk lengths of the prefill comparison (empty: none)")
     p.add_argument("--prefill-kernels", default="flashinfer",
                    help="prefill kernels to time: flashinfer, moelink (moelink's own, the reference; slow)")
     a = p.parse_args()
+    prefill_kernels = [k for k in a.prefill_kernels.split(",") if k]
+    for k in prefill_kernels:
+        if k not in PREFILL_KERNELS:
+            p.error(f"--prefill-kernels: unknown kernel {k!r} (allowed: {', '.join(PREFILL_KERNELS)})")
     torch.manual_seed(0)
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
     heads_list, batches, q_lens, kvs = ints(a.heads), ints(a.batch), ints(a.q_len), ints(a.kv)
@@ -441,12 +445,7 @@ def main():
             rec["dense_fp8_tflops"] = dense_fp8_tflops(a.iters)
         rec["bmm"] = bmm_results(ints(a.bmm), a.iters, bw, rec["dense_fp8_tflops"] * 1e12)
     if a.prefill:
-        kernels = [k for k in a.prefill_kernels.split(",") if k]
-        for k in kernels:
-            if k not in PREFILL_KERNELS:
-                raise SystemExit(f"attention_bench: --prefill-kernels: unknown kernel {k!r} "
-                                 f"(allowed: {', '.join(PREFILL_KERNELS)})")
-        rec["prefill"] = prefill_results(ints(a.prefill), kernels, weights, cfg, a.iters, peak)
+        rec["prefill"] = prefill_results(ints(a.prefill), prefill_kernels, weights, cfg, a.iters, peak)
     write_json(rec, a.json)
 
 
