@@ -308,17 +308,14 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
 
 }  // namespace
 
-void launch_seesaw_decode(const TcDecodeArgs& a, void* workspace, int splits, bool heads_inner,
+void launch_seesaw_decode(const TcDecodeArgs& a, void* workspace, dim3 grid, int inner_head_blocks,
                           cudaStream_t stream) {
   static std::once_flag attribute_set;
   std::call_once(attribute_set, [] {
     MOELINK_CUDA_CHECK(cudaFuncSetAttribute(seesaw_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(kSmemBytes)));
   });
-  const int head_blocks = (a.heads + kHeads - 1) / kHeads;
-  const dim3 grid(static_cast<unsigned>(a.rows_bound * (heads_inner ? head_blocks : 1)),
-                  static_cast<unsigned>(heads_inner ? 1 : head_blocks), static_cast<unsigned>(splits));
-  seesaw_decode_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, heads_inner ? head_blocks : 0);
+  seesaw_decode_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner_head_blocks);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -67,8 +67,10 @@ void launch_tc_decode(const TcDecodeArgs& a, void* workspace, cudaStream_t strea
 bool wgmma_decode_applies(const TcDecodeArgs& a);
 void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cudaStream_t stream);
 // Its out-of-step variant for more than 32 heads (mla_decode_seesaw.cu;
-// launch_wgmma_decode picks it under MOELINK_MLA_DECODE_SEESAW=1).
-void launch_seesaw_decode(const TcDecodeArgs& a, void* workspace, int splits, bool heads_inner,
+// launch_wgmma_decode picks it under MOELINK_MLA_DECODE_SEESAW=1), on the
+// grid launch_wgmma_decode lays out (inner_head_blocks: the kernel's
+// argument, > 0 where a row's head blocks sit side by side in grid.x).
+void launch_seesaw_decode(const TcDecodeArgs& a, void* workspace, dim3 grid, int inner_head_blocks,
                           cudaStream_t stream);
 
 }  // namespace moelink::detail::attention

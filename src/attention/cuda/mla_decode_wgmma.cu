@@ -58,7 +58,8 @@ static_assert(kSmemBytes <= 227 * 1024, "past a Hopper block's shared memory");
 // ------------------------------------------------------------ the kernel
 
 // kOverlap: stage t + 1's scores issued behind stage t's P V (an A/B
-// candidate, MOELINK_MLA_DECODE_OVERLAP=1, not yet measured).
+// candidate, MOELINK_MLA_DECODE_OVERLAP=1: on an H100, 2026-12-06, 2-3 %
+// slower than without, so off).
 template <bool kOverlap>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_decode_kernel(TcDecodeArgs a, void* workspace,
                                                                    int inner_head_blocks) {
@@ -332,12 +333,13 @@ void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cud
   });
   static const bool heads_inner = env_int("MOELINK_MLA_DECODE_HEADS_INNER", 1, 0, 1) == 1;
   static const bool seesaw = env_int("MOELINK_MLA_DECODE_SEESAW", 0, 0, 1) == 1;
-  if (seesaw && a.heads > kHeads / 2) return launch_seesaw_decode(a, workspace, splits, heads_inner, stream);
   const int head_blocks = wgmma_decode_head_blocks(a);
   const dim3 grid(static_cast<unsigned>(a.rows_bound * (heads_inner ? head_blocks : 1)),
                   static_cast<unsigned>(heads_inner ? 1 : head_blocks), static_cast<unsigned>(splits));
   const int inner = heads_inner ? head_blocks : 0;
-  if (overlap)
+  if (seesaw && a.heads > kHeads / 2)
+    launch_seesaw_decode(a, workspace, grid, inner, stream);
+  else if (overlap)
     wgmma_decode_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner);
   else
     wgmma_decode_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner);
