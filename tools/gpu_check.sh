@@ -32,9 +32,9 @@
 #   W_UK / W_UV batched GEMMs against torch.bmm
 #   (MOELINK_ATTENTION_BENCH_ARGS adds arguments).
 #   head-gemm (not in the default): MLAOptions.head_gemm bf16 (cuBLAS)
-#   against fp8 (the grouped GEMM): the attention test
-#   BothHeadGemmsMatchTheReference (both against the reference, CUDA and
-#   CPU paths), then attention_bench.py (128 and 16
+#   against fp8 (the grouped GEMM): the attention tests *HeadGemm* (both
+#   against the reference on the CUDA and CPU paths, a bad value refused,
+#   bf16 in a decode graph), then attention_bench.py (128 and 16
 #   heads, batch 1 / 32 / 128, q_len 1 and 2, kv 5000, --step-kernels) and
 #   model_bench.py (ep8, batch 1 / 32 / 128, q_len 1 and 2), bf16 and fp8
 #   interleaved, two rounds (head-gemm-*.json).

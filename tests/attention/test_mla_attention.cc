@@ -347,10 +347,17 @@ TEST_P(MLAAttentionTest, PrefillThenDecodeWithMixedLengthsMatchesReference) {
 // reference's bound, and bf16, which skips two of the fp8 quantizations
 // the reference's HF form does not make (q_nope before W_UK, the latent
 // output before W_UV), closer to it than fp8 (so the option takes effect).
+// First a value outside the enum, refused naming the field; the good ones
+// after it.
 TEST_P(MLAAttentionTest, BothHeadGemmsMatchTheReference) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const MLAConfig c = small_config();
+  MLAOptions bad;
+  bad.device = device();
+  bad.max_tokens = bad.max_requests = bad.max_pages_per_request = 1;
+  bad.head_gemm = static_cast<moelink::MLAHeadGemm>(7);
+  expect_throw_naming<moelink::InvalidArgument>([&] { MLAAttention::create(c, bad); }, {"head_gemm = 7"});
   const int64_t D = c.hidden_size;
   const std::vector<int64_t> lengths{1, 65, 300, 2, 129};
   const std::vector<int64_t> q_lens{1, 2, 1, 2, 1};
@@ -712,12 +719,14 @@ TEST_P(MLAAttentionTest, EmptyBatchDoesNothing) {
 // eager step's, to the bit.
 // With FlashInfer's decode (host copies given, prepare_graph_replay() before
 // each replay) the same.
-void check_decode_graph(const MLAConfig& c, moelink::MLADecodeKernel kernel, bool host_copies) {
+void check_decode_graph(const MLAConfig& c, moelink::MLADecodeKernel kernel, bool host_copies,
+                        moelink::MLAHeadGemm head_gemm = MLAOptions{}.head_gemm) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const int64_t D = c.hidden_size, n = 6, max_pages = 8;
-  Harness graph(AttentionDevice::kCUDA, c, seed, 32, 16, 1, true, kernel),
-      eager(AttentionDevice::kCUDA, c, seed, 32, 16, 1, true, kernel);
+  const auto prefill = moelink::MLAPrefillKernel::kAuto;
+  Harness graph(AttentionDevice::kCUDA, c, seed, 32, 16, 1, true, kernel, prefill, nullptr, head_gemm),
+      eager(AttentionDevice::kCUDA, c, seed, 32, 16, 1, true, kernel, prefill, nullptr, head_gemm);
   int ids[2] = {};
   for (Harness* h : {&graph, &eager}) {
     ids[0] = h->add_request(60);
@@ -858,6 +867,13 @@ std::pair<MLAConfig, std::string> flashinfer_config(int heads = 16) {
 TEST(MLAAttentionCuda, DecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
   if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   check_decode_graph(small_config(), moelink::MLADecodeKernel::kAuto, false);
+}
+
+// The same with the head GEMMs in bf16 (cuBLAS's batched GEMM captured in
+// the graph, its rows the bucket's host bound).
+TEST(MLAAttentionCuda, HeadGemmBf16DecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  check_decode_graph(small_config(), moelink::MLADecodeKernel::kAuto, false, moelink::MLAHeadGemm::kBf16);
 }
 
 // The same on moelink's warpgroup kernel (latent 512; 128 heads: two head

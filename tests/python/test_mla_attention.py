@@ -64,6 +64,14 @@ def test_prefill_kernel_is_checked():
             moelink.MLAAttention(dict(SMALL, v_head_dim=256), device="cuda", prefill_kernel="flashinfer", **kw)
 
 
+def test_head_gemm_is_checked():
+    kw = dict(max_tokens=4, max_requests=1, max_pages_per_request=1)
+    with pytest.raises(ValueError, match="head_gemm = 'fp16'"):
+        moelink.MLAAttention(dict(SMALL), device="cpu", head_gemm="fp16", **kw)
+    for g in ("fp8", "bf16"):
+        moelink.MLAAttention(dict(SMALL), device="cpu", head_gemm=g, **kw)
+
+
 def test_share_with_takes_the_same_shapes_only():
     """share_with: a second layer on the first's scratch is made (its own
     weights to come); another max_tokens or head count is refused, naming it."""
