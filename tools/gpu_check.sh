@@ -38,6 +38,12 @@
 #   heads, batch 1 / 32 / 128, q_len 1 and 2, kv 5000, --step-kernels) and
 #   model_bench.py (ep8, batch 1 / 32 / 128, q_len 1 and 2), bf16 and fp8
 #   interleaved, two rounds (head-gemm-*.json).
+#   split-k (not in the default): the split over K of a dense GEMM's
+#   128-row tiles (issue 33's qkv_a): the expert tests *SplitK*:*Dense*
+#   (every forced slice count against the reference), then
+#   attention_bench.py --qkv-a (1 to 256 tokens) and model_bench.py (ep8,
+#   batch 1 / 32 / 128, q_len 1) with MOELINK_EXPERTS_SPLIT_K=1 (no split)
+#   and auto, interleaved, two rounds (split-k-*.json).
 #   serve-batch128 (not in the default): the same server decoding 128
 #   shared-prefix requests of 256 tokens at once (serve-batch128.json).
 #   wheel (not in the default): the wheel in .deps/moelink-wheel (built
@@ -69,7 +75,7 @@ steps=${*:-build test python sanitize bench internode experts}
 bdir=${MOELINK_BUILD_DIR:-build-gpu}
 source "$root/tools/device_env.sh"
 python_build=OFF
-{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has pd-gpu || has attention || has head-gemm || has vllm; } && python_build=ON
+{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has pd-gpu || has attention || has head-gemm || has split-k || has vllm; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
@@ -283,6 +289,21 @@ if has attention; then
   echo "${cmd[*]}"
   PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
     tee "$OUT/attention-bench.log" | tail -40 || status=1
+fi
+if has split-k; then
+  echo "== dense GEMMs split over K (MOELINK_EXPERTS_SPLIT_K=1 against auto)"
+  run_gtests "expert kernels: split over K, dense GEMMs" $bdir/tests/moelink_experts_tests \
+    '*SplitK*:*Dense*' split-k-tests.log
+  for round in 1 2; do
+    for split in 1 auto; do
+      MOELINK_EXPERTS_SPLIT_K=$split PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" \
+        $py tools/bench/attention_bench.py --machine "$machine" --heads "" --qkv-a 1,32,64,128,256 --iters 20 \
+        --json "$OUT/split-k-qkv-a-$split-r$round.json" 2>&1 | grep -E "^qkv_a" || status=1
+      MOELINK_EXPERTS_SPLIT_K=$split PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" \
+        $py tools/bench/model_bench.py --machine "$machine" --shapes ep8 --batches 1,32,128 --q-lens 1 \
+        --profile-batches 0 --json "$OUT/split-k-model-$split-r$round.json" 2>&1 | tail -4 || status=1
+    done
+  done
 fi
 if has head-gemm; then
   echo "== MLA head GEMMs: bf16 (cuBLAS) against fp8 (grouped GEMM)"

@@ -15,6 +15,7 @@
 #include <string>
 #include <utility>
 
+#include "experts/cuda/block_scaled_gemm.h"
 #include "experts/expert_cases.h"
 #include "experts/expert_reference.h"
 #include "gpu_memory_ops.h"
@@ -116,14 +117,17 @@ TEST(GpuExpertsTiles, EveryBuiltConfigurationMatchesReference) {
 }
 
 // The split over K (MOELINK_EXPERTS_SPLIT_K forces it on the swapped-operand
-// tiles; auto splits only GEMMs with few tiles, like the dense m = 1 case
-// in GpuExpertsDense): every slice count, the grouped and dense GEMMs,
-// forward, clamped counts. A slice count that does not divide K/128 leaves
-// that GEMM whole (Qwen3's I = 1536 has 12 k-blocks).
+// tiles and a dense GEMM's row tiles; auto splits only GEMMs with few
+// tiles, like the dense m = 1 case in GpuExpertsDense): slice counts that
+// divide DeepSeek-V3's 56 k-blocks or not, the grouped and dense GEMMs (on
+// the swapped-operand tiles and the 128-row split kernel, one partial row
+// tile, a bound inside it), forward, clamped counts. A slice count that
+// does not divide K/128 leaves that GEMM whole (Qwen3's I = 1536 has 12
+// k-blocks; 7 divides neither 8 nor 12).
 TEST(GpuExpertsSplitK, EverySplitMatchesReference) {
   REQUIRE_HOPPER();
   GpuMemoryOps ops(0);
-  for (const char* split : {"2", "4", "8"}) {
+  for (const char* split : {"2", "3", "4", "7", "8"}) {
     SCOPED_TRACE(std::string("MOELINK_EXPERTS_SPLIT_K=") + split);
     setenv("MOELINK_EXPERTS_SPLIT_K", split, 1);
     run_grouped_gemm_case(ExpertDevice::kCUDA, ops, {deepseek_shape(), CountPattern::kTop8, 16});
@@ -133,18 +137,44 @@ TEST(GpuExpertsSplitK, EverySplitMatchesReference) {
     run_forward_case(ExpertDevice::kCUDA, ops, {qwen3_shape(), CountPattern::kRandom, 16});
     run_gemm_case(ExpertDevice::kCUDA, ops, 5, 256, 1024, 3);
     run_gemm_case(ExpertDevice::kCUDA, ops, 2, 2 * 2048, 7168, 1);
+    run_gemm_case(ExpertDevice::kCUDA, ops, 48, 384, 7168, -1);    // 64-row tiles, split on 128-row ones
+    run_gemm_case(ExpertDevice::kCUDA, ops, 200, 640, 7168, 131);  // two row tiles, the bound in the second
+    run_gemm_case(ExpertDevice::kCUDA, ops, 129, 256, 3072, 0);    // no rows at all
     run_out_of_range_case(ExpertDevice::kCUDA, ops);
   }
-  setenv("MOELINK_EXPERTS_SPLIT_K", "3", 1);
   moelink::ExpertConfig c;
   c.num_experts = 1, c.max_rows = 1, c.hidden_dim = 128, c.intermediate_dim = 128;
-  try {
-    moelink::Experts::create(c);
-    ADD_FAILURE() << "MOELINK_EXPERTS_SPLIT_K=3 was accepted";
-  } catch (const moelink::InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("MOELINK_EXPERTS_SPLIT_K = '3'"), std::string::npos) << e.what();
+  for (const char* bad : {"9", "0", "12", "four"}) {
+    setenv("MOELINK_EXPERTS_SPLIT_K", bad, 1);
+    try {
+      moelink::Experts::create(c);
+      ADD_FAILURE() << "MOELINK_EXPERTS_SPLIT_K=" << bad << " was accepted";
+    } catch (const moelink::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("MOELINK_EXPERTS_SPLIT_K = '") + bad + "' must be auto or 1 to 8"),
+                std::string::npos)
+          << e.what();
+    }
   }
   unsetenv("MOELINK_EXPERTS_SPLIT_K");
+}
+
+// split_k_for's choices on DeepSeek-V3's shapes (host arithmetic: runs
+// without a GPU), on an H100's / H200's 132 SMs: the shared expert's GEMM1
+// in 4 slices and its GEMM2 whole (experts_bench.py --split-k measured
+// both); the merged qkv_a (17 weight tiles, 56 k-blocks) in 7 slices at 1
+// to 128 rows (119 tiles: one wave, where 8 slices would need two); o_proj
+// (56 tiles, 128 k-blocks) in 2 slices at 1 row, whole at 256 rows (112
+// tiles already); 8 experts whole.
+TEST(ExpertsSplitK, SliceCountsForDeepSeekShapes) {
+  using moelink::detail::experts::split_k_for;
+  EXPECT_EQ(split_k_for(32, 56, 132, 1 * 4096), 4);
+  EXPECT_EQ(split_k_for(56, 16, 132, 1 * 7168), 1);
+  EXPECT_EQ(split_k_for(17, 56, 132, 1 * 2176), 7);
+  EXPECT_EQ(split_k_for(17, 56, 132, 128 * 2176), 7);
+  EXPECT_EQ(split_k_for(56, 128, 132, 1 * 7168), 2);
+  EXPECT_EQ(split_k_for(112, 128, 132, 256 * 7168), 1);
+  EXPECT_EQ(split_k_for(8 * 32, 56, 132, 8 * 16 * 4096), 1);
+  EXPECT_EQ(split_k_for(0, 56, 132, 0), 1);  // an empty GEMM stays whole
 }
 
 // One object through calls with few, many and no tiles in turn: the
@@ -231,6 +261,12 @@ TEST(GpuExpertsDense, GemmMatchesReference) {
   run_gemm_case(ExpertDevice::kCUDA, ops, 200, 512, 1024, 150);               // in clusters of 2
   run_gemm_case(ExpertDevice::kCUDA, ops, 600, 384, 512, -1);                 // 5 row tiles: a half cluster
   run_gemm_case(ExpertDevice::kCUDA, ops, 2, 2 * 2048, 7168, 1);  // DeepSeek-V3's shared expert, m = 1
+  // DeepSeek-V3's merged qkv_a (17 weight tiles, 56 k-blocks): split over K
+  // on the swapped-operand tiles at 1 row, on the 128-row tiles at 128 and
+  // 256 (split_k_for), with a bound inside the last row tile.
+  run_gemm_case(ExpertDevice::kCUDA, ops, 1, 2176, 7168, -1);
+  run_gemm_case(ExpertDevice::kCUDA, ops, 128, 2176, 7168, 77);
+  run_gemm_case(ExpertDevice::kCUDA, ops, 256, 2176, 7168, 250);
   // 157 row tiles, more than half an H200's 132 SMs: numbered along N in
   // stripes of 8 row tiles (the last stripe partial), and a bound inside
   // the last.

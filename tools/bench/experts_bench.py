@@ -257,7 +257,7 @@ def main():
                    "MOELINK_EXPERTS_TILES takes; needs a build with MOELINK_EXPERTS_TILE_SWEEP); "
                    "empty: the library's choice ('auto')")
     p.add_argument("--split-k", default="", help="split-over-K settings to compare (values "
-                   "MOELINK_EXPERTS_SPLIT_K takes: auto, 1, 2, 4, 8), each with every --tiles entry; "
+                   "MOELINK_EXPERTS_SPLIT_K takes: auto, 1 to 8), each with every --tiles entry; "
                    "empty: the library's choice")
     p.add_argument("--env", action="append", default=[], metavar="VAR=V1,V2",
                    help="an environment variable an Experts reads (MOELINK_EXPERTS_PDL, "

@@ -162,10 +162,15 @@ bool raster_along_n_for(GemmTiles tiles, int64_t rows, int sm_count);
 // are not in this build.
 std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups, GemmGrid grid);
 
-// The split-K GEMM: kSwap128N32's tiles with fp32 output, `groups` =
+// The tiles a GEMM on `tiles` is split over K on: kSwap128N32 itself, the
+// row tiles on kRows128 (64-row tiles and clusters have no split kernel:
+// a split GEMM's slices are what fill the SMs).
+GemmTiles split_k_tiles(GemmTiles tiles);
+
+// The split-K GEMM: split_k_tiles(tiles) with fp32 output, `groups` =
 // split_k x the operands' groups (GemmOperands.split_k). Its run() packs the
 // slices' scales; launch_split_reduce after it writes y.
-std::unique_ptr<BlockScaledGemm> make_split_k_gemm(int groups, GemmGrid grid);
+std::unique_ptr<BlockScaledGemm> make_split_k_gemm(GemmTiles tiles, int groups, GemmGrid grid);
 
 // Output tiles of a GEMM on `tiles` with `groups` groups of `rows` rows and
 // n columns (swapped operands: a tile is 128 columns by 32 rows).
@@ -178,11 +183,16 @@ int64_t gemm_tile_count(GemmTiles tiles, int64_t groups, int64_t rows, int64_t n
 // block busy until its last tile rather than a partial last wave.
 int balanced_ctas(int64_t tile_count, int sm_count, int cluster);
 
-// How many K slices make a GEMM of `tiles` output tiles and k/128 k-blocks
-// on `sm_count` SMs faster (1: none): a slice's tiles run in waves of
-// sm_count, each paying its k-blocks plus a fixed pipeline fill, and a
-// split pays for its partial sums and reduce kernel; it must gain 15 %.
-int split_k_for(int64_t tiles, int64_t k_blocks, int sm_count);
+// The most K slices a GEMM is split into (MOELINK_EXPERTS_SPLIT_K's range).
+constexpr int kMaxSplitK = 8;
+
+// How many K slices (1 to kMaxSplitK, dividing k_blocks) make a GEMM of
+// `tiles` output tiles and k/128 k-blocks on `sm_count` SMs faster (1:
+// none): a slice's tiles run in waves of sm_count, each paying its k-blocks
+// plus a fixed pipeline fill, and a split pays for its reduce kernel and
+// its partial sums (`partial_values` fp32 values a slice: rows x n x
+// groups), written and read back; it must gain 15 %.
+int split_k_for(int64_t tiles, int64_t k_blocks, int sm_count, int64_t partial_values);
 
 // y[g][r][n] = bf16(sum over s of partial[s * groups + g][r][n]) for rows r
 // < the group's count (clamped; the GEMM reported it).

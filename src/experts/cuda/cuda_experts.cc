@@ -57,16 +57,17 @@ bool forced_tiles(GemmTiles* out) {
 }
 
 // MOELINK_EXPERTS_SPLIT_K: unset or "auto", experts::split_k_for decides
-// where the swapped-operand tiles run; 1 never splits; 2, 4 or 8 split every
-// such GEMM whose K allows it (tuning: experts_bench.py --split-k).
+// for the GEMMs that may split (CudaExperts::split_for); 1 never splits; 2
+// to 8 split every such GEMM whose K/128 that count divides (tuning:
+// experts_bench.py --split-k, attention_bench.py's qkv_a).
 int forced_split_k() {
   const char* v = std::getenv("MOELINK_EXPERTS_SPLIT_K");
   if (v == nullptr || *v == '\0' || std::string(v) == "auto") return 0;
   const std::string s(v);
-  if (s != "1" && s != "2" && s != "4" && s != "8")
+  if (s.size() != 1 || s[0] < '1' || s[0] > '0' + experts::kMaxSplitK)
     throw InvalidArgument("moelink: environment variable MOELINK_EXPERTS_SPLIT_K = '" + s +
-                          "' must be auto, 1, 2, 4 or 8");
-  return std::stoi(s);
+                          "' must be auto or 1 to " + std::to_string(experts::kMaxSplitK));
+  return s[0] - '0';
 }
 
 // A setting with two values, read when an Experts is created: true for
@@ -126,8 +127,8 @@ class CudaExperts final : public ExpertsImpl {
     error_buffer_ = experts::device_alloc(sizeof(ExpertErrorRecord), true);
     error_ = static_cast<ExpertErrorRecord*>(error_buffer_.get());
 
-    split_gate_up_ = split_for(t, L, 2 * I, H);
-    split_down_ = split_for(t, L, H, I);
+    split_gate_up_ = split_for(t, L, c.expected_rows, 2 * I, H);
+    split_down_ = split_for(t, L, c.expected_rows, H, I);
     reserve_split(L, C, 2 * I, H, split_gate_up_);
     reserve_split(L, C, H, I, split_down_);
     gemm_for(t, L, c.expected_rows, 2 * I, split_gate_up_);
@@ -176,7 +177,7 @@ class CudaExperts final : public ExpertsImpl {
                               as_one_group(w), as_one_group(w_scale), ExpertOp::kGemm);
     o.counts = static_cast<const int32_t*>(bound_m.data);  // null: all M rows
     const GemmTiles t = tiles(x.shape[0]);
-    const int split = split_for(t, 1, o.n, o.k);
+    const int split = split_for(t, 1, x.shape[0], o.n, o.k);
     reserve_split(1, o.capacity, o.n, o.k, split);  // the first call of a shape allocates, as gemm_for does
     run_gemm(o, t, 1, x.shape[0], split, stream);
   }
@@ -209,13 +210,17 @@ class CudaExperts final : public ExpertsImpl {
  private:
   GemmTiles tiles(int64_t rows) const { return forced_ ? forced_tiles_ : tiles_for_rows(rows); }
 
-  // K slices for a GEMM of `groups` groups of n x k weights on `tiles`:
-  // only the swapped-operand tiles split (one row tile per group), else 1.
-  int split_for(GemmTiles tiles, int64_t groups, int64_t n, int64_t k) const {
-    if (tiles != GemmTiles::kSwap128N32) return 1;
+  // K slices for a GEMM of `groups` groups of about `rows` rows and n x k
+  // weights on `tiles`: the swapped-operand tiles (one row tile a group),
+  // and the row tiles of a dense GEMM (one group, whose rows the host
+  // knows: qkv_a's 17 weight tiles at 33-256 tokens fill a quarter of the
+  // SMs); grouped GEMMs on row tiles stay whole.
+  int split_for(GemmTiles tiles, int64_t groups, int64_t rows, int64_t n, int64_t k) const {
+    if (tiles != GemmTiles::kSwap128N32 && groups != 1) return 1;
     const int64_t k_blocks = k / kQuantGroup;
     if (split_forced_ > 0) return k_blocks % split_forced_ == 0 ? split_forced_ : 1;
-    return experts::split_k_for(groups * (n / kQuantGroup), k_blocks, sm_count_);
+    const int64_t split_tiles = experts::gemm_tile_count(experts::split_k_tiles(tiles), groups, rows, n);
+    return experts::split_k_for(split_tiles, k_blocks, sm_count_, groups * rows * n);
   }
 
   static size_t partial_bytes(int64_t groups, int64_t rows, int64_t n, int split) {
@@ -252,17 +257,16 @@ class CudaExperts final : public ExpertsImpl {
   // tile order along N for groups of many row tiles (MOELINK_EXPERTS_RASTER).
   BlockScaledGemm& gemm_for(GemmTiles tiles, int groups, int64_t rows, int64_t n, int split,
                             int use = kAnyGemm) {
-    if (split > 1) tiles = GemmTiles::kSwap128N32, groups *= split;
+    if (split > 1) tiles = experts::split_k_tiles(tiles), groups *= split;
     const int ctas = balanced_ ? experts::balanced_ctas(experts::gemm_tile_count(tiles, groups, rows, n),
                                                         sm_count_, experts::gemm_tile_extent(tiles).cluster)
                                : 0;
     const bool along_n = raster_auto_ && experts::raster_along_n_for(tiles, rows, sm_count_);
     if (split <= 1) return gemm_object(tiles, groups, ctas, along_n, use);
-    auto it = split_gemms_.find({groups, ctas});
+    const std::tuple<int, int, int> key{static_cast<int>(tiles), groups, ctas};
+    auto it = split_gemms_.find(key);
     if (it == split_gemms_.end())
-      it = split_gemms_.emplace(std::make_pair(groups, ctas),
-                                experts::make_split_k_gemm(groups, {ctas, dynamic_, false}))
-               .first;
+      it = split_gemms_.emplace(key, experts::make_split_k_gemm(tiles, groups, {ctas, dynamic_, false})).first;
     return *it->second;
   }
 
@@ -350,7 +354,7 @@ class CudaExperts final : public ExpertsImpl {
   bool arguments_together_ = true;            // MOELINK_EXPERTS_ARGUMENT_KERNELS
   int split_gate_up_ = 1, split_down_ = 1;    // forward()'s GEMMs
   GrowingDeviceBuffer partial_, x_scale_split_, w_scale_split_;  // split GEMMs' (GemmOperands)
-  std::map<std::pair<int, int>, std::unique_ptr<BlockScaledGemm>> split_gemms_;  // by groups, CTAs
+  std::map<std::tuple<int, int, int>, std::unique_ptr<BlockScaledGemm>> split_gemms_;  // by tiles, groups, CTAs
   experts::DeviceBuffer workspace_, error_buffer_;
   size_t workspace_bytes_ = 0;
   ExpertWorkspace ws_;

@@ -55,9 +55,19 @@ MOELINK_TILE_CONFIG(kRows64Plain,  _64,   _128,  _1,  PingPong,    0)
 MOELINK_TILE_CONFIG(kRows128Plain, _128,  _128,  _1,  Cooperative, 0)
 #undef MOELINK_TILE_CONFIG
 
-// The split-K partial sums (make_split_k_gemm): kSwap128N32's tiles, fp32 out.
+// The split-K partial sums (make_split_k_gemm), fp32 out: kSwap128N32's
+// tiles (split_k.cu), and kRows128's for a dense GEMM of 33 or more rows
+// whose few weight tiles leave most SMs idle (split_k_rows128.cu).
 using SplitKKernel = Sm90BlockScaledKernel<tiles::Shape<tiles::_128, tiles::_32>, tiles::Cluster<tiles::_1>,
                                            tiles::Cooperative, tiles::CooperativeEpilogue, kSwapOperands,
                                            float>;
+using SplitKRows128Kernel =
+    Sm90BlockScaledKernel<tiles::Shape<tiles::_128, tiles::_128>, tiles::Cluster<tiles::_1>, tiles::Cooperative,
+                          tiles::CooperativeEpilogue, kOverlapPromotion, float>;
+
+// The factory of each (split_k.cu, split_k_rows128.cu: one CUTLASS kernel a
+// translation unit).
+std::unique_ptr<BlockScaledGemm> make_split_k_swap_gemm(int groups, GemmGrid grid);
+std::unique_ptr<BlockScaledGemm> make_split_k_rows128_gemm(int groups, GemmGrid grid);
 
 }  // namespace moelink::detail::experts
