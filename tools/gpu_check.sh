@@ -46,6 +46,9 @@
 #   and auto, interleaved, two rounds (split-k-*.json).
 #   serve-batch128 (not in the default): the same server decoding 128
 #   shared-prefix requests of 256 tokens at once (serve-batch128.json).
+#   serve-switch (not in the default): serve-batch128's load with the
+#   server's GIL switch interval at 500 us (the default) and 100 us
+#   (MOELINK_SERVE_SWITCH_INTERVAL_US; serve-switch-*.json).
 #   wheel (not in the default): the wheel in .deps/moelink-wheel (built
 #   here by tools/build_wheel.sh) installed with pip install --no-deps into
 #   a fresh virtual environment; its Python tests on the GPU from there.
@@ -75,7 +78,7 @@ steps=${*:-build test python sanitize bench internode experts}
 bdir=${MOELINK_BUILD_DIR:-build-gpu}
 source "$root/tools/device_env.sh"
 python_build=OFF
-{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has pd-gpu || has attention || has head-gemm || has split-k || has vllm; } && python_build=ON
+{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has serve-switch || has pd-gpu || has attention || has head-gemm || has split-k || has vllm; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
@@ -323,6 +326,16 @@ fi
 if has serve-batch128; then
   echo "== moelink-serve decoding 128 requests at once (issue 35's batch-128 rate against the bare step)"
   serve_bench serve-batch128 --traces shared-prefix --cache on --requests 128 --concurrency 128 --max-tokens 256
+fi
+if has serve-switch; then
+  # The server's GIL switch interval (favor_engine_thread), 500 us against
+  # 100 us, on serve-batch128's load: how long the engine thread waits for
+  # the GIL after each step while 128 handler threads stream.
+  for us in 500 100; do
+    echo "== moelink-serve, 128 requests, MOELINK_SERVE_SWITCH_INTERVAL_US=$us"
+    MOELINK_SERVE_SWITCH_INTERVAL_US=$us serve_bench serve-switch-$us --traces shared-prefix --cache on \
+      --requests 128 --concurrency 128 --max-tokens 256
+  done
 fi
 if has fabric; then
   for mode in yield busy-poll; do

@@ -356,3 +356,24 @@ def test_a_worker_whose_engine_failed_reports_everything_failed_and_exits():
     answer = reply.get_nowait()
     assert answer["ok"] is False and "illegal memory access" in answer["error"]
     assert not w._by_engine and not w._by_request
+
+
+def test_switch_interval_comes_from_the_environment_and_is_checked(monkeypatch):
+    import sys
+    from moelink.serve.server import favor_engine_thread
+    before = sys.getswitchinterval()
+    try:
+        monkeypatch.delenv("MOELINK_SERVE_SWITCH_INTERVAL_US", raising=False)
+        favor_engine_thread()
+        assert sys.getswitchinterval() == pytest.approx(5e-4)
+        monkeypatch.setenv("MOELINK_SERVE_SWITCH_INTERVAL_US", "100")
+        favor_engine_thread()
+        assert sys.getswitchinterval() == pytest.approx(1e-4)
+        for bad in ("0", "9", "5001", "fast", "1e2"):
+            monkeypatch.setenv("MOELINK_SERVE_SWITCH_INTERVAL_US", bad)
+            with pytest.raises(SystemExit, match=f"MOELINK_SERVE_SWITCH_INTERVAL_US = '{bad}' must be an integer "
+                                                 "from 10 to 5000"):
+                favor_engine_thread()
+            assert sys.getswitchinterval() == pytest.approx(1e-4)  # a refused value changes nothing
+    finally:
+        sys.setswitchinterval(before)
