@@ -117,8 +117,8 @@ TEST(GpuExpertsTiles, EveryBuiltConfigurationMatchesReference) {
 }
 
 // The split over K (MOELINK_EXPERTS_SPLIT_K forces it on the swapped-operand
-// tiles and a dense GEMM's row tiles; auto splits only GEMMs with few
-// tiles, like the dense m = 1 case in GpuExpertsDense): slice counts that
+// tiles and a dense GEMM's row tiles; auto splits only swapped-operand
+// GEMMs with few tiles, like the dense m = 1 case in GpuExpertsDense): slice counts that
 // divide DeepSeek-V3's 56 k-blocks or not, the grouped and dense GEMMs (on
 // the swapped-operand tiles and the 128-row split kernel, one partial row
 // tile, a bound inside it), forward, clamped counts. A slice count that
@@ -161,20 +161,16 @@ TEST(GpuExpertsSplitK, EverySplitMatchesReference) {
 // split_k_for's choices on DeepSeek-V3's shapes (host arithmetic: runs
 // without a GPU), on an H100's / H200's 132 SMs: the shared expert's GEMM1
 // in 4 slices and its GEMM2 whole (experts_bench.py --split-k measured
-// both); the merged qkv_a (17 weight tiles, 56 k-blocks) in 7 slices at 1
-// to 128 rows (119 tiles: one wave, where 8 slices would need two); o_proj
-// (56 tiles, 128 k-blocks) in 2 slices at 1 row, whole at 256 rows (112
-// tiles already); 8 experts whole.
+// both); the merged qkv_a's 17 weight tiles at 1-32 rows in 4; o_proj (56
+// tiles, 128 k-blocks) at 1 row in 2; 8 experts whole; no tiles whole.
 TEST(ExpertsSplitK, SliceCountsForDeepSeekShapes) {
   using moelink::detail::experts::split_k_for;
-  EXPECT_EQ(split_k_for(32, 56, 132, 1 * 4096), 4);
-  EXPECT_EQ(split_k_for(56, 16, 132, 1 * 7168), 1);
-  EXPECT_EQ(split_k_for(17, 56, 132, 1 * 2176), 7);
-  EXPECT_EQ(split_k_for(17, 56, 132, 128 * 2176), 7);
-  EXPECT_EQ(split_k_for(56, 128, 132, 1 * 7168), 2);
-  EXPECT_EQ(split_k_for(112, 128, 132, 256 * 7168), 1);
-  EXPECT_EQ(split_k_for(8 * 32, 56, 132, 8 * 16 * 4096), 1);
-  EXPECT_EQ(split_k_for(0, 56, 132, 0), 1);  // an empty GEMM stays whole
+  EXPECT_EQ(split_k_for(32, 56, 132), 4);
+  EXPECT_EQ(split_k_for(56, 16, 132), 1);
+  EXPECT_EQ(split_k_for(17, 56, 132), 4);
+  EXPECT_EQ(split_k_for(56, 128, 132), 2);
+  EXPECT_EQ(split_k_for(8 * 32, 56, 132), 1);
+  EXPECT_EQ(split_k_for(0, 56, 132), 1);
 }
 
 // One object through calls with few, many and no tiles in turn: the
@@ -262,8 +258,8 @@ TEST(GpuExpertsDense, GemmMatchesReference) {
   run_gemm_case(ExpertDevice::kCUDA, ops, 600, 384, 512, -1);                 // 5 row tiles: a half cluster
   run_gemm_case(ExpertDevice::kCUDA, ops, 2, 2 * 2048, 7168, 1);  // DeepSeek-V3's shared expert, m = 1
   // DeepSeek-V3's merged qkv_a (17 weight tiles, 56 k-blocks): split over K
-  // on the swapped-operand tiles at 1 row, on the 128-row tiles at 128 and
-  // 256 (split_k_for), with a bound inside the last row tile.
+  // on the swapped-operand tiles at 1 row, whole on the 128-row tiles at
+  // 128 and 256 rows, with a bound inside the last row tile.
   run_gemm_case(ExpertDevice::kCUDA, ops, 1, 2176, 7168, -1);
   run_gemm_case(ExpertDevice::kCUDA, ops, 128, 2176, 7168, 77);
   run_gemm_case(ExpertDevice::kCUDA, ops, 256, 2176, 7168, 250);

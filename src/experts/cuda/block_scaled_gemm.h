@@ -163,8 +163,9 @@ bool raster_along_n_for(GemmTiles tiles, int64_t rows, int sm_count);
 std::unique_ptr<BlockScaledGemm> make_block_scaled_gemm(GemmTiles tiles, int groups, GemmGrid grid);
 
 // The tiles a GEMM on `tiles` is split over K on: kSwap128N32 itself, the
-// row tiles on kRows128 (64-row tiles and clusters have no split kernel:
-// a split GEMM's slices are what fill the SMs).
+// row tiles (a dense GEMM under a forced MOELINK_EXPERTS_SPLIT_K) on
+// kRows128 (64-row tiles and clusters have no split kernel: a split GEMM's
+// slices are what fill the SMs).
 GemmTiles split_k_tiles(GemmTiles tiles);
 
 // The split-K GEMM: split_k_tiles(tiles) with fp32 output, `groups` =
@@ -186,13 +187,12 @@ int balanced_ctas(int64_t tile_count, int sm_count, int cluster);
 // The most K slices a GEMM is split into (MOELINK_EXPERTS_SPLIT_K's range).
 constexpr int kMaxSplitK = 8;
 
-// How many K slices (1 to kMaxSplitK, dividing k_blocks) make a GEMM of
-// `tiles` output tiles and k/128 k-blocks on `sm_count` SMs faster (1:
-// none): a slice's tiles run in waves of sm_count, each paying its k-blocks
-// plus a fixed pipeline fill, and a split pays for its reduce kernel and
-// its partial sums (`partial_values` fp32 values a slice: rows x n x
-// groups), written and read back; it must gain 15 %.
-int split_k_for(int64_t tiles, int64_t k_blocks, int sm_count, int64_t partial_values);
+// How many K slices (1, 2, 4 or 8) make a GEMM of `tiles` output tiles and
+// k/128 k-blocks on `sm_count` SMs faster (1: none): a slice's tiles run in
+// waves of sm_count, each paying its k-blocks plus a fixed pipeline fill,
+// and a split pays for its partial sums and reduce kernel; it must gain
+// 15 %.
+int split_k_for(int64_t tiles, int64_t k_blocks, int sm_count);
 
 // y[g][r][n] = bf16(sum over s of partial[s * groups + g][r][n]) for rows r
 // < the group's count (clamped; the GEMM reported it).

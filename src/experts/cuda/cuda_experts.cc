@@ -211,16 +211,18 @@ class CudaExperts final : public ExpertsImpl {
   GemmTiles tiles(int64_t rows) const { return forced_ ? forced_tiles_ : tiles_for_rows(rows); }
 
   // K slices for a GEMM of `groups` groups of about `rows` rows and n x k
-  // weights on `tiles`: the swapped-operand tiles (one row tile a group),
-  // and the row tiles of a dense GEMM (one group, whose rows the host
-  // knows: qkv_a's 17 weight tiles at 33-256 tokens fill a quarter of the
-  // SMs); grouped GEMMs on row tiles stay whole.
+  // weights on `tiles`: the swapped-operand tiles (one row tile a group)
+  // where their weight tiles are few (experts::split_k_for); a dense GEMM's
+  // row tiles only under a forced count (one group, its rows known to the
+  // host: qkv_a's 17 weight tiles at 33-256 tokens fill a quarter of the
+  // SMs, but split they measured no better: docs/experts.md); grouped GEMMs
+  // on row tiles stay whole.
   int split_for(GemmTiles tiles, int64_t groups, int64_t rows, int64_t n, int64_t k) const {
-    if (tiles != GemmTiles::kSwap128N32 && groups != 1) return 1;
+    const bool swap = tiles == GemmTiles::kSwap128N32;
+    if (!swap && (groups != 1 || split_forced_ == 0)) return 1;
     const int64_t k_blocks = k / kQuantGroup;
     if (split_forced_ > 0) return k_blocks % split_forced_ == 0 ? split_forced_ : 1;
-    const int64_t split_tiles = experts::gemm_tile_count(experts::split_k_tiles(tiles), groups, rows, n);
-    return experts::split_k_for(split_tiles, k_blocks, sm_count_, groups * rows * n);
+    return experts::split_k_for(experts::gemm_tile_count(tiles, groups, rows, n), k_blocks, sm_count_);
   }
 
   static size_t partial_bytes(int64_t groups, int64_t rows, int64_t n, int split) {

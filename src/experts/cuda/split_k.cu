@@ -3,8 +3,8 @@
 // tiles of 128 weight rows for 132 SMs; cut into 4 slices of K it has 128,
 // each streaming a quarter of the weights. The slices' fp32 partial sums are
 // added by a small kernel that rounds once to bf16, as the unsplit GEMM does.
-// A dense GEMM of more rows splits its 128-row tiles the same way
-// (split_k_rows128.cu).
+// A dense GEMM of more rows can split its 128-row tiles the same way
+// (split_k_rows128.cu), forced only (MOELINK_EXPERTS_SPLIT_K).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -61,27 +61,23 @@ std::unique_ptr<BlockScaledGemm> make_split_k_gemm(GemmTiles tiles, int groups, 
                                                         : make_split_k_rows128_gemm(groups, grid);
 }
 
-int split_k_for(int64_t tiles, int64_t k_blocks, int sm_count, int64_t partial_values) {
+int split_k_for(int64_t tiles, int64_t k_blocks, int sm_count) {
   // In k-blocks of one wave (about 0.5 us on an H200): a tile's pipeline
-  // fill and epilogue, and a split's fp32 partials and reduce kernel: a
-  // fixed launch cost, and its partial sums written and read back through
-  // L2 (taken as 2.5 MB a k-block's time).
+  // fill and epilogue, and a split's fp32 partials and reduce kernel.
   // Fitted to experts_bench.py --split-k (bench/results): split 4 gains on
   // a shared expert's 4096 x 7168 GEMM1 (32 tiles, 56 k-blocks: 24 -> 16 us
   // at m = 1), split 2 loses on its 7168 x 2048 GEMM2 (56 tiles, 16 k-blocks:
-  // 12.4 -> 14.0 us), and any split loses with 8 or 32 experts. Any count
-  // up to 8 that divides the k-blocks is a candidate: 7 slices of
-  // DeepSeek-V3's 56 fill 119 of 132 SMs with a 17-tile GEMM (qkv_a), where
-  // 8 would need a second wave.
-  constexpr double kFill = 8, kSplitCost = 6, kPartialBytesPerBlock = 2.5e6;
+  // 12.4 -> 14.0 us), and any split loses with 8 or 32 experts. Counts
+  // other than 2, 4 and 8 (7 of DeepSeek-V3's 56 k-blocks, one wave of 119
+  // tiles for qkv_a's 17) are not fitted: a split GEMM pays about 10 us
+  // more than these waves say (docs/experts.md), so they stay forced-only.
+  constexpr double kFill = 8, kSplitCost = 6;
   auto cost = [&](int s) {
-    const double waves = std::ceil(static_cast<double>(tiles * s) / sm_count);
-    const double partial_bytes = 8.0 * s * static_cast<double>(partial_values);  // fp32, written and read
-    const double reduce = s > 1 ? kSplitCost + partial_bytes / kPartialBytesPerBlock : 0;
-    return waves * (static_cast<double>(k_blocks) / s + kFill) + reduce;
+    return std::ceil(static_cast<double>(tiles * s) / sm_count) * (static_cast<double>(k_blocks) / s + kFill) +
+           (s > 1 ? kSplitCost : 0);
   };
   int best = 1;
-  for (int s = 2; s <= kMaxSplitK; ++s)
+  for (int s : {2, 4, 8})
     if (k_blocks % s == 0 && k_blocks / s >= 4 && cost(s) <= 0.85 * cost(1) && cost(s) < cost(best))
       best = s;
   return best;
