@@ -38,12 +38,13 @@
 #   heads, batch 1 / 32 / 128, q_len 1 and 2, kv 5000, --step-kernels) and
 #   model_bench.py (ep8, batch 1 / 32 / 128, q_len 1 and 2), bf16 and fp8
 #   interleaved, two rounds (head-gemm-*.json).
-#   split-k (not in the default): the split over K of a dense GEMM's
-#   128-row tiles (issue 33's qkv_a): the expert tests *SplitK*:*Dense*
-#   (every forced slice count against the reference), then
+#   split-k (not in the default): the split over K of the dense GEMMs
+#   (issue 33's qkv_a): the expert tests *SplitK*:*Dense* (every forced
+#   slice count against the reference, row tiles included), then
 #   attention_bench.py --qkv-a (1 to 256 tokens) and model_bench.py (ep8,
-#   batch 1 / 32 / 128, q_len 1) with MOELINK_EXPERTS_SPLIT_K=1 (no split)
-#   and auto, interleaved, two rounds (split-k-*.json).
+#   batch 1 / 32 / 128, q_len 1) under each MOELINK_EXPERTS_SPLIT_K value
+#   of MOELINK_SPLIT_K_SETTINGS (default "1 auto": no split against the
+#   library's choice), interleaved, two rounds (split-k-*.json).
 #   serve-batch128 (not in the default): the same server decoding 128
 #   shared-prefix requests of 256 tokens at once (serve-batch128.json).
 #   serve-switch (not in the default): serve-batch128's load with the
@@ -294,11 +295,11 @@ if has attention; then
     tee "$OUT/attention-bench.log" | tail -40 || status=1
 fi
 if has split-k; then
-  echo "== dense GEMMs split over K (MOELINK_EXPERTS_SPLIT_K=1 against auto)"
+  echo "== dense GEMMs split over K (MOELINK_EXPERTS_SPLIT_K: ${MOELINK_SPLIT_K_SETTINGS:-1 auto})"
   run_gtests "expert kernels: split over K, dense GEMMs" $bdir/tests/moelink_experts_tests \
     '*SplitK*:*Dense*' split-k-tests.log
   for round in 1 2; do
-    for split in 1 auto; do
+    for split in ${MOELINK_SPLIT_K_SETTINGS:-1 auto}; do
       MOELINK_EXPERTS_SPLIT_K=$split PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" \
         $py tools/bench/attention_bench.py --machine "$machine" --heads "" --qkv-a 1,32,64,128,256 --iters 20 \
         --json "$OUT/split-k-qkv-a-$split-r$round.json" 2>&1 | grep -E "^qkv_a" || status=1

@@ -57,7 +57,8 @@ MOELINK_TILE_CONFIG(kRows128Plain, _128,  _128,  _1,  Cooperative, 0)
 
 // The split-K partial sums (make_split_k_gemm), fp32 out: kSwap128N32's
 // tiles (split_k.cu), and kRows128's for a dense GEMM of 33 or more rows
-// whose few weight tiles leave most SMs idle (split_k_rows128.cu).
+// under a forced MOELINK_EXPERTS_SPLIT_K (split_k_rows128.cu; measured no
+// faster than whole on qkv_a, so auto leaves row tiles whole).
 using SplitKKernel = Sm90BlockScaledKernel<tiles::Shape<tiles::_128, tiles::_32>, tiles::Cluster<tiles::_1>,
                                            tiles::Cooperative, tiles::CooperativeEpilogue, kSwapOperands,
                                            float>;
