@@ -69,17 +69,6 @@ python3 -m pip download -q --no-deps --disable-pip-version-check --only-binary=:
 # FlashInfer's MLA headers, packed (the wheel is too big to carry).
 source "$root/tools/deps.sh"
 moelink_flashinfer_headers "$deps/flashinfer-$flashinfer_version-headers.tar.xz"
-# FlashMLA's source at the commit issue 33 measures (with its CUTLASS
-# submodule), packed: tools/build_flashmla.sh builds it on the device.
-if [[ ! -f $deps/flashmla-9241ae3.tar.xz ]]; then
-  fm=$(mktemp -d)
-  git clone -q https://github.com/deepseek-ai/FlashMLA "$fm/FlashMLA"
-  git -C "$fm/FlashMLA" checkout -q 9241ae3ef9bac614dd25e45e507e089f888280e0
-  git -C "$fm/FlashMLA" submodule update --init -q csrc/cutlass
-  rm -rf "$fm/FlashMLA/.git" "$fm/FlashMLA/csrc/cutlass/.git"
-  tar -C "$fm" -cJf "$deps/flashmla-9241ae3.tar.xz" FlashMLA
-  rm -rf "$fm"
-fi
 # moelink-scheduler on the GPU machine (moelink-serve --engines N [--pd]):
 # gRPC's C++ runtime from Debian, packed (.deps/grpc-runtime.tar.xz, 20 MB
 # unpacked), and the Python side's grpcio and protobuf (the versions of the
@@ -94,5 +83,24 @@ rm -rf "$debs"
 python3 -m pip download -q --no-deps --disable-pip-version-check --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d "$deps/pywheels" "grpcio==$grpcio_version" "protobuf==$protobuf_version"
+# FlashMLA's source at the commit issue 33 measures (with its CUTLASS
+# submodule), packed: tools/build_flashmla.sh builds it on the device. Last,
+# so that a machine without GitHub still gets everything else; there, pack
+# FlashMLA 9241ae3 with CUTLASS 147f567's include/ and tools/util/include
+# in FlashMLA/csrc/cutlass (e.g. `git archive` of mirrors) into that file.
+fm=$(mktemp -d)
+if git clone -q https://github.com/deepseek-ai/FlashMLA "$fm/FlashMLA" &&
+   git -C "$fm/FlashMLA" checkout -q 9241ae3ef9bac614dd25e45e507e089f888280e0 &&
+   git -C "$fm/FlashMLA" submodule update --init -q csrc/cutlass; then
+  rm -rf "$fm/FlashMLA/.git" "$fm/FlashMLA/csrc/cutlass/.git"
+  tar -C "$fm" -cJf "$deps/flashmla-9241ae3.tar.xz" FlashMLA
+  rm -rf "$fm"
+else
+  rm -rf "$fm"
+  echo "prepare_device_deps: FlashMLA could not be cloned: no .deps/flashmla-9241ae3.tar.xz" \
+       "(gpu_check.sh attention then runs without FlashMLA)" >&2
+  du -sh "$deps"
+  exit 1
+fi
 # libfabric with CUDA memory (the P/D hand-off of GPU caches): tools/build_libfabric_cuda.sh.
 du -sh "$deps"

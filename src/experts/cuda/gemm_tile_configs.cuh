@@ -66,9 +66,8 @@ using SplitKRows128Kernel =
     Sm90BlockScaledKernel<tiles::Shape<tiles::_128, tiles::_128>, tiles::Cluster<tiles::_1>, tiles::Cooperative,
                           tiles::CooperativeEpilogue, kOverlapPromotion, float>;
 
-// The factory of each (split_k.cu, split_k_rows128.cu: one CUTLASS kernel a
-// translation unit).
-std::unique_ptr<BlockScaledGemm> make_split_k_swap_gemm(int groups, GemmGrid grid);
+// SplitKRows128Kernel's GEMM (split_k_rows128.cu: its own translation unit,
+// compiled beside split_k.cu's; make_split_k_gemm picks it).
 std::unique_ptr<BlockScaledGemm> make_split_k_rows128_gemm(int groups, GemmGrid grid);
 
 }  // namespace moelink::detail::experts

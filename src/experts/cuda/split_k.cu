@@ -48,17 +48,13 @@ __global__ void split_reduce_kernel(GemmOperands op) {
 
 }  // namespace
 
-std::unique_ptr<BlockScaledGemm> make_split_k_swap_gemm(int groups, GemmGrid grid) {
-  return std::make_unique<Sm90BlockScaledGemm<SplitKKernel>>(GemmTiles::kSwap128N32, groups, grid);
-}
-
 GemmTiles split_k_tiles(GemmTiles tiles) {
   return tiles == GemmTiles::kSwap128N32 ? GemmTiles::kSwap128N32 : GemmTiles::kRows128;
 }
 
 std::unique_ptr<BlockScaledGemm> make_split_k_gemm(GemmTiles tiles, int groups, GemmGrid grid) {
-  return split_k_tiles(tiles) == GemmTiles::kSwap128N32 ? make_split_k_swap_gemm(groups, grid)
-                                                        : make_split_k_rows128_gemm(groups, grid);
+  if (split_k_tiles(tiles) == GemmTiles::kRows128) return make_split_k_rows128_gemm(groups, grid);
+  return std::make_unique<Sm90BlockScaledGemm<SplitKKernel>>(GemmTiles::kSwap128N32, groups, grid);
 }
 
 int split_k_for(int64_t tiles, int64_t k_blocks, int sm_count) {
