@@ -1115,12 +1115,14 @@ TEST(MLAAttentionCuda, FlashInferDecodeAt128HeadsMatchesTheOwnKernel) {
 // 65 and 1500 tokens in one batch (several key splits, splits without
 // keys), q_len 1 and 2, pages in random order with NaN in the unused ones.
 // The bound is MatchesTheCpuPath's (fp8 rounding flips).
-void check_own_decode_against_cpu(int heads) {
+void check_own_decode_against_cpu(int heads, int page_size = 64) {
   const MLAConfig c = flashinfer_config(heads).first;
   const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("heads " + std::to_string(heads) + ", seed " + std::to_string(seed));
-  Harness cpu(AttentionDevice::kCPU, c, seed, 64, 64),
-      gpu(AttentionDevice::kCUDA, c, seed, 64, 64, 1, true, moelink::MLADecodeKernel::kMoelink);
+  SCOPED_TRACE("heads " + std::to_string(heads) + ", page size " + std::to_string(page_size) + ", seed " +
+               std::to_string(seed));
+  const int pages = 4096 / page_size;  // the requests' 1693 tokens in pages of any size, and room
+  Harness cpu(AttentionDevice::kCPU, c, seed, pages, page_size),
+      gpu(AttentionDevice::kCUDA, c, seed, pages, page_size, 1, true, moelink::MLADecodeKernel::kMoelink);
   const std::vector<int64_t> lengths{1, 63, 64, 65, 1500}, q_lens{1, 2, 1, 2, 1};
   std::vector<double> got[2];
   int k = 0;
@@ -1142,6 +1144,15 @@ void check_own_decode_against_cpu(int heads) {
 TEST(MLAAttentionCuda, OwnDecodeAtManyHeadsMatchesTheCpuPath) {
   if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   for (int heads : {48, 128}) check_own_decode_against_cpu(heads);
+}
+
+// Pages of 16, 32 and 48 keys: a stage of 64 keys spans pages (the
+// warpgroup kernels load it in pieces: 48 in pieces of 16), the last
+// page's tail past the row's keys is NaN (the harness's poison).
+TEST(MLAAttentionCuda, OwnDecodeOnSmallPagesMatchesTheCpuPath) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  for (int page_size : {16, 32, 48}) check_own_decode_against_cpu(128, page_size);
+  check_own_decode_against_cpu(48, 16);
 }
 
 // 16 and 32 heads: a block takes both query rows of an MTP request (32

@@ -160,6 +160,7 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
       a.head_dim = nope_dims + Dr;
       a.nope_dims = nope_dims;
       a.cache = bf16_data(cache);
+      a.num_pages = cache.shape[0];
       a.page_size = static_cast<int>(cache.shape[1]);
       a.block_table = static_cast<const int32_t*>(b.block_table.data);
       a.block_stride = b.block_table.stride[0];

@@ -1,38 +1,52 @@
 // moelink's MLA decode on Hopper's warpgroup MMAs with the two warpgroups
-// out of step ("seesaw"), for more than 32 heads (64 heads of one decode
-// row a block; DeepSeek-V3's cache rows, latent 512 + rotary 64). An A/B
-// candidate against mla_decode_wgmma.cu's kernel, where both warpgroups
-// score every stage together (MOELINK_MLA_DECODE_SEESAW=1 picks this one;
-// on an H100, 2026-12-06: correct, about 9 % slower, docs/attention.md).
+// out of step ("seesaw") and the keys loaded by TMA, for more than 32 heads
+// (64 heads of one decode row a block; DeepSeek-V3's cache rows, latent 512
+// + rotary 64). An A/B candidate against mla_decode_wgmma.cu's kernel,
+// where both warpgroups score every stage together and load by cp.async
+// (MOELINK_MLA_DECODE_SEESAW=1 picks this one; docs/attention.md).
 //
 // The stages (64 keys each) alternate between two tiles: warpgroup 0 scores
 // the even stages (tile 0), warpgroup 1 the odd ones (tile 1), each over all
-// 64 keys of its stage (m64n64k16: twice the N of the lockstep kernel's
-// scores). Warpgroup 0 accumulates output dims 0-255, warpgroup 1 dims
-// 256-511, so each stage's P V runs in both: a warpgroup multiplies its own
-// probabilities from registers and the other's from shared memory. Per
-// pair of stages (2p in tile 0, 2p + 1 in tile 1):
+// 64 keys of its stage (m64n64k16). Warpgroup 0 accumulates output dims
+// 0-255, warpgroup 1 dims 256-511, so each stage's P V runs in both: a
+// warpgroup multiplies its own probabilities from registers and the
+// other's from shared memory. Per pair of stages (2p in tile 0, 2p + 1 in
+// tile 1):
 //   wg 0: S0 = Q K0; m0 = max(m, rowmax S0); P0 = exp(S0 - m0) -> shared;
 //         m0 -> shared; O_L += P0 V0_L (P0 from registers) ... then, with
 //         wg 1's m1 and P1: O_L *= exp(m0 - m1); O_L += P1 V1_L;
 //   wg 1: S1 = Q K1; with wg 0's m0: O_R *= exp(m - m0); O_R += P0 V0_R;
 //         m1 = max(m0, rowmax S1); P1 = exp(S1 - m1) -> shared; m1 ->
 //         shared; O_R *= exp(m0 - m1); O_R += P1 V1_R (P1 from registers).
-// So one warpgroup's softmax runs under the other's MMAs, and the
-// warpgroups meet at named barriers (P0 ready, P1 ready, a tile free),
-// never at a block-wide one inside the loop. A stage's P goes into its
-// tile's rotary atom (dims 512-575), which the P V never reads: the shared
-// memory holds Q and two tiles (216 KB). Warpgroup g loads tile g
-// (cp.async), and reloads it with stage 2 (p + 1) + g once both warpgroups'
-// P V of stage 2p + g are done.
+// So one warpgroup's softmax runs under the other's MMAs; the warpgroups
+// meet at two named barriers (P0 ready, P1 ready), never at a block-wide
+// one inside the loop. A stage's P goes into its tile's rotary atom (dims
+// 512-575), which the P V never reads: Q and two tiles fit (217 KB).
+//
+// Loads: a tile's 9 atoms (64 dims each) are two groups, each refilled by
+// the warpgroup that reads it last, as soon as that read is done, by TMA
+// (one thread, the cache's tensor map, 128-byte swizzle) on the group's own
+// transaction barrier: warpgroup g's group is its half of the latent
+// (atoms 4g .. 4g + 3, its P V's values), plus the rotary atom of the tile
+// the other warpgroup scores (that atom holds the other's P, which g reads
+// last). The scorer waits for the two groups one after the other, issuing
+// the first group's score MMAs while the second still lands. Keys past the
+// split's end (the last stage's tail; a last odd stage entirely) are loaded
+// from the row's last pages and masked; before its P V of such a stage a
+// warpgroup zeros those rows of its values, as the cache there may hold
+// anything and 0 x NaN is NaN.
+#include <cuda.h>
 #include <cuda_bf16.h>
 
 #include <cmath>
 #include <mutex>
+#include <numeric>
 
 #include "attention/cuda/mla_decode_split.cuh"
 #include "attention/cuda/mla_decode_tc.h"
 #include "attention/cuda/mla_decode_wgmma_rows.cuh"
+#include "attention/cuda/tma.cuh"
+#include "attention/cuda/tma_map.h"
 #include "attention/cuda/wgmma.cuh"
 #include "nvlink/cuda_check.h"
 
@@ -46,16 +60,18 @@ constexpr int kHeads = 64;  // a block's heads: wgmma's M
 constexpr int kLatent = 512, kRow = kLatent + kRope;
 constexpr int kChunks = kRow / 8;                     // 16-byte pieces of a row
 constexpr int kThreads = 256;                         // two warpgroups
+constexpr int kRotaryAtom = kLatent / 64;             // atom 8: a tile's rotary dims, then its stage's P
 constexpr uint32_t kTile = (kRow / 64) * kAtomBlock;  // 64 rows x 576 dims: 72 KB
-constexpr uint32_t kPOffset = (kLatent / 64) * kAtomBlock;  // a tile's rotary atom: its stage's P
-constexpr uint32_t kRedBytes = 4 * kHeads * 4;              // the published maxima and the row sums
-constexpr size_t kSmemBytes = 3 * size_t(kTile) + kRedBytes + 1024;  // + alignment to 1024
+constexpr uint32_t kPOffset = kRotaryAtom * kAtomBlock;
+constexpr uint32_t kRedBytes = 4 * kHeads * 4;  // the published maxima and the row sums
+constexpr uint32_t kBarrierBytes = 4 * 8;       // a transaction barrier per tile and load group
+constexpr size_t kSmemBytes = 3 * size_t(kTile) + kRedBytes + kBarrierBytes + 1024;  // + alignment to 1024
 static_assert(kSmemBytes <= 227 * 1024, "past a Hopper block's shared memory");
 
 // Named barriers: P0 ready (wg 0 arrives, wg 1 waits), P1 ready (the
-// reverse), tile 0 free of wg 1's P V (wg 1 arrives), tile 1 free of wg 0's,
-// and each warpgroup's own (its loads landed).
-enum Barrier : int { kP0Ready = 1, kP1Ready, kTile0Free, kTile1Free, kOwnLoads };
+// reverse), and each warpgroup's own (before it refills a group or uses
+// the rows it zeroed).
+enum Barrier : int { kP0Ready = 1, kP1Ready, kOwnSync };
 
 __device__ __forceinline__ float base_of(float m) { return m == -INFINITY ? 0.0f : m; }
 
@@ -69,8 +85,17 @@ __device__ __forceinline__ void scale_rows(float (&out)[128], float f0, float f1
   }
 }
 
+// Load group `group` of tile `tile`: the latent atoms 4 group .. 4 group + 3
+// and, where the group's warpgroup is the tile's other (not its scorer),
+// the rotary atom.
+__device__ __forceinline__ int group_atoms(int tile, int group) { return group == 1 - tile ? 5 : 4; }
+__device__ __forceinline__ int group_atom(int group, int i) { return i < 4 ? 4 * group + i : kRotaryAtom; }
+
+// box_rows: the tensor map's box height, gcd(page_size, 64) (a box never
+// crosses a page).
 __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs a, void* workspace,
-                                                                    int inner_head_blocks) {
+                                                                    int inner_head_blocks, int box_rows,
+                                                                    const __grid_constant__ CUtensorMap cache_map) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __trap();  // wgmma is sm_90a's
 #else
@@ -80,6 +105,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   const uint32_t q_tile = base, tiles = base + kTile;
   float* max_pub = reinterpret_cast<float*>(smem_raw + (base + 3 * kTile - raw));  // [2 warpgroups][64 heads]
   float* red_sum = max_pub + 2 * kHeads;                                           // [2 warpgroups][64 heads]
+  const uint32_t barriers = base + 3 * kTile + kRedBytes;  // [tile][group], 8 bytes each
 
   // The grid as mla_decode_wgmma.cu's (inner_head_blocks > 0: a row's head blocks side by side).
   const int64_t r = inner_head_blocks > 0 ? blockIdx.x / inner_head_blocks : blockIdx.x;
@@ -101,6 +127,36 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   const int64_t key_end[2] = {range.end, range.end};
   const int stages = static_cast<int>((range.end - range.begin + kKeysPerStage - 1) / kKeysPerStage);
   const int pairs = (stages + 1) / 2;
+  const int32_t* block_row = a.block_table + static_cast<int64_t>(request) * a.block_stride;
+  const uint32_t my_tile = tiles + wg * kTile, other_tile = tiles + (1 - wg) * kTile;
+  auto barrier_of = [&](int tile, int group) { return barriers + (2 * tile + group) * 8; };
+
+  // Group `group` of stage `stage`'s tile <- its keys, by TMA (one thread):
+  // boxes of box_rows keys, each inside a page; boxes past the range's end
+  // repeat the range's last box (masked, their values zeroed before use).
+  auto load_group = [&](int stage, int group) {
+    const int tile = stage & 1, atoms = group_atoms(tile, group);
+    const uint32_t bar = barrier_of(tile, group), dst = tiles + tile * kTile;
+    tma::arrive_expect_tx(bar, atoms * kAtomBlock);
+    const int64_t k0 = range.begin + static_cast<int64_t>(stage) * kKeysPerStage;
+    const int64_t last_box = (range.end - 1) / box_rows * box_rows;
+    for (int j = 0; j < kKeysPerStage / box_rows; ++j) {
+      const int64_t k = min(k0 + j * box_rows, last_box);
+      const int32_t cache_row = static_cast<int32_t>(static_cast<int64_t>(block_row[k / a.page_size]) * a.page_size +
+                                                     k % a.page_size);
+      for (int i = 0; i < atoms; ++i) {
+        const int atom = group_atom(group, i);
+        tma::load_2d(dst + atom * kAtomBlock + j * box_rows * 128, &cache_map, atom * 64, cache_row, bar);
+      }
+    }
+  };
+  if (tid == 0) {
+    for (int b = 0; b < 4; ++b) tma::barrier_init(barriers + b * 8, 1);
+    tma::fence_barrier_init();
+    tma::prefetch_map(&cache_map);
+    for (int stage = 0; stage < 2; ++stage)  // stage 1 may lie past the range: masked
+      for (int group = 0; group < 2; ++group) load_group(stage, group);
+  }
 
   // The queries: 4 threads a head, heads past a.heads zeros.
   {
@@ -115,28 +171,10 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       cp_async_16(q_tile + tile_offset(my_row, c), valid ? src : a.q_latent, valid);
     }
   }
-  const int32_t* block_row = a.block_table + static_cast<int64_t>(request) * a.block_stride;
-  const uint32_t my_tile = tiles + wg * kTile, other_tile = tiles + (1 - wg) * kTile;
-  // This warpgroup's tile <- stage `stage` (2 threads a key; keys past the
-  // range, and stages past the last, zeros: a zero P times a zero V).
-  auto load_tile = [&](int stage) {
-    const int key_row = wtid / 2;
-    const int64_t s = range.begin + static_cast<int64_t>(stage) * kKeysPerStage + key_row;
-    const bool valid = s < range.end;
-    const uint16_t* src =
-        valid ? a.cache + (static_cast<int64_t>(block_row[s / a.page_size]) * a.page_size + s % a.page_size) * kRow
-              : a.cache;
-#pragma unroll
-    for (int m = 0; m < kChunks / 2; ++m) {
-      const int c = wtid % 2 + 2 * m;
-      cp_async_16(my_tile + tile_offset(key_row, c), src + (valid ? c * 8 : 0), valid);
-    }
-  };
-  if (pairs > 0) load_tile(wg);
   cp_async_commit();
   cp_async_wait<0>();
   fence_proxy_async();
-  __syncthreads();  // the queries (loaded by both warpgroups) and both tiles
+  __syncthreads();  // the queries (loaded by both warpgroups) and the barriers' initialization
 
   float out[128];  // rows row0 / row1, dims 256 wg + 8 j + c2 (+1): out[4 j + {0, 1}] / out[4 j + {2, 3}]
 #pragma unroll
@@ -146,19 +184,29 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   float sc[32];   // scores: rows row0 / row1, keys 8 j + c2 (+1) of the stage
   uint32_t pa[16];  // probabilities as wgmma's A fragments: K step k of 16 keys in pa[4 k .. 4 k + 3]
 
-  // S = Q K^T over this warpgroup's tile, masked and in log2 units; the row
-  // maxima (over the quad) to mx.
+  // S = Q K^T over this warpgroup's tile (its own group's atoms first, while
+  // the other's may still land), masked and in log2 units; the row maxima
+  // (over the quad) to mx.
   auto scores = [&](int stage, float (&mx)[2]) {
+    const uint32_t parity = (stage >> 1) & 1;  // the tile's fill stage / 2
 #pragma unroll
     for (int i = 0; i < 32; ++i) sc[i] = 0.0f;
     fence_registers(sc);
+    auto score_atom = [&](int atom) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        mma_64x64_ss(sc, smem_desc(q_tile + atom * kAtomBlock + k * 32, 16, 1024),
+                     smem_desc(my_tile + atom * kAtomBlock + k * 32, 16, 1024));
+    };
+    tma::wait_parity(barrier_of(wg, wg), parity);  // this warpgroup's group: its latent half
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < kRow / 16; ++k) {
-      const uint32_t in_atom = (k % 4) * 32;
-      mma_64x64_ss(sc, smem_desc(q_tile + (k / 4) * kAtomBlock + in_atom, 16, 1024),
-                   smem_desc(my_tile + (k / 4) * kAtomBlock + in_atom, 16, 1024));
-    }
+    for (int i = 0; i < 4; ++i) score_atom(4 * wg + i);
+    tma::wait_parity(barrier_of(wg, 1 - wg), parity);  // the other's: the other latent half and the rotary atom
+    wgmma_fence();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) score_atom(4 * (1 - wg) + i);
+    score_atom(kRotaryAtom);
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(sc);
@@ -186,6 +234,28 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
                    "r"(hi));
     }
     fence_proxy_async();
+  };
+  // Before this warpgroup's P V of stage `stage`: its values (atoms 4 wg ..
+  // 4 wg + 3) past the range's end zeros.
+  auto zero_tail = [&](int stage) {
+    const int64_t valid = range.end - (range.begin + static_cast<int64_t>(stage) * kKeysPerStage);
+    if (valid >= kKeysPerStage) return;
+    const int first = valid > 0 ? static_cast<int>(valid) : 0;
+    const uint32_t tile = tiles + (stage & 1) * kTile + 4 * wg * kAtomBlock;
+    for (int i = wtid; i < (kKeysPerStage - first) * 32; i += 128) {  // rows x 4 atoms x 8 pieces
+      const int row = first + i / 32, atom = (i / 8) % 4, piece = i % 8;
+      asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(tile + atom * kAtomBlock + row * 128 +
+                                                                       piece * 16),
+                   "r"(0));
+    }
+    fence_proxy_async();
+    barrier_sync(kOwnSync + wg, 128);
+  };
+  // This warpgroup's group of tile stage & 1 <- stage `stage`, once every
+  // thread's MMAs reading it are done (the caller waited for them).
+  auto refill = [&](int stage) {
+    barrier_sync(kOwnSync + wg, 128);
+    if (wtid == 0) load_group(stage, wg);
   };
   // out += P V over a tile's 64 keys and this warpgroup's 256 dims: P from
   // registers (own stage) or from the tile's P atom (the other's). One group.
@@ -219,13 +289,12 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     m[1] = max_pub[from * kHeads + row1];
   };
 
+  // The barriers order every reuse: a group is refilled only after its
+  // last reader's MMAs, the next stage's scorer waits for the refill, and
+  // a warpgroup publishes its next maxima and P only after that wait, so
+  // after the other has read the previous ones.
   for (int p = 0; p < pairs; ++p) {
-    const bool reload = p + 1 < pairs;
-    if (p > 0) {  // this warpgroup's reload of its tile landed
-      cp_async_wait<0>();
-      fence_proxy_async();
-      barrier_sync(kOwnLoads + wg, 128);
-    }
+    const bool refill_next = p + 1 < pairs;
     float mx[2], sum[2];
     scores(2 * p + wg, mx);
     if (wg == 0) {
@@ -242,6 +311,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       for (int h = 0; h < 2; ++h) run_sum[h] = run_sum[h] * exp2f(run_max[h] - b0[h]) + sum[h];
       const float f0 = exp2f(run_max[0] - b0[0]), f1 = exp2f(run_max[1] - b0[1]);
       scale_rows(out, f0, f1);
+      zero_tail(2 * p);
       issue_pv_own(my_tile);
       barrier_sync(kP1Ready, kThreads);  // wg 1's maxima and P1
       float m1[2];
@@ -249,18 +319,15 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       wgmma_wait<0>();
       fence_registers(out);
       fence_registers(pa);
+      if (refill_next) refill(2 * p + 2);  // tile 0's values 0-255: read
       const float g0 = exp2f(m0[0] - base_of(m1[0])), g1 = exp2f(m0[1] - base_of(m1[1]));
       run_sum[0] *= g0, run_sum[1] *= g1;
       scale_rows(out, g0, g1);
+      zero_tail(2 * p + 1);
       issue_pv_other(other_tile);
-      if (reload) {  // tile 0 <- stage 2 p + 2 once wg 1's P V of stage 2 p is done
-        barrier_sync(kTile0Free, kThreads);
-        load_tile(2 * p + 2);
-      }
-      cp_async_commit();
       wgmma_wait<0>();
       fence_registers(out);
-      if (reload) barrier_arrive(kTile1Free, kThreads);
+      if (refill_next) refill(2 * p + 3);  // tile 1's values 0-255 and P1: read
       run_max[0] = m1[0], run_max[1] = m1[1];
     } else {
       barrier_sync(kP0Ready, kThreads);  // wg 0's maxima and P0
@@ -274,6 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       const float f0 = exp2f(run_max[0] - base_of(m0[0])), f1 = exp2f(run_max[1] - base_of(m0[1]));
       run_sum[0] *= f0, run_sum[1] *= f1;
       scale_rows(out, f0, f1);
+      zero_tail(2 * p);
       issue_pv_other(other_tile);
       probabilities(b1, sum);
       publish_max(m1);
@@ -283,21 +351,17 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       run_sum[1] = run_sum[1] * g1 + sum[1];
       wgmma_wait<0>();
       fence_registers(out);
-      if (reload) barrier_arrive(kTile0Free, kThreads);
+      if (refill_next) refill(2 * p + 2);  // tile 0's values 256-511 and P0: read
       scale_rows(out, g0, g1);
+      zero_tail(2 * p + 1);
       issue_pv_own(my_tile);
       wgmma_wait<0>();
       fence_registers(out);
       fence_registers(pa);
-      if (reload) {  // tile 1 <- stage 2 p + 3 once wg 0's P V of stage 2 p + 1 is done
-        barrier_sync(kTile1Free, kThreads);
-        load_tile(2 * p + 3);
-      }
-      cp_async_commit();
+      if (refill_next) refill(2 * p + 3);  // tile 1's values 256-511: read
       run_max[0] = m1[0], run_max[1] = m1[1];
     }
   }
-  cp_async_wait<0>();
 
   const int head[2] = {head0 + row0, head0 + row1};
   const int64_t out_row[2] = {head[0] < a.heads ? r : -1, head[1] < a.heads ? r : -1};
@@ -308,6 +372,13 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
 
 }  // namespace
 
+bool seesaw_decode_applies(const TcDecodeArgs& a) {
+  // TMA's boxes: at least 8 rows (1024 bytes, the swizzle's period) inside
+  // a page; cache rows addressed in 32 bits.
+  return a.heads > kHeads / 2 && std::gcd(a.page_size, kKeysPerStage) >= 8 &&
+         a.num_pages * a.page_size <= INT32_MAX;
+}
+
 void launch_seesaw_decode(const TcDecodeArgs& a, void* workspace, dim3 grid, int inner_head_blocks,
                           cudaStream_t stream) {
   static std::once_flag attribute_set;
@@ -315,7 +386,10 @@ void launch_seesaw_decode(const TcDecodeArgs& a, void* workspace, dim3 grid, int
     MOELINK_CUDA_CHECK(cudaFuncSetAttribute(seesaw_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(kSmemBytes)));
   });
-  seesaw_decode_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner_head_blocks);
+  const int box_rows = std::gcd(a.page_size, kKeysPerStage);
+  const CUtensorMap cache_map =
+      bf16_swizzled_row_map(a.cache, kRow, static_cast<uint64_t>(a.num_pages) * a.page_size, kRow * 2, box_rows);
+  seesaw_decode_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner_head_blocks, box_rows, cache_map);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 

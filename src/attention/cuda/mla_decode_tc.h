@@ -34,7 +34,8 @@ struct TcDecodeArgs {
   const uint16_t* q;          // query rows [*, q_stride]: head h's rotary dims at h * head_dim + nope_dims
   int64_t q_stride;
   int head_dim, nope_dims;
-  const uint16_t* cache;      // [pages, page_size, R + 64] bf16
+  const uint16_t* cache;      // [num_pages, page_size, R + 64] bf16
+  int64_t num_pages;
   int page_size;
   const int32_t* block_table;  // [requests, *] int32, row stride block_stride
   int64_t block_stride;
@@ -66,10 +67,12 @@ void launch_tc_decode(const TcDecodeArgs& a, void* workspace, cudaStream_t strea
 // block a multiprocessor), whose partials launch_tc_decode merges.
 bool wgmma_decode_applies(const TcDecodeArgs& a);
 void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cudaStream_t stream);
-// Its out-of-step variant for more than 32 heads (mla_decode_seesaw.cu;
-// launch_wgmma_decode picks it under MOELINK_MLA_DECODE_SEESAW=1), on the
-// grid launch_wgmma_decode lays out (inner_head_blocks: the kernel's
+// Its out-of-step variant (mla_decode_seesaw.cu; launch_wgmma_decode picks
+// it under MOELINK_MLA_DECODE_SEESAW=1 where seesaw_decode_applies: more
+// than 32 heads, a page size whose TMA boxes fit, gcd(page_size, 64) >= 8),
+// on the grid launch_wgmma_decode lays out (inner_head_blocks: the kernel's
 // argument, > 0 where a row's head blocks sit side by side in grid.x).
+bool seesaw_decode_applies(const TcDecodeArgs& a);
 void launch_seesaw_decode(const TcDecodeArgs& a, void* workspace, dim3 grid, int inner_head_blocks,
                           cudaStream_t stream);
 

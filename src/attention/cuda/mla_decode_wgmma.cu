@@ -337,7 +337,7 @@ void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cud
   const dim3 grid(static_cast<unsigned>(a.rows_bound * (heads_inner ? head_blocks : 1)),
                   static_cast<unsigned>(heads_inner ? 1 : head_blocks), static_cast<unsigned>(splits));
   const int inner = heads_inner ? head_blocks : 0;
-  if (seesaw && a.heads > kHeads / 2)
+  if (seesaw && seesaw_decode_applies(a))
     launch_seesaw_decode(a, workspace, grid, inner, stream);
   else if (overlap)
     wgmma_decode_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner);
