@@ -21,7 +21,7 @@
 // So one warpgroup's softmax runs under the other's MMAs; the warpgroups
 // meet at two named barriers (P0 ready, P1 ready), never at a block-wide
 // one inside the loop. A stage's P goes into its tile's rotary atom (dims
-// 512-575), which the P V never reads: Q and two tiles fit (217 KB).
+// 512-575), which the P V never reads: Q and two tiles fit (218 KB with the barriers).
 //
 // Loads: a tile's 9 atoms (64 dims each) are two groups, each refilled by
 // the warpgroup that reads it last, as soon as that read is done, by TMA
