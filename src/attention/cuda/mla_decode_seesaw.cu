@@ -201,12 +201,11 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     tma::wait_parity(barrier_of(wg, wg), parity);  // this warpgroup's group: its latent half
     wgmma_fence();
 #pragma unroll
-    for (int i = 0; i < 4; ++i) score_atom(4 * wg + i);
+    for (int i = 0; i < 4; ++i) score_atom(group_atom(wg, i));
     tma::wait_parity(barrier_of(wg, 1 - wg), parity);  // the other's: the other latent half and the rotary atom
     wgmma_fence();
 #pragma unroll
-    for (int i = 0; i < 4; ++i) score_atom(4 * (1 - wg) + i);
-    score_atom(kRotaryAtom);
+    for (int i = 0; i < 5; ++i) score_atom(group_atom(1 - wg, i));
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(sc);
