@@ -139,6 +139,23 @@ class PyEngine:
         self.client.close()
 
 
+
+def test_a_bare_scheduler_needs_no_simulator(tmp_path):
+    """moelink-serve --engines N starts the scheduler with no simulated
+    engines: a directory holding moelink-scheduler alone suffices (the
+    device carries no simulator); asking for simulated engines there names
+    the missing binary."""
+    found = LocalCluster(engines=0).scheduler_bin
+    (tmp_path / "moelink-scheduler").symlink_to(os.path.abspath(found))
+    env = {k: os.environ.pop(k) for k in ("MOELINK_BIN_DIR", "PATH") if k in os.environ}
+    try:
+        with LocalCluster(engines=0, bin_dir=str(tmp_path)) as c:
+            assert c.sim_bin is None and c.port > 0
+        with pytest.raises(FileNotFoundError, match="moelink-engine-sim not found"):
+            LocalCluster(engines=2, bin_dir=str(tmp_path))
+    finally:
+        os.environ.update(env)
+
 @pytest.fixture
 def cluster():
     """A bare scheduler (no simulated engines); provisional entries live 1 ms,

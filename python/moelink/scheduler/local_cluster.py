@@ -58,9 +58,14 @@ class LocalCluster:
                  stream_interval: int = 1, workdir: Optional[str] = None):
         self.scheduler_bin = find_binary("moelink-scheduler", bin_dir)
         self.sim_bin = find_binary("moelink-engine-sim", bin_dir)
-        if not self.scheduler_bin or not self.sim_bin:
+        # The simulator only where this cluster starts simulated engines
+        # (engines=0: a scheduler for real engines, moelink-serve --engines).
+        missing = [name for name, path, needed in (("moelink-scheduler", self.scheduler_bin, scheduler),
+                                                   ("moelink-engine-sim", self.sim_bin, engines > 0))
+                   if needed and not path]
+        if missing:
             raise FileNotFoundError(
-                "moelink-scheduler / moelink-engine-sim not found: build moelink (tools/scheduler) "
+                f"{' and '.join(missing)} not found: build moelink (tools/scheduler) "
                 "and pass bin_dir, set MOELINK_BIN_DIR, or put them on PATH")
         self.num_engines, self.policy = engines, policy
         self.block_size, self.kv_blocks, self.max_batch = block_size, kv_blocks, max_batch
@@ -123,6 +128,9 @@ class LocalCluster:
             return s.getsockname()[1]
 
     def engine_args(self, i: int) -> List[str]:
+        if not self.sim_bin:
+            raise FileNotFoundError("moelink-engine-sim not found: build moelink (tools/scheduler) "
+                                    "and pass bin_dir, set MOELINK_BIN_DIR, or put it on PATH")
         args = [self.sim_bin, "--engine-id", self.engine_id(i), "--dp-rank", str(i),
                 "--kv-blocks", str(self.kv_blocks), "--block-size", str(self.block_size),
                 "--max-batch", str(self.max_batch), "--time-scale", str(self.time_scale),
