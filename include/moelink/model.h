@@ -94,9 +94,15 @@ struct SamplingParams {
 // replayed from a bucket's graph, or eagerly (a bucket's first step, a
 // capture that failed, or a batch whose FlashInfer schedule needs another
 // grid than the captured one); captures: graphs captured. Benchmarks read
-// it to say which steps they timed.
+// it to say which steps they timed. host_seconds / wait_seconds split
+// those steps' host clock: from the call until the step's work is queued
+// (the batch laid out in its slots and copied in, the attention's plans,
+// the launch) / from there until its results are back on the host (the
+// device's time, less what overlapped the host's part). A server's decode
+// step set against a benchmark's shows which side grew.
 struct DecodeGraphStats {
   int64_t replays = 0, eager_steps = 0, captures = 0;
+  double host_seconds = 0.0, wait_seconds = 0.0;
 };
 
 struct StepInput {

@@ -75,7 +75,10 @@ class Model:
         """How step_from_host's decode-only steps ran with decode_graphs=True
         (moelink::DecodeGraphStats): replays, eager_steps (a bucket's first
         step, a failed capture, or a batch FlashInfer schedules on another
-        grid), captures; zeros without decode_graphs."""
+        grid), captures; host_seconds and wait_seconds, those steps' host
+        clock split where their work is queued (the host's part: layout,
+        copies, plans, launch / the wait for the device and the results);
+        zeros without decode_graphs."""
         return self._impl.decode_graph_stats
 
     @property

@@ -158,6 +158,8 @@ void bind_model(nb::module_& m) {
                      d["replays"] = s.replays;
                      d["eager_steps"] = s.eager_steps;
                      d["captures"] = s.captures;
+                     d["host_seconds"] = s.host_seconds;
+                     d["wait_seconds"] = s.wait_seconds;
                      return d;
                    })
       .def_prop_ro("config", [](PyModel& p) { return p.impl().config(); });

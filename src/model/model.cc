@@ -30,6 +30,7 @@
 #include "moelink/model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <vector>
 
@@ -472,6 +473,7 @@ class ModelImpl {
   // micro-batches its slots [0, nb / 2) take the first ceil(B / 2) requests
   // and slots [nb / 2, nb) the others, so both halves carry requests.
   void step_in_graph(const StepInput& in, const StepOutput& out, cudaStream_t stream) {
+    const auto called = std::chrono::steady_clock::now();
     const int B = in.batch.num_requests;
     DecodeGraph& g = decode_graph(B);
     const int nb = g.bucket, P = o_.attention.max_pages_per_request;
@@ -584,6 +586,7 @@ class ModelImpl {
         }
       }
     }
+    const auto queued = std::chrono::steady_clock::now();
     ops_->sync(stream);
     // Each request's results from its slot.
     auto back = [&](const Tensor& host, const ModelBuffer& dev) {
@@ -595,6 +598,8 @@ class ModelImpl {
     back(out.next_tokens, g.next);
     back(out.accepted, g.accepted);
     back(out.draft_tokens, g.draft_tokens);
+    graph_stats_.host_seconds += std::chrono::duration<double>(queued - called).count();
+    graph_stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - queued).count();
   }
 
   void check(cudaStream_t stream) {

@@ -726,6 +726,9 @@ void check_decode_graphs(int heads, int kv_lora, int max_tokens = 32,
         << gs.replays << " + " << gs.eager_steps;
     RANK_CHECK(gs.eager_steps >= 3 && gs.replays >= 1) << gs.replays << " replays, " << gs.eager_steps << " eager";
     RANK_CHECK(ps.replays == 0 && ps.eager_steps == 0 && ps.captures == 0);
+    // Every graphed step's host clock went to its host part or its wait.
+    RANK_CHECK(gs.host_seconds > 0.0 && gs.wait_seconds > 0.0) << gs.host_seconds << " s, " << gs.wait_seconds << " s";
+    RANK_CHECK(ps.host_seconds == 0.0 && ps.wait_seconds == 0.0);
     if (overlap == moelink::MoEOverlap::kMicroBatch) {  // the last step: a replay, in two micro-batches
       RANK_CHECK(gs.replays == replays_before + 1) << gs.replays << " replays, " << replays_before << " before";
       RANK_CHECK(graphed->two_batch_steps() == two_before + 1)

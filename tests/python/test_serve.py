@@ -104,6 +104,11 @@ def test_metrics_count_the_engines_steps(served):
     assert m["moelink_engine_step_seconds_total"] >= m["moelink_model_step_seconds_total"] > 0
     assert m["moelink_model_step_seconds_total"] >= m["moelink_decode_step_seconds_total"] > 0
     assert m["moelink_decode_step_requests_total"] >= m["moelink_decode_steps_total"]
+    # The graphed decode steps' host / wait split: each part of their time
+    # where steps were graphed (GPU, --cuda-graphs), none otherwise.
+    graphed = m["moelink_decode_graph_replays_total"] + m["moelink_decode_graph_eager_steps_total"]
+    for part in ("host", "wait"):
+        assert (m[f"moelink_decode_graph_{part}_seconds_total"] > 0) == (graphed > 0), (part, graphed)
 
 
 def test_chat_completions_stream_and_not(served):

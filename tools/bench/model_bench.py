@@ -29,6 +29,9 @@ q_len (1, or 2: a draft row verified, ModelOptions' speculative step):
                    eager_steps say how those steps ran (Model's
                    decode_graph_stats: a batch FlashInfer schedules on
                    another grid than the captured one runs eagerly);
+                   graph_host_us / graph_wait_us: those steps' host clock
+                   (means) until their work is queued / after (the
+                   server's decode step has the same split);
   eager_us         Model.step on device tensors, no graph (CUDA events; the
                    FlashInfer plan reads the lengths back once a layer);
   layer_us         the step split by layer kind, from models of 1, 3 and
@@ -215,6 +218,10 @@ def time_model(a, timer, model, fields, ppr, full, cells):
         # (the CPU path, or a batch FlashInfer schedules on another grid).
         r["graph_replays"] = s1["replays"] - s0["replays"]
         r["eager_steps"] = s1["eager_steps"] - s0["eager_steps"]
+        # Their host clock split at the launch (means; set against a server's).
+        timed = max(1, r["graph_replays"] + r["eager_steps"])
+        r["graph_host_us"] = (s1["host_seconds"] - s0["host_seconds"]) / timed * 1e6
+        r["graph_wait_us"] = (s1["wait_seconds"] - s0["wait_seconds"]) / timed * 1e6
         r["check_us"] = timer.host_us(model.check, a.iters, warmup=1)  # its part of graph_us
         if full and timer.gpu:
             torch = timer.torch
@@ -229,7 +236,8 @@ def time_model(a, timer, model, fields, ppr, full, cells):
                 r["kernels"] = profile_kernels(from_host, a.profile_iters)
         out[(b, q)] = r
         print(f"model_bench:   B {b:4d} q {q}  graph {r['graph_us']:9.1f} us "
-              f"({r['graph_replays']} replayed, {r['eager_steps']} eager, check {r['check_us']:.0f} us)" +
+              f"({r['graph_replays']} replayed, {r['eager_steps']} eager, host {r['graph_host_us']:.0f} + wait "
+              f"{r['graph_wait_us']:.0f} us, check {r['check_us']:.0f} us)" +
               (f"  eager {r['eager_us']:9.1f} us" if "eager_us" in r else ""), file=sys.stderr, flush=True)
     return out
 

@@ -28,6 +28,9 @@ prompts, ignore_eos, --max-tokens output tokens):
                      tokens over their time), engine_step_us and
                      model_step_us (whole engine rounds and the model's
                      steps in them) and overhead_share = 1 - model / engine;
+                     graph_host_us / graph_wait_us: the graphed decode
+                     steps' host clock until their work is queued / after
+                     (model_bench.py reports the same split);
   vs_bare            with --model-bench (model_bench.py's JSON of the same
                      model): decode_step_us over the bare graphed step at the
                      nearest batch (q_len 1), minus 1.
@@ -270,6 +273,11 @@ def run_cell(server, sessions, concurrency, max_tokens, rate, seed):
             # How the decode steps ran (--cuda-graphs): replayed or eager.
             "graph_replays": int(d.get("decode_graph_replays", 0)),
             "graph_eager_steps": int(d.get("decode_graph_eager_steps", 0))}
+        graphed = d.get("decode_graph_replays", 0) + d.get("decode_graph_eager_steps", 0)
+        if graphed and "decode_graph_host_seconds" in d:
+            # The graphed decode steps' host clock split at their launch (Model.decode_graph_stats).
+            rec["server"]["graph_host_us"] = d["decode_graph_host_seconds"] / graphed * 1e6
+            rec["server"]["graph_wait_us"] = d["decode_graph_wait_seconds"] / graphed * 1e6
     return rec
 
 
@@ -384,7 +392,8 @@ def main():
                           f"ITL p50 {cell['itl_ms']['p50'] or 0:7.1f} p99 {cell['itl_ms']['p99'] or 0:7.1f} ms  "
                           f"cached {cell['cached_share']:.2f}  errors {cell['errors']}" +
                           (f"  decode step {s['decode_step_us']:.0f} us at {s['decode_batch']:.1f} "
-                           f"({s['graph_replays']} replayed, {s['graph_eager_steps']} eager), "
+                           f"({s['graph_replays']} replayed, {s['graph_eager_steps']} eager; "
+                           f"host {s.get('graph_host_us', 0):.0f} + wait {s.get('graph_wait_us', 0):.0f} us), "
                            f"overhead {s['overhead_share']:.3f}" if s else ""), file=sys.stderr, flush=True)
                     if a.json != "-":
                         write_json(rec, a.json)

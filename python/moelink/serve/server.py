@@ -110,6 +110,8 @@ STEP_METRICS = [
     ("decode_graph_replays", "decode steps replayed from a CUDA graph"),
     ("decode_graph_eager_steps", "decode steps run eagerly (a bucket's first step, a failed capture, a misfit schedule)"),
     ("decode_graph_captures", "CUDA graphs captured"),
+    ("decode_graph_host_seconds", "those steps' host part: batch layout, copies, attention plans, launch"),
+    ("decode_graph_wait_seconds", "those steps' wait for the device and the results after their launch"),
 ]
 
 
@@ -242,7 +244,7 @@ class Server:
 
     def _graph_stats(self) -> dict:
         """The local engine's model's decode_graph_stats (the engine thread's)."""
-        stats = dict(replays=0, eager_steps=0, captures=0)
+        stats = dict(replays=0, eager_steps=0, captures=0, host_seconds=0.0, wait_seconds=0.0)
         model = getattr(self.engine, "_model", None)
         if model is not None:
             stats.update(model.decode_graph_stats)
