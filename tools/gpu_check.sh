@@ -48,7 +48,7 @@
 #   serve-batch128 (not in the default): the same server decoding 128
 #   shared-prefix requests of 256 tokens at once (serve-batch128.json).
 #   serve-switch (not in the default): serve-batch128's load with the
-#   server's GIL switch interval at 500 us (the default) and 100 us
+#   server's GIL switch interval at 5000 us (the default) and 500 us
 #   (MOELINK_SERVE_SWITCH_INTERVAL_US; serve-switch-*.json).
 #   wheel (not in the default): the wheel in .deps/moelink-wheel (built
 #   here by tools/build_wheel.sh) installed with pip install --no-deps into
@@ -329,10 +329,10 @@ if has serve-batch128; then
   serve_bench serve-batch128 --traces shared-prefix --cache on --requests 128 --concurrency 128 --max-tokens 256
 fi
 if has serve-switch; then
-  # The server's GIL switch interval (favor_engine_thread), 500 us against
-  # 100 us, on serve-batch128's load: how long the engine thread waits for
-  # the GIL after each step while 128 handler threads stream.
-  for us in 500 100; do
+  # The server's GIL switch interval (set_switch_interval), 5000 us (the
+  # default) against 500 us, on serve-batch128's load: how long the engine
+  # thread waits for the GIL after each step while 128 handler threads stream.
+  for us in 5000 500; do
     echo "== moelink-serve, 128 requests, MOELINK_SERVE_SWITCH_INTERVAL_US=$us"
     MOELINK_SERVE_SWITCH_INTERVAL_US=$us serve_bench serve-switch-$us --traces shared-prefix --cache on \
       --requests 128 --concurrency 128 --max-tokens 256

@@ -365,20 +365,21 @@ def test_a_worker_whose_engine_failed_reports_everything_failed_and_exits():
 
 def test_switch_interval_comes_from_the_environment_and_is_checked(monkeypatch):
     import sys
-    from moelink.serve.server import favor_engine_thread
+    from moelink.serve.server import set_switch_interval
     before = sys.getswitchinterval()
     try:
         monkeypatch.delenv("MOELINK_SERVE_SWITCH_INTERVAL_US", raising=False)
-        favor_engine_thread()
-        assert sys.getswitchinterval() == pytest.approx(5e-4, abs=2e-6)  # kept in whole microseconds, rounded
+        sys.setswitchinterval(1e-3)
+        set_switch_interval()
+        assert sys.getswitchinterval() == pytest.approx(5e-3, abs=2e-6)  # Python's own; kept in whole microseconds, rounded
         monkeypatch.setenv("MOELINK_SERVE_SWITCH_INTERVAL_US", "100")
-        favor_engine_thread()
+        set_switch_interval()
         assert sys.getswitchinterval() == pytest.approx(1e-4, abs=2e-6)
         for bad in ("0", "9", "5001", "fast", "1e2"):
             monkeypatch.setenv("MOELINK_SERVE_SWITCH_INTERVAL_US", bad)
             with pytest.raises(SystemExit, match=f"MOELINK_SERVE_SWITCH_INTERVAL_US = '{bad}' must be an integer "
                                                  "from 10 to 5000"):
-                favor_engine_thread()
+                set_switch_interval()
             assert sys.getswitchinterval() == pytest.approx(1e-4, abs=2e-6)  # a refused value changes nothing
     finally:
         sys.setswitchinterval(before)

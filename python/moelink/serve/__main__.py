@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .server import Server, ServerOptions, add_model_arguments, favor_engine_thread, model_options
+from .server import Server, ServerOptions, add_model_arguments, model_options, set_switch_interval
 
 
 def main(argv=None) -> int:
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     p.add_argument("--scheduler", default=None,
                    help="send requests to a running moelink-scheduler at HOST:PORT instead")
     a = p.parse_args(argv)
-    favor_engine_thread()
+    set_switch_interval()
     opts = ServerOptions(num_pages=a.num_pages, page_size=a.page_size, max_running=a.max_running,
                          token_budget=a.token_budget, max_model_len=a.max_model_len,
                          backend=a.backend, served_model_name=a.served_model_name,

@@ -493,16 +493,18 @@ class Server:
             source.close()  # a client that went away: the request is cancelled
 
 
-def favor_engine_thread() -> None:
-    """A serving process's GIL switch interval, 5 ms by default, cut to
-    0.5 ms: after each model step the engine thread needs the GIL back while
-    the HTTP threads stream the tokens of up to max_running requests; at the
-    default it could wait a whole interval, a step's worth of time.
-    MOELINK_SERVE_SWITCH_INTERVAL_US sets another (10 to 5000 us; A/B runs:
-    at 128 requests the engine's time outside its model steps was 6.5 % of
-    its rounds at 500 us)."""
+def set_switch_interval() -> None:
+    """A serving process's GIL switch interval: Python's own 5 ms unless
+    MOELINK_SERVE_SWITCH_INTERVAL_US sets another (10 to 5000 us, for A/B
+    runs). Shorter is worse: with 128 handler threads streaming, every
+    forced switch hands the GIL to one of them rather than to the engine
+    thread, so the engine thread waits through a convoy of switches after
+    each step. tools/bench/front_bench.py (a stub engine, 7 ms steps, 128
+    streams, 3 interleaved rounds on a 2-core machine): the share of the
+    decode phase outside the steps, medians, 0.35 at 500 us, 0.11 at
+    1000, 0.09 at 2000, 0.10 at 5000."""
     v = os.environ.get("MOELINK_SERVE_SWITCH_INTERVAL_US", "")
-    us = 500
+    us = 5000
     if v:
         try:
             us = int(v)

@@ -25,7 +25,7 @@ import threading
 import zlib
 from pathlib import Path
 
-from .server import ServerOptions, add_model_arguments, favor_engine_thread, load_engine, model_options
+from .server import ServerOptions, add_model_arguments, load_engine, model_options, set_switch_interval
 
 
 class EngineFailedError(RuntimeError):
@@ -300,7 +300,7 @@ def main(argv=None) -> int:
                    help="libfabric provider of the KV hand-off (tcp, shm, ...; auto: shm for a GPU cache, else tcp)")
     p.add_argument("--ready-file", default=None, help="written once registered")
     a = p.parse_args(argv)
-    favor_engine_thread()
+    set_switch_interval()
     opts = ServerOptions(num_pages=a.num_pages, page_size=a.page_size, max_running=a.max_running,
                          token_budget=a.token_budget, max_model_len=a.max_model_len, backend=a.backend,
                          speculative=a.speculative, prefix_caching=not a.no_prefix_caching,
