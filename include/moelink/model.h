@@ -70,7 +70,8 @@ struct ModelOptions {
   // GPU backends: step_from_host() runs decode-only steps (every request
   // decoding, q_len 1 or 2, no logits asked for) through one CUDA graph per
   // batch-size bucket (1, 2, 4, ..., max_requests requests, padded with
-  // empty ones): a bucket's first step runs eagerly (its workspaces reach
+  // empty ones) and rows a request (1, or 2 where some request verifies a
+  // draft): a graph's first step runs eagerly (its workspaces reach
   // their sizes), its second captures the graph, every later one replays it
   // with the new tokens, lengths, pages and sampling. Prefill and mixed
   // steps run eagerly. FlashInfer's decode is captured too (its plan made on

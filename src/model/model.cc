@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <utility>
 #include <vector>
 
 #include "core/arg_checks.h"
@@ -425,11 +426,16 @@ class ModelImpl {
     return q[0] == 0 && in.token_ids.defined() && in.token_ids.shape[0] >= q[B] && q[B] <= o_.moe.max_tokens;
   }
 
-  // The rows of a bucket's graph: two a request (q_len 1 or 2), no more
-  // than the model takes.
-  int64_t graph_rows(int bucket) const { return std::min<int64_t>(2 * bucket, o_.moe.max_tokens); }
+  // The rows of a bucket's graph: one or two a request (a step where some
+  // request verifies a draft takes the graph of two), no more than the
+  // model takes. A step of one row a request runs on a graph of that many
+  // rows: the layers' GEMMs and the MoE layer's buckets follow the graph's
+  // rows, not the rows that carry tokens.
+  int64_t graph_rows(int bucket, int rows_per_request) const {
+    return std::min<int64_t>(static_cast<int64_t>(rows_per_request) * bucket, o_.moe.max_tokens);
+  }
 
-  // One bucket's graph and the device buffers it reads and writes.
+  // One (bucket, rows a request) graph and the device buffers it reads and writes.
   struct DecodeGraph {
     int bucket = 0;
     ModelBuffer ids, q_start, kv_len, table, temperature, top_k, top_p, seed, drafts, known, next, accepted,
@@ -438,17 +444,17 @@ class ModelImpl {
     bool warm = false, failed = false;
   };
 
-  DecodeGraph& decode_graph(int B) {
+  DecodeGraph& decode_graph(int B, int rows_per_request) {
     int bucket = 1;
     while (bucket < B) bucket *= 2;
     bucket = std::min(bucket, o_.attention.max_requests);
-    auto& slot = decode_graphs_[bucket];
+    auto& slot = decode_graphs_[{bucket, rows_per_request}];
     if (!slot) {
       slot = std::make_unique<DecodeGraph>();
       DecodeGraph& g = *slot;
       const size_t b4 = static_cast<size_t>(bucket) * 4;
       g.bucket = bucket;
-      g.ids = ModelBuffer(*ops_, static_cast<size_t>(graph_rows(bucket)) * 4);
+      g.ids = ModelBuffer(*ops_, static_cast<size_t>(graph_rows(bucket, rows_per_request)) * 4);
       g.q_start = ModelBuffer(*ops_, b4 + 4);
       for (ModelBuffer* m : {&g.kv_len, &g.temperature, &g.top_k, &g.top_p, &g.drafts, &g.known, &g.next,
                              &g.accepted, &g.draft_tokens})
@@ -466,8 +472,9 @@ class ModelImpl {
     return micro_batching() && nb >= 2 && nb <= o_.moe.max_tokens / 2;
   }
 
-  // step_from_host through the bucket's graph: the host batch padded to
-  // the bucket with empty requests into the graph's buffers; the bucket's
+  // step_from_host through the graph of its bucket and rows a request (one,
+  // or two where a request verifies a draft): the host batch padded to
+  // the bucket with empty requests into the graph's buffers; the graph's
   // first step eager, the second captured; FlashInfer's plans made from the
   // padded host copies before each replay. Where the graph runs two
   // micro-batches its slots [0, nb / 2) take the first ceil(B / 2) requests
@@ -475,15 +482,18 @@ class ModelImpl {
   void step_in_graph(const StepInput& in, const StepOutput& out, cudaStream_t stream) {
     const auto called = std::chrono::steady_clock::now();
     const int B = in.batch.num_requests;
-    DecodeGraph& g = decode_graph(B);
+    const auto* q = static_cast<const int32_t*>(in.batch.q_start.data);
+    int rows_per_request = 1;  // two where a request verifies a draft (graphable: q_len 0 to 2)
+    for (int i = 0; i < B && rows_per_request == 1; ++i) rows_per_request = q[i + 1] - q[i] > 1 ? 2 : 1;
+    DecodeGraph& g = decode_graph(B, rows_per_request);
     const int nb = g.bucket, P = o_.attention.max_pages_per_request;
+    const int64_t rows = graph_rows(nb, rows_per_request);
     const bool two = graph_splits(nb);
     const int half = (B + 1) / 2;
     auto slot_of = [&](int i) { return two && i >= half ? nb / 2 + (i - half) : i; };
-    const auto* q = static_cast<const int32_t*>(in.batch.q_start.data);
     const int64_t cols = in.batch.block_table.shape[1], tstride = in.batch.block_table.stride[0];
     auto i32 = [](const Tensor& t, int i, int32_t d) { return t.defined() ? static_cast<const int32_t*>(t.data)[i] : d; };
-    std::vector<int32_t> ids(graph_rows(nb), 0), qs(nb + 1, 0), kl(nb, 0), table(static_cast<size_t>(nb) * P, 0),
+    std::vector<int32_t> ids(rows, 0), qs(nb + 1, 0), kl(nb, 0), table(static_cast<size_t>(nb) * P, 0),
         top_k(nb, 0), drafts(nb, 0), known(nb, -1), q_len(nb, 0);
     std::vector<float> temperature(nb, 0.0f), top_p(nb, 1.0f);
     std::vector<int64_t> seed(nb, 0);
@@ -516,7 +526,7 @@ class ModelImpl {
     put(g.drafts, drafts.data(), drafts.size() * 4);
     put(g.known, known.data(), known.size() * 4);
     StepInput d;
-    d.token_ids = Tensor::contiguous(g.ids.get(), DType::kInt32, {graph_rows(nb)});
+    d.token_ids = Tensor::contiguous(g.ids.get(), DType::kInt32, {rows});
     d.batch.num_requests = d.batch.num_decode = nb;
     d.batch.q_start = Tensor::contiguous(g.q_start.get(), DType::kInt32, {nb + 1});
     d.batch.kv_len = Tensor::contiguous(g.kv_len.get(), DType::kInt32, {nb});
@@ -999,7 +1009,7 @@ class ModelImpl {
   ModelBuffer sample_logits_, sample_rows_, sample_pos_, samples_, last_rows_;
   ModelBuffer h_, normed_, part_, xq_, xs_, error_, zero_, rows_, final_norm_, embed_, lm_head_;
   ModelBuffer kv_region_;  // every cache, cache_bytes_ each
-  std::map<int, std::unique_ptr<DecodeGraph>> decode_graphs_;  // by bucket (decode_graphs)
+  std::map<std::pair<int, int>, std::unique_ptr<DecodeGraph>> decode_graphs_;  // by bucket and rows a request
   DecodeGraphStats graph_stats_;
   int64_t cache_bytes_ = 0;
   // Two micro-batches (split_two): the second's q_start on the device and

@@ -688,8 +688,10 @@ void check_decode_graphs(int heads, int kv_lora, int max_tokens = 32,
     std::vector<int32_t> len{9, 17, 4}, last(3);
     for (int i = 0; i < 3; ++i) last[i] = prefill(tokens(len[i], 10 + i), 4 * i);
     // Decode steps: three requests (bucket 4: eager, captured, replayed),
-    // two (bucket 2), one, three again; drafts on some where max_tokens
-    // holds two rows a request (else q_len 1 everywhere). Before the fourth,
+    // two (bucket 2), one, three again; drafts on some of the first five
+    // where max_tokens holds two rows a request (else q_len 1 everywhere),
+    // so buckets 4 and 2 then run one-row steps on graphs of their own
+    // (bucket 2's captured and replayed last). Before the fourth,
     // a fourth request's prefill (eager): the replays after it must not run
     // on its attention plan.
     std::mt19937_64 rng(fresh_seed());
@@ -704,7 +706,7 @@ void check_decode_graphs(int heads, int kv_lora, int max_tokens = 32,
       const std::vector<int>& reqs = batches[step];
       std::vector<int32_t> ids, q_start{0}, kv_len, table, drafts;
       for (int i : reqs) {
-        const bool draft = (step + i) % 2 == 1 && max_tokens >= 2 * o.attention.max_requests;
+        const bool draft = (step + i) % 2 == 1 && step < 5 && max_tokens >= 2 * o.attention.max_requests;
         ids.push_back(last[i]);
         if (draft) ids.push_back(static_cast<int32_t>(rng() % kVocab));
         q_start.push_back(static_cast<int32_t>(ids.size()));
@@ -718,8 +720,10 @@ void check_decode_graphs(int heads, int kv_lora, int max_tokens = 32,
         len[reqs[j]] += 1;  // the draft (random) is almost never accepted; both models agree either way
       }
     }
-    // Buckets 4, 2 and 1 each ran their first step eagerly; 4 and 2 were
-    // captured; every decode step is one or the other (prefills are not).
+    // Each (bucket, rows a request) graph ran its first step eagerly; two
+    // were captured (bucket 4 with drafts, or one row a request, and bucket
+    // 2's one-row graph); every decode step is one or the other (prefills
+    // are not).
     const moelink::DecodeGraphStats gs = graphed->decode_graph_stats(), ps = plain->decode_graph_stats();
     RANK_CHECK(gs.captures == 2) << gs.captures;
     RANK_CHECK(gs.replays + gs.eager_steps == static_cast<int64_t>(batches.size()))
