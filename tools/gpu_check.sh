@@ -47,6 +47,9 @@
 #   library's choice), interleaved, two rounds (split-k-*.json).
 #   serve-batch128 (not in the default): the same server decoding 128
 #   shared-prefix requests of 256 tokens at once (serve-batch128.json).
+#   serve-vs-bare (not in the default): model_bench.py's step at 128
+#   requests under the server's conditions (model.json), then
+#   serve-batch128's load against it (serve-vs-bare.json: vs_bare).
 #   serve-switch (not in the default): serve-batch128's load with the
 #   server's GIL switch interval at 5000 us (the default) and 500 us
 #   (MOELINK_SERVE_SWITCH_INTERVAL_US; serve-switch-*.json).
@@ -76,10 +79,15 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 steps=${*:-build test python sanitize bench internode experts}
+known="build test python sanitize bench internode experts layer model model-sanitize serve serve-batch128
+  serve-vs-bare serve-switch pd-gpu attention head-gemm split-k vllm wheel fabric"
+for s in $steps; do  # a misspelt step would otherwise run nothing and pass
+  [[ " $(echo $known) " == *" $s "* ]] || { echo "gpu_check.sh: unknown step '$s' (steps: $(echo $known))" >&2; exit 2; }
+done
 bdir=${MOELINK_BUILD_DIR:-build-gpu}
 source "$root/tools/device_env.sh"
 python_build=OFF
-{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has serve-switch || has pd-gpu || has attention || has head-gemm || has split-k || has vllm; } && python_build=ON
+{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has serve-vs-bare || has serve-switch || has pd-gpu || has attention || has head-gemm || has split-k || has vllm; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
@@ -327,6 +335,16 @@ fi
 if has serve-batch128; then
   echo "== moelink-serve decoding 128 requests at once (issue 35's batch-128 rate against the bare step)"
   serve_bench serve-batch128 --traces shared-prefix --cache on --requests 128 --concurrency 128 --max-tokens 256
+fi
+if has serve-vs-bare; then
+  # Issue 35's batch-128 target side by side: the bare step under the
+  # server's conditions (its contexts, scattered pages, its token budget as
+  # max_tokens), then the server decoding 128 requests against it.
+  echo "== the bare step under the server's conditions, then moelink-serve decoding 128 requests"
+  PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" $py tools/bench/model_bench.py \
+    --machine "$machine" --shapes ep8 --batches 128 --q-lens 1 --profile-batches 0 --kv-spread 256 \
+    --shuffle-pages --max-tokens 4096 --json "$OUT/model.json" 2>&1 | tail -4 || status=1
+  serve_bench serve-vs-bare --traces shared-prefix --cache on --requests 128 --concurrency 128 --max-tokens 256
 fi
 if has serve-switch; then
   # The server's GIL switch interval (set_switch_interval), 5000 us (the

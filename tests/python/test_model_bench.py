@@ -119,11 +119,14 @@ def test_step_inputs_spread_contexts_and_shuffle_pages():
 def test_model_bench_with_spread_contexts_and_shuffled_pages(tmp_path):
     out = tmp_path / "bench.json"
     cmd, env = _bench(tmp_path, "--shapes", "ep8", "--moe-layers", "1", "--batches", "3", "--q-lens", "1",
-                      "--kv-spread", "30", "--shuffle-pages", "--json", str(out))
+                      "--kv-spread", "30", "--shuffle-pages", "--max-tokens", "40", "--json", str(out))
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr
     rec = json.loads(out.read_text())
-    assert rec["kv_spread"] == 30 and rec["shuffle_pages"] is True
+    assert rec["kv_spread"] == 30 and rec["shuffle_pages"] is True and rec["max_tokens"] == 40
+    for bad_max in ("2", "65537"):  # below batch x q_len, past the model's limit: named, with the range
+        bad = subprocess.run(cmd[:-2] + ["--max-tokens", bad_max], capture_output=True, text=True, env=env, timeout=60)
+        assert bad.returncode != 0 and f"--max-tokens {bad_max} must be from the largest batch" in bad.stderr
     assert [(r["batch"], r["q_len"]) for r in rec["shapes"][0]["results"]] == [(3, 1)]
     bad = subprocess.run(cmd[:-2] + ["--kv-spread", "-1"], capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode != 0 and "--kv-spread -1" in bad.stderr

@@ -152,7 +152,7 @@ def make_model(a, fields, ckpt, num_layers, max_b, max_q):
     pages_per_request = math.ceil((a.kv + a.kv_spread + max_q + KV_GROWTH) / a.page_size)
     gpu = a.backend not in HOST_BACKENDS
     before = device_used_bytes() if gpu else None
-    m = moelink.Model(os.path.join(ckpt, "config.json"), backend=a.backend, max_tokens=max_b * max_q,
+    m = moelink.Model(os.path.join(ckpt, "config.json"), backend=a.backend, max_tokens=a.max_tokens or max_b * max_q,
                       num_pages=max_b * pages_per_request, page_size=a.page_size, max_requests=max_b,
                       max_pages_per_request=pages_per_request, num_layers=num_layers,
                       overlap=a.overlap, decode_graphs=a.backend not in HOST_BACKENDS, head_gemm=a.head_gemm,
@@ -423,6 +423,9 @@ def main():
                    help="contexts from kv to kv + this many tokens across a step's requests (a server's batch)")
     p.add_argument("--shuffle-pages", action="store_true",
                    help="the requests' pages in a random order of the pool (as a server's cache hands them out)")
+    p.add_argument("--max-tokens", type=int, default=0,
+                   help="the model's max_tokens (0: the largest batch times the largest q_len; "
+                        "moelink-serve's is its --token-budget, 4096 in gpu_check.sh's serve runs)")
     p.add_argument("--acceptance", type=float, default=0.8, help="accepted drafts assumed in tokens_per_s")
     p.add_argument("--overlap", default="auto", help="the MoE layers' overlap mode")
     p.add_argument("--head-gemm", default="fp8", choices=("fp8", "bf16"), help="the attention's W_UK / W_UV GEMMs: bf16 or fp8")
@@ -451,6 +454,9 @@ def main():
         raise SystemExit(f"model_bench: --kv {a.kv} and --kv-spread {a.kv_spread} must be >= 0")
     if a.moe_layers < 1 or not a.batches or min(a.batches) < 1:
         raise SystemExit("model_bench: --moe-layers and every batch must be >= 1")
+    if a.max_tokens and not max(a.batches) * max(a.q_lens) <= a.max_tokens <= 65536:
+        raise SystemExit(f"model_bench: --max-tokens {a.max_tokens} must be from the largest batch times the "
+                         f"largest q_len ({max(a.batches) * max(a.q_lens)}) to 65536 (0: that product)")
     if a.checkpoint_dir is None:
         import tempfile
         a.checkpoint_dir = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
@@ -461,6 +467,7 @@ def main():
     rec.update(backend=a.backend, kv=a.kv, page_size=a.page_size, acceptance=a.acceptance, overlap=a.overlap,
                head_gemm=a.head_gemm,
                same_token=a.same_token, kv_spread=a.kv_spread, shuffle_pages=a.shuffle_pages,
+               max_tokens=a.max_tokens or max(a.batches) * max(a.q_lens),
                moe_layers=a.moe_layers, tiny=a.tiny)
     if gpu:
         from benchlib import copy_gbs
