@@ -44,6 +44,8 @@ def served(tmp_path_factory, request):
     server.backend = request.param
     yield server, f"http://{host}:{port}"
     server.stop()
+    # Its engine thread and the thread that delivers the steps' outputs end with it.
+    assert not server._engine_thread.is_alive() and not server._deliver_thread.is_alive()
 
 
 def _post(url, body, raw=None):

@@ -203,6 +203,12 @@ class Server:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._engine_thread = threading.Thread(target=self._engine_loop, name="moelink-engine", daemon=True)
+        # A step's outputs go to their requests' queues from a thread of
+        # their own (_deliver_loop), while the engine thread runs the next
+        # step (which releases the GIL): the engine thread hands over one
+        # list a step instead of waking every handler thread itself.
+        self._outbox: "queue.Queue" = queue.Queue()
+        self._deliver_thread = threading.Thread(target=self._deliver_loop, name="moelink-deliver", daemon=True)
         self._http: Optional[ThreadingHTTPServer] = None
         self._http_thread: Optional[threading.Thread] = None
 
@@ -210,6 +216,7 @@ class Server:
 
     def start(self, host: str = "127.0.0.1", port: int = 8000):
         if self.engine is not None:
+            self._deliver_thread.start()
             self._engine_thread.start()
         handler = type("Handler", (_Handler,), {"server_ref": self})
         self._http = _HTTPServer((host, port), handler)
@@ -230,6 +237,9 @@ class Server:
             self._http.server_close()
         if self._engine_thread.is_alive():
             self._engine_thread.join(timeout=10)
+        if self._deliver_thread.is_alive():
+            self._outbox.put(None)
+            self._deliver_thread.join(timeout=10)
 
     def kv_pages_free(self) -> int:
         return self._engine_state[2] if self.engine is not None else 0
@@ -299,14 +309,26 @@ class Server:
                                decode_step_requests=t["decode_requests"],
                                **{f"decode_graph_{k}": v for k, v in self._graph_stats().items()})
             self._failure = e.failure
+            delivery = []
             for r in results:
                 job = self._jobs.get(r.id)
                 if job is None:
                     continue
                 if r.tokens or r.finished:
-                    job.out.put(("tokens", list(r.tokens), r.finished, r.cached_tokens, r.error))
+                    delivery.append((job, ("tokens", list(r.tokens), r.finished, r.cached_tokens, r.error)))
                 if r.finished:
                     del self._jobs[r.id]
+            if delivery:
+                self._outbox.put(delivery)
+
+    def _deliver_loop(self) -> None:
+        """Puts each step's outputs on their requests' queues, in order."""
+        while True:
+            delivery = self._outbox.get()
+            if delivery is None:
+                return
+            for job, item in delivery:
+                job.out.put(item)
 
     # ------------------------------------------------------------ requests
 
