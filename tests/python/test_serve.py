@@ -329,7 +329,7 @@ def test_a_worker_whose_engine_failed_reports_everything_failed_and_exits():
     pytest.importorskip("grpc")
     import queue as queue_
 
-    from moelink.scheduler import FAILED
+    from moelink.scheduler import FAILED, RUNNING, progress
     from moelink.serve.worker import EngineFailedError, EngineWorker
 
     class FailedEngine:
@@ -349,13 +349,20 @@ def test_a_worker_whose_engine_failed_reports_everything_failed_and_exits():
     w = EngineWorker.__new__(EngineWorker)  # no scheduler, no model: the failure path alone
     w.engine, w.client, w.engine_id = FailedEngine(), Client(), "e0"
     w._inbox, w._stop, w._counts = queue_.Queue(), threading.Event(), (0, 0, 8)
+    w._outbox, w._reporter = queue_.Queue(), threading.Thread(target=w._report_loop, daemon=True)
+    w._reporter.start()  # the failure reports go after those queued before them
     w._by_engine, w._by_request = {7: ["running", 3]}, {"running": 7}
     reply = queue_.Queue()
     w._inbox.put(("run", Run()))
     w._inbox.put(("handoff", ({"op": "receive"}, reply)))
     w.step_once = lambda: None  # the step that failed has run
+    w._report([progress("earlier", RUNNING, [5], 0)])  # a step's report, queued (not waited for)
     with pytest.raises(EngineFailedError, match="illegal memory access"):
         w.serve_forever()
+    w._outbox.put(None)
+    w._reporter.join(timeout=10)
+    assert not w._reporter.is_alive()
+    assert w.client.reports.pop(0).request_id == "earlier"
     got = {r.request_id: r for r in w.client.reports}
     assert set(got) == {"running", "queued"}
     assert all(r.phase == FAILED and "engine 'e0' failed" in r.finish_reason for r in got.values())

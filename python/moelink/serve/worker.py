@@ -47,6 +47,12 @@ class EngineWorker:
         self._by_engine = {}   # engine request id -> [scheduler request id, tokens reported]
         self._by_request = {}  # scheduler request id -> engine request id
         self._stop = threading.Event()
+        # Reports go to the scheduler in order from a thread of their own
+        # (_report_loop): a step's report is on the wire while the engine
+        # thread runs the next step (which releases the GIL); a report whose
+        # answer the engine thread needs waits for the ones before it.
+        self._outbox: "queue.Queue" = queue.Queue()
+        self._reporter = threading.Thread(target=self._report_loop, name="moelink-report", daemon=True)
         # The engine's load as of its last step: the client's heartbeat
         # thread reads this, never the engine (its step runs without the GIL).
         self._counts = (0, 0, options.num_pages)
@@ -68,6 +74,32 @@ class EngineWorker:
                                    load=self._load, dp_rank=dp_rank, role=role,
                                    handoff_address=handoff_address)
 
+    def _report(self, progress_reports, kv_events=(), wait: bool = False):
+        """Sends a report after the ones queued before it: returns its
+        ReportResult with wait, else at once. Without the reporter thread
+        (not started, or stopped) it is sent here."""
+        args = (self._load(), kv_events, progress_reports)
+        if not self._reporter.is_alive():
+            return self.client.report(*args)
+        reply = queue.Queue(maxsize=1) if wait else None
+        self._outbox.put((args, reply))
+        return reply.get() if wait else None
+
+    def _report_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            args, reply = item
+            try:
+                result = self.client.report(*args)
+            except Exception as e:  # the client reports RPC failures as results; anything else ends up here
+                import grpc
+                from moelink.scheduler._engine_client import ReportResult
+                result = ReportResult(False, grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
+            if reply is not None:
+                reply.put(result)
+
     def _load(self):
         from moelink.scheduler import load
         running, waiting, free = self._counts
@@ -83,10 +115,14 @@ class EngineWorker:
 
     def start(self, timeout: float = 30.0) -> "EngineWorker":
         self.client.start(timeout)
+        self._reporter.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
+        if self._reporter.is_alive():
+            self._outbox.put(None)  # after the reports queued before it
+            self._reporter.join(timeout=30)
         self.client.close()
         if self.handoff_server is not None:
             self.handoff_server.close()
@@ -153,8 +189,7 @@ class EngineWorker:
                         cached=got["cached"], imm_base=got["imm_base"])
             self.kv_port.send(got["cache"], len(prompt), pages, got["pages"], got["cached"], got["imm_base"])
             # The scheduler moves the request before the decode engine reports it.
-            result = self.client.report(self._load(), (), [progress(rid, HANDED_OFF, [first_token], offset,
-                                                                     handed_to=to)])
+            result = self._report([progress(rid, HANDED_OFF, [first_token], offset, handed_to=to)], wait=True)
             if not result.ok or rid in result.revoked:
                 dec.call({"op": "abort", "request_id": rid})
                 return []
@@ -201,7 +236,7 @@ class EngineWorker:
             elif kind == "handoff":
                 item[1].put({"ok": False, "error": why})
         if reports:
-            self.client.report(self._load(), (), reports)
+            self._report(reports, wait=True)
 
     def step_once(self) -> None:
         from moelink.scheduler import FINISHED, RUNNING, STARTED, progress
@@ -226,7 +261,7 @@ class EngineWorker:
         if started:
             # STARTED, acknowledged, before the prefill: a request the
             # scheduler meanwhile gave to another engine is revoked here.
-            result = self.client.report(self._load(), (), [progress(r.request_id, STARTED) for r in started])
+            result = self._report([progress(r.request_id, STARTED) for r in started], wait=True)
             revoked = set(result.revoked) if result.ok else {r.request_id for r in started}
             for run in started:
                 if run.request_id in revoked:
@@ -274,7 +309,7 @@ class EngineWorker:
                 del self._by_engine[r.id]
                 self._by_request.pop(rid, None)
         self._counts = (e.running, e.waiting, e.available_pages)
-        self.client.report(self._load(), self._kv_events(), reports)
+        self._report(reports, self._kv_events())
 
 
 def main(argv=None) -> int:
