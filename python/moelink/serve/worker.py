@@ -83,7 +83,16 @@ class EngineWorker:
             return self.client.report(*args)
         reply = queue.Queue(maxsize=1) if wait else None
         self._outbox.put((args, reply))
-        return reply.get() if wait else None
+        while wait:
+            try:
+                return reply.get(timeout=1.0)
+            except queue.Empty:
+                if not self._reporter.is_alive():  # stopped meanwhile
+                    try:
+                        return reply.get_nowait()  # sent just before it stopped
+                    except queue.Empty:
+                        return self.client.report(*args)  # never sent: here
+        return None
 
     def _report_loop(self) -> None:
         while True:
@@ -95,7 +104,7 @@ class EngineWorker:
                 result = self.client.report(*args)
             except Exception as e:  # the client reports RPC failures as results; anything else ends up here
                 import grpc
-                from moelink.scheduler._engine_client import ReportResult
+                from moelink.scheduler import ReportResult
                 result = ReportResult(False, grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
             if reply is not None:
                 reply.put(result)
