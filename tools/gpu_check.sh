@@ -31,6 +31,12 @@
 #   minutes), the merged qkv_a_proj against its two GEMMs apart and the
 #   W_UK / W_UV batched GEMMs against torch.bmm
 #   (MOELINK_ATTENTION_BENCH_ARGS adds arguments).
+#   seesaw (not in the default): moelink's out-of-step decode kernel
+#   (MOELINK_MLA_DECODE_SEESAW=1): the decode tests under it, each named
+#   as it runs (seesaw-tests.log; 300 s at most: a kernel that hangs on a
+#   transaction barrier fails here, not the call), then attention_bench.py
+#   at 128 heads, batch 1 / 32 / 128, kv 5000, seesaw off and on, two
+#   interleaved rounds (decode-seesaw{0,1}-r{1,2}.json).
 #   head-gemm (not in the default): MLAOptions.head_gemm bf16 (cuBLAS)
 #   against fp8 (the grouped GEMM): the attention tests *HeadGemm* (both
 #   against the reference on the CUDA and CPU paths, a bad value refused,
@@ -80,14 +86,14 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 steps=${*:-build test python sanitize bench internode experts}
 known="build test python sanitize bench internode experts layer model model-sanitize serve serve-batch128
-  serve-vs-bare serve-switch pd-gpu attention head-gemm split-k vllm wheel fabric"
+  serve-vs-bare serve-switch pd-gpu attention seesaw head-gemm split-k vllm wheel fabric"
 for s in $steps; do  # a misspelt step would otherwise run nothing and pass
   [[ " $(echo $known) " == *" $s "* ]] || { echo "gpu_check.sh: unknown step '$s' (steps: $(echo $known))" >&2; exit 2; }
 done
 bdir=${MOELINK_BUILD_DIR:-build-gpu}
 source "$root/tools/device_env.sh"
 python_build=OFF
-{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has serve-vs-bare || has serve-switch || has pd-gpu || has attention || has head-gemm || has split-k || has vllm; } && python_build=ON
+{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has serve-vs-bare || has serve-switch || has pd-gpu || has attention || has seesaw || has head-gemm || has split-k || has vllm; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
@@ -316,6 +322,24 @@ if has split-k; then
         --profile-batches 0 --json "$OUT/split-k-model-$split-r$round.json" 2>&1 | tail -4 || status=1
     done
   done
+fi
+if has seesaw; then
+  echo "== moelink's out-of-step (seesaw) decode kernel: tests, then against the lockstep kernel"
+  MOELINK_MLA_DECODE_SEESAW=1 timeout 300 $bdir/tests/moelink_attention_tests \
+    --gtest_filter='*Own*:*Cuda*Decode*:*Graph*' >"$OUT/seesaw-tests.log" 2>&1
+  rc=$?
+  grep -E "^\[ +(RUN|OK|FAILED|PASSED) |measured|Failure" "$OUT/seesaw-tests.log" | tail -40
+  if [[ $rc == 0 ]]; then
+    for round in 1 2; do
+      for k in 0 1; do
+        MOELINK_MLA_DECODE_SEESAW=$k PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" \
+          $py tools/bench/attention_bench.py --machine "$machine" --heads 128 --batch 1,32,128 --q-len 1 --kv 5000 \
+          --iters 20 --json "$OUT/decode-seesaw$k-r$round.json" 2>&1 | tail -4 || status=1
+      done
+    done
+  else
+    echo "seesaw tests: exit $rc (124: the 300 s timeout; the log's last RUN names the test)"; status=1
+  fi
 fi
 if has head-gemm; then
   echo "== MLA head GEMMs: bf16 (cuBLAS) against fp8 (grouped GEMM)"
