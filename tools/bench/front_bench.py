@@ -31,11 +31,12 @@ import sys
 import tempfile
 import time
 
-from benchlib import header, write_json
+from benchlib import free_port, header, write_json
 
 
-def stub_server(model_dir, port, step_ms, max_tokens, ready, rounds_out, stop):
+def stub_server(model_dir, port, step_ms, max_tokens, switch_us, ready, rounds_out, stop):
     """The server process: moelink.serve.server's Server over a stub engine."""
+    os.environ["MOELINK_SERVE_SWITCH_INTERVAL_US"] = str(switch_us)  # what set_switch_interval reads
     import moelink.serve.server as S
     from moelink._engine import StepResult
 
@@ -116,14 +117,11 @@ async def stream_one(port, max_tokens):
 
 
 def one_round(model_dir, a, switch_us):
-    env_key = "MOELINK_SERVE_SWITCH_INTERVAL_US"
-    before = os.environ.get(env_key)
-    os.environ[env_key] = str(switch_us)  # the spawned server reads it (set_switch_interval)
     ctx = mp.get_context("spawn")
     ready, stop, steps_q = ctx.Event(), ctx.Event(), ctx.Queue()
-    from benchlib import free_port
     port = free_port()
-    proc = ctx.Process(target=stub_server, args=(model_dir, port, a.step_ms, a.max_tokens, ready, steps_q, stop))
+    proc = ctx.Process(target=stub_server,
+                       args=(model_dir, port, a.step_ms, a.max_tokens, switch_us, ready, steps_q, stop))
     proc.start()
     try:
         if not ready.wait(120):
@@ -140,10 +138,6 @@ def one_round(model_dir, a, switch_us):
     finally:
         stop.set()
         proc.join(30)
-        if before is None:
-            os.environ.pop(env_key, None)
-        else:
-            os.environ[env_key] = before
     full = [(s, e) for s, e, n in steps if n == a.requests]
     if len(full) < 3 or sum(chunks) < a.requests * a.max_tokens:
         raise SystemExit(f"front_bench: {sum(chunks)} of {a.requests * a.max_tokens} chunks streamed, "

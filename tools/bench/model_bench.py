@@ -152,7 +152,7 @@ def make_model(a, fields, ckpt, num_layers, max_b, max_q):
     pages_per_request = math.ceil((a.kv + a.kv_spread + max_q + KV_GROWTH) / a.page_size)
     gpu = a.backend not in HOST_BACKENDS
     before = device_used_bytes() if gpu else None
-    m = moelink.Model(os.path.join(ckpt, "config.json"), backend=a.backend, max_tokens=a.max_tokens or max_b * max_q,
+    m = moelink.Model(os.path.join(ckpt, "config.json"), backend=a.backend, max_tokens=a.max_tokens,
                       num_pages=max_b * pages_per_request, page_size=a.page_size, max_requests=max_b,
                       max_pages_per_request=pages_per_request, num_layers=num_layers,
                       overlap=a.overlap, decode_graphs=a.backend not in HOST_BACKENDS, head_gemm=a.head_gemm,
@@ -457,6 +457,7 @@ def main():
     if a.max_tokens and not max(a.batches) * max(a.q_lens) <= a.max_tokens <= 65536:
         raise SystemExit(f"model_bench: --max-tokens {a.max_tokens} must be from the largest batch times the "
                          f"largest q_len ({max(a.batches) * max(a.q_lens)}) to 65536 (0: that product)")
+    a.max_tokens = a.max_tokens or max(a.batches) * max(a.q_lens)
     if a.checkpoint_dir is None:
         import tempfile
         a.checkpoint_dir = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
@@ -467,7 +468,7 @@ def main():
     rec.update(backend=a.backend, kv=a.kv, page_size=a.page_size, acceptance=a.acceptance, overlap=a.overlap,
                head_gemm=a.head_gemm,
                same_token=a.same_token, kv_spread=a.kv_spread, shuffle_pages=a.shuffle_pages,
-               max_tokens=a.max_tokens or max(a.batches) * max(a.q_lens),
+               max_tokens=a.max_tokens,
                moe_layers=a.moe_layers, tiny=a.tiny)
     if gpu:
         from benchlib import copy_gbs
