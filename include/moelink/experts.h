@@ -86,10 +86,15 @@ class Experts {
   //   w2_scale          [L, H/128, I/128]   fp32, packed rows
   //   expert_y          [L, C, H]      bf16 out, rows contiguous: for r < count,
   //                     y = w2 . q(silu(w13[:I] . x) * (w13[I:] . x))
-  // L, C, H and I are the config's.
+  // L, C, H and I are the config's. expected_rows: the rows an expert is
+  // expected to hold in this call (e.g. the batch's tokens x top-k / experts),
+  // which picks the GPU GEMMs' tiles as the config's does; 0: the config's,
+  // larger values count as the config's (the GEMMs exist for row counts up
+  // to it: a call inside a CUDA graph capture allocates nothing).
   void forward(const Tensor& expert_y, const Tensor& expert_num_tokens, const Tensor& expert_x,
                const Tensor& expert_x_scale, const Tensor& w13, const Tensor& w13_scale,
-               const Tensor& w2, const Tensor& w2_scale, cudaStream_t stream = nullptr);
+               const Tensor& w2, const Tensor& w2_scale, cudaStream_t stream = nullptr,
+               int64_t expected_rows = 0);
 
   // y[l][r] = x[l][r] . w[l]^T with block scales, for r < count[l]:
   //   y        [L, C, N]        bf16, rows contiguous and 16-byte aligned
@@ -98,9 +103,11 @@ class Experts {
   //   x_scale  [L, C, K/128]    fp32, packed rows
   //   w        [L, N, K]        fp8, rows contiguous and 16-byte aligned
   //   w_scale  [L, N/128, K/128]  fp32, packed rows
-  // L is the config's; C, N and K any (N, K multiples of 128).
+  // L is the config's; C, N and K any (N, K multiples of 128);
+  // expected_rows as forward()'s.
   void grouped_gemm(const Tensor& y, const Tensor& count, const Tensor& x, const Tensor& x_scale,
-                    const Tensor& w, const Tensor& w_scale, cudaStream_t stream = nullptr);
+                    const Tensor& w, const Tensor& w_scale, cudaStream_t stream = nullptr,
+                    int64_t expected_rows = 0);
 
   // For r < count[l], j < I/128:
   //   v = silu(gate_up[l][r][j*128 + i]) * gate_up[l][r][I + j*128 + i], i < 128
@@ -134,6 +141,7 @@ class Experts {
 
  private:
   explicit Experts(std::unique_ptr<detail::ExpertsImpl> impl);
+  int64_t call_expected_rows(const char* call, int64_t expected_rows) const;
   std::unique_ptr<detail::ExpertsImpl> impl_;
   ExpertConfig config_;  // with expected_rows and debug resolved
 };

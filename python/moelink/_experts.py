@@ -42,18 +42,22 @@ class Experts:
         return 0 if self._device == "cpu" else stream_handle(stream, like)
 
     def forward(self, expert_y, expert_num_tokens, expert_x, expert_x_scale, w13, w13_scale, w2,
-                w2_scale, stream=None) -> None:
+                w2_scale, stream=None, expected_rows: int = 0) -> None:
         """expert_y [L, C, H] bf16 = w2 . q(silu(w13[:, :I] . x) * (w13[:, I:] . x)) for
         rows r < expert_num_tokens[l]. expert_x [L, C, H] fp8, expert_x_scale
         [L, C, H/128] fp32 (packed rows), w13 [L, 2I, H] fp8 (gate rows then up
-        rows), w13_scale [L, 2I/128, H/128], w2 [L, H, I], w2_scale [L, H/128, I/128]."""
+        rows), w13_scale [L, 2I/128, H/128], w2 [L, H, I], w2_scale [L, H/128, I/128].
+        expected_rows: the rows an expert is expected to hold in this call,
+        which picks the GPU GEMMs' tiles (0: the config's; larger counts as it)."""
         self._impl.forward(expert_y, expert_num_tokens, expert_x, expert_x_scale, w13, w13_scale,
-                           w2, w2_scale, self._stream(stream, expert_x))
+                           w2, w2_scale, self._stream(stream, expert_x), int(expected_rows))
 
-    def grouped_gemm(self, y, count, x, x_scale, w, w_scale, stream=None) -> None:
+    def grouped_gemm(self, y, count, x, x_scale, w, w_scale, stream=None, expected_rows: int = 0) -> None:
         """y [L, C, N] bf16 = x [L, C, K] fp8 . w [L, N, K]^T with x_scale [L, C, K/128]
-        and w_scale [L, N/128, K/128], for rows r < count[l]."""
-        self._impl.grouped_gemm(y, count, x, x_scale, w, w_scale, self._stream(stream, x))
+        and w_scale [L, N/128, K/128], for rows r < count[l]; expected_rows as
+        forward()'s."""
+        self._impl.grouped_gemm(y, count, x, x_scale, w, w_scale, self._stream(stream, x),
+                                int(expected_rows))
 
     def silu_mul_quant(self, out_q, out_scale, gate_up, count, stream=None) -> None:
         """out_q [L, C, I] fp8 and out_scale [L, C, I/128] fp32 (any strides) from

@@ -48,7 +48,7 @@ class PyExperts {
   }
 
   void forward(nb::handle y, nb::handle count, nb::handle x, nb::handle xs, nb::handle w13,
-               nb::handle w13s, nb::handle w2, nb::handle w2s, uintptr_t stream) {
+               nb::handle w13s, nb::handle w2, nb::handle w2s, uintptr_t stream, int64_t expected_rows) {
     ConvertContext ctx = context("Experts.forward");
     Tensor t_y = to_tensor(ctx, y, "expert_y", true), t_c = to_tensor(ctx, count, "expert_num_tokens", false),
            t_x = to_tensor(ctx, x, "expert_x", false), t_xs = to_tensor(ctx, xs, "expert_x_scale", false),
@@ -56,17 +56,18 @@ class PyExperts {
            t_w2 = to_tensor(ctx, w2, "w2", false), t_w2s = to_tensor(ctx, w2s, "w2_scale", false);
     nb::gil_scoped_release release;
     impl_->forward(t_y, t_c, t_x, t_xs, t_w13, t_w13s, t_w2, t_w2s,
-                   reinterpret_cast<cudaStream_t>(stream));
+                   reinterpret_cast<cudaStream_t>(stream), expected_rows);
   }
 
   void grouped_gemm(nb::handle y, nb::handle count, nb::handle x, nb::handle xs, nb::handle w,
-                    nb::handle ws, uintptr_t stream) {
+                    nb::handle ws, uintptr_t stream, int64_t expected_rows) {
     ConvertContext ctx = context("Experts.grouped_gemm");
     Tensor t_y = to_tensor(ctx, y, "y", true), t_c = to_tensor(ctx, count, "count", false),
            t_x = to_tensor(ctx, x, "x", false), t_xs = to_tensor(ctx, xs, "x_scale", false),
            t_w = to_tensor(ctx, w, "w", false), t_ws = to_tensor(ctx, ws, "w_scale", false);
     nb::gil_scoped_release release;
-    impl_->grouped_gemm(t_y, t_c, t_x, t_xs, t_w, t_ws, reinterpret_cast<cudaStream_t>(stream));
+    impl_->grouped_gemm(t_y, t_c, t_x, t_xs, t_w, t_ws, reinterpret_cast<cudaStream_t>(stream),
+                        expected_rows);
   }
 
   void silu_mul_quant(nb::handle q, nb::handle s, nb::handle gu, nb::handle count, uintptr_t stream) {
@@ -117,9 +118,10 @@ void bind_experts(nb::module_& m) {
            "max_rows"_a, "hidden_dim"_a, "intermediate_dim"_a, "device"_a, "expected_rows"_a,
            "debug"_a)
       .def("forward", &PyExperts::forward, "expert_y"_a, "expert_num_tokens"_a, "expert_x"_a,
-           "expert_x_scale"_a, "w13"_a, "w13_scale"_a, "w2"_a, "w2_scale"_a, "stream"_a)
+           "expert_x_scale"_a, "w13"_a, "w13_scale"_a, "w2"_a, "w2_scale"_a, "stream"_a,
+           "expected_rows"_a = 0)
       .def("grouped_gemm", &PyExperts::grouped_gemm, "y"_a, "count"_a, "x"_a, "x_scale"_a, "w"_a,
-           "w_scale"_a, "stream"_a)
+           "w_scale"_a, "stream"_a, "expected_rows"_a = 0)
       .def("silu_mul_quant", &PyExperts::silu_mul_quant, "out_q"_a, "out_scale"_a, "gate_up"_a,
            "count"_a, "stream"_a)
       .def("quantize", &PyExperts::quantize, "out_q"_a, "out_scale"_a, "x"_a, "bound_m"_a.none(),

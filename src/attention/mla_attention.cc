@@ -365,9 +365,10 @@ class MLAAttentionImpl {
     s_->gemm->gemm(y, xq, xs, w.w(), w.w_scale(), rows, stream);
   }
 
-  // y [Hq, Nd, N] = quantize(x [Hq, Nd, K]) . w[h]^T for the decode rows.
+  // y [Hq, Nd, N] = quantize(x [Hq, Nd, K]) . w[h]^T for the decode rows
+  // (at most rows_bound a head: the GEMM's tiles).
   void project_heads(const Tensor& y, const Tensor& x, const DeviceMatrix& w, const int32_t* counts,
-                     cudaStream_t stream) {
+                     int64_t rows_bound, cudaStream_t stream) {
     const int64_t K = x.shape[2];
     const Tensor xq = Tensor::contiguous(s_->hq.as(), DType::kFloat8E4M3, {Hq_, Nd_, K});
     const Tensor xs = Tensor::contiguous(s_->hs.as(), DType::kFloat32, {Hq_, Nd_, K / kBlock});
@@ -375,7 +376,7 @@ class MLAAttentionImpl {
                     Tensor::contiguous(xs.data, DType::kFloat32, {Hq_ * Nd_, K / kBlock}),
                     Tensor::contiguous(x.data, DType::kBFloat16, {Hq_ * Nd_, K}), {}, stream);
     s_->bmm->grouped_gemm(y, Tensor::contiguous(const_cast<int32_t*>(counts), DType::kInt32, {Hq_}),
-                       xq, xs, w.w(), w.w_scale(), stream);
+                       xq, xs, w.w(), w.w_scale(), stream, std::max<int64_t>(rows_bound, 1));
   }
 
   void decode(const Tensor& attn, const Tensor& q, const Tensor& cache, const MLABatch& b,
@@ -390,7 +391,7 @@ class MLAAttentionImpl {
     // The host's bound on the decode rows (q_len 1 or 2 a request).
     const int64_t rows_bound = std::min<int64_t>({x_rows, 2 * int64_t{b.num_decode}, Nd_});
     if (o_.head_gemm == MLAHeadGemm::kFp8)
-      project_heads(qlat, qn, w_uk_t_, plan.decode_rows, stream);
+      project_heads(qlat, qn, w_uk_t_, plan.decode_rows, rows_bound, stream);
     else
       ops.head_gemm(qlat, qn, w_uk_t_bf16_.data(), rows_bound, plan.decode_rows, stream);
     const Tensor olat = Tensor::contiguous(s_->olat.as(), DType::kBFloat16, {Hq_, Nd_, R});
@@ -399,7 +400,7 @@ class MLAAttentionImpl {
     // The latent output through W_UV: [Hq, Nd, R] -> [Hq, Nd, Dv] -> rows.
     const Tensor oh = Tensor::contiguous(s_->oh.as(), DType::kBFloat16, {Hq_, Nd_, Dv});
     if (o_.head_gemm == MLAHeadGemm::kFp8)
-      project_heads(oh, olat, w_uv_, plan.decode_rows, stream);
+      project_heads(oh, olat, w_uv_, plan.decode_rows, rows_bound, stream);
     else
       ops.head_gemm(oh, olat, w_uv_bf16_.data(), rows_bound, plan.decode_rows, stream);
     ops.merge_heads(attn, oh, Hq_, plan.decode_rows, stream);

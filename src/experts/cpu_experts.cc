@@ -50,7 +50,8 @@ class CpuExperts final : public ExpertsImpl {
   }
 
   void grouped_gemm(const Tensor& y, const Tensor& count, const Tensor& x, const Tensor& x_scale,
-                    const Tensor& w, const Tensor& w_scale, ExpertOp op, cudaStream_t) override {
+                    const Tensor& w, const Tensor& w_scale, ExpertOp op, int64_t,
+                    cudaStream_t) override {
     const int64_t C = x.shape[1];
     for (int64_t g = 0; g < x.shape[0]; ++g)
       gemm_group(y, x, x_scale, w, w_scale, g, rows_of(count, g, C, op));

@@ -3,6 +3,7 @@
 // error reports; the kernels live in cpu_experts.cc and cuda/.
 #include "moelink/experts.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include "core/arg_checks.h"
@@ -228,6 +229,14 @@ std::unique_ptr<Experts> Experts::create(const ExpertConfig& config) {
 }
 
 Experts::Experts(std::unique_ptr<detail::ExpertsImpl> impl) : impl_(std::move(impl)) {}
+
+// A call's expected_rows: 0 and values above the config's are the config's.
+int64_t Experts::call_expected_rows(const char* call, int64_t expected_rows) const {
+  if (expected_rows < 0)
+    bad(call, "expected_rows", "= " + std::to_string(expected_rows) + " must be >= 0 (0: the config's " +
+                                   std::to_string(config_.expected_rows) + ")");
+  return expected_rows == 0 ? config_.expected_rows : std::min(expected_rows, config_.expected_rows);
+}
 Experts::~Experts() = default;
 
 const ExpertConfig& Experts::config() const { return config_; }
@@ -235,11 +244,12 @@ size_t Experts::workspace_bytes() const { return impl_->workspace_bytes(); }
 
 void Experts::grouped_gemm(const Tensor& y, const Tensor& count, const Tensor& x,
                            const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, int64_t expected_rows) {
   const char* call = "Experts.grouped_gemm";
   check_count(call, "count", count, config_.num_experts);
   check_gemm(call, y, x, x_scale, w, w_scale, true, config_.num_experts);
-  impl_->grouped_gemm(y, count, x, x_scale, w, w_scale, ExpertOp::kGroupedGemm, stream);
+  impl_->grouped_gemm(y, count, x, x_scale, w, w_scale, ExpertOp::kGroupedGemm,
+                      call_expected_rows(call, expected_rows), stream);
   if (config_.debug) check(stream);
 }
 
@@ -292,8 +302,9 @@ void Experts::gemm(const Tensor& y, const Tensor& x, const Tensor& x_scale, cons
 void Experts::forward(const Tensor& expert_y, const Tensor& expert_num_tokens,
                       const Tensor& expert_x, const Tensor& expert_x_scale, const Tensor& w13,
                       const Tensor& w13_scale, const Tensor& w2, const Tensor& w2_scale,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, int64_t expected_rows) {
   const char* call = "Experts.forward";
+  const int64_t rows_hint = call_expected_rows(call, expected_rows);
   const int64_t L = config_.num_experts, H = config_.hidden_dim, I = config_.intermediate_dim;
   check_count(call, "expert_num_tokens", expert_num_tokens, L);
   check_tensor(call, "expert_x", expert_x, kFp8, {expert_x.shape[1], H}, true);
@@ -332,7 +343,7 @@ void Experts::forward(const Tensor& expert_y, const Tensor& expert_num_tokens,
   check_gemm(call, expert_y, act_q, act_scale, w2, w2_scale, true, L,
              {"expert_y", "workspace", "workspace", "w2", "w2_scale"});
   impl_->forward(expert_y, expert_num_tokens, expert_x, expert_x_scale, w13, w13_scale, w2, w2_scale,
-                 gate_up, act_q, act_scale, stream);
+                 gate_up, act_q, act_scale, rows_hint, stream);
   if (config_.debug) check(stream);
 }
 

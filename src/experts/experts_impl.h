@@ -35,10 +35,12 @@ class ExpertsImpl {
   virtual ~ExpertsImpl() = default;
 
   // Arguments are already checked (experts.h states the rules). `count`
-  // is [groups] int32; `op` names the public call for error reports.
+  // is [groups] int32; `op` names the public call for error reports;
+  // expected_rows (1 or more: the public call resolves 0) picks the CUDA
+  // GEMMs' tiles.
   virtual void grouped_gemm(const Tensor& y, const Tensor& count, const Tensor& x,
                             const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
-                            experts::ExpertOp op, cudaStream_t stream) = 0;
+                            experts::ExpertOp op, int64_t expected_rows, cudaStream_t stream) = 0;
   virtual void silu_mul_quant(const Tensor& out_q, const Tensor& out_scale, const Tensor& gate_up,
                               const Tensor& count, experts::ExpertOp op, cudaStream_t stream) = 0;
   // forward()'s steps, after its checks: GEMM1 of x into gate_up,
@@ -49,10 +51,12 @@ class ExpertsImpl {
   virtual void forward(const Tensor& y, const Tensor& count, const Tensor& x, const Tensor& x_scale,
                        const Tensor& w13, const Tensor& w13_scale, const Tensor& w2,
                        const Tensor& w2_scale, const Tensor& gate_up, const Tensor& act_q,
-                       const Tensor& act_scale, cudaStream_t stream) {
-    grouped_gemm(gate_up, count, x, x_scale, w13, w13_scale, experts::ExpertOp::kForward, stream);
+                       const Tensor& act_scale, int64_t expected_rows, cudaStream_t stream) {
+    grouped_gemm(gate_up, count, x, x_scale, w13, w13_scale, experts::ExpertOp::kForward, expected_rows,
+                 stream);
     silu_mul_quant(act_q, act_scale, gate_up, count, experts::ExpertOp::kForward, stream);
-    grouped_gemm(y, count, act_q, act_scale, w2, w2_scale, experts::ExpertOp::kForward, stream);
+    grouped_gemm(y, count, act_q, act_scale, w2, w2_scale, experts::ExpertOp::kForward, expected_rows,
+                 stream);
   }
   // bound_m may be undefined (all rows).
   virtual void quantize(const Tensor& out_q, const Tensor& out_scale, const Tensor& x,

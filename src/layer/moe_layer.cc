@@ -150,8 +150,9 @@ class MoELayerImpl {
     ec.hidden_dim = static_cast<int>(H);
     ec.intermediate_dim = model_.moe_intermediate_size;
     ec.device = host ? ExpertDevice::kCPU : ExpertDevice::kCUDA;
-    // Rows an expert gets on average: the tile choice.
-    ec.expected_rows = std::max<int64_t>(1, std::min<int64_t>(C_, T * G_ * k / E));
+    // Rows an expert gets on average at max_tokens: the GEMMs it makes
+    // (each call names its own: experts()).
+    ec.expected_rows = std::min<int64_t>(C_, expected_expert_rows(T));
     s_->experts = Experts::create(ec);
     if (model_.n_shared_experts > 0) {
       ExpertConfig sc = ec;
@@ -575,6 +576,15 @@ class MoELayerImpl {
   };
 
   int64_t batch_capacity(const Batch& b) const { return b.a2a->config().expert_capacity(); }
+  // Rows a local expert holds on average when every rank sends `rows`
+  // tokens: rows x G x top-k / E, at least 1. It picks the expert GEMMs'
+  // tiles per call, so that a decode step of 128 tokens runs the tiles of
+  // 128 tokens whatever max_tokens is (a 4096-token budget's tiles took 20 %
+  // more of the layer's time).
+  int64_t expected_expert_rows(int64_t rows) const {
+    const int64_t k = model_.num_experts_per_tok, E = model_.n_routed_experts;
+    return std::max<int64_t>(1, (rows * G_ * k + E - 1) / E);
+  }
   Tensor batch_counts(const Batch& b) const {
     return Tensor::contiguous(s_->counts.as<int32_t>() + b.part * L_, DType::kInt32, {L_});
   }
@@ -603,8 +613,9 @@ class MoELayerImpl {
     const Tensor y = batch_rows(s_->ex_y, DType::kBFloat16, H, b), count = batch_counts(b),
                  x = batch_rows(s_->ex_x, DType::kFloat8E4M3, H, b),
                  xs = batch_rows(s_->ex_xs, DType::kFloat32, H / 128, b);
+    const int64_t hint = expected_expert_rows(b.rows);
     if (mark == nullptr) {
-      s_->experts->forward(y, count, x, xs, w13(), w13_scale(), w2(), w2_scale(), stream);
+      s_->experts->forward(y, count, x, xs, w13(), w13_scale(), w2(), w2_scale(), stream, hint);
       return;
     }
     if (!profile_gu_.get()) {
@@ -615,11 +626,11 @@ class MoELayerImpl {
     const Tensor gu = expert_tensor(profile_gu_, DType::kBFloat16, 2 * I, C),
                  act = expert_tensor(profile_act_, DType::kFloat8E4M3, I, C),
                  acts = expert_tensor(profile_acts_, DType::kFloat32, I / 128, C);
-    s_->experts->grouped_gemm(gu, count, x, xs, w13(), w13_scale(), stream);
+    s_->experts->grouped_gemm(gu, count, x, xs, w13(), w13_scale(), stream, hint);
     (*mark)(kGemm1);
     s_->experts->silu_mul_quant(act, acts, gu, count, stream);
     (*mark)(kSiluMul);
-    s_->experts->grouped_gemm(y, count, act, acts, w2(), w2_scale(), stream);
+    s_->experts->grouped_gemm(y, count, act, acts, w2(), w2_scale(), stream, hint);
     (*mark)(kGemm2);
   }
 
@@ -642,7 +653,8 @@ class MoELayerImpl {
                      Tensor::contiguous(sw13_.get(), DType::kFloat8E4M3, {1, 2 * Is, H}),
                      Tensor::contiguous(sw13s_.get(), DType::kFloat32, {1, 2 * Is / 128, H / 128}),
                      Tensor::contiguous(sw2_.get(), DType::kFloat8E4M3, {1, H, Is}),
-                     Tensor::contiguous(sw2s_.get(), DType::kFloat32, {1, H / 128, Is / 128}), stream);
+                     Tensor::contiguous(sw2s_.get(), DType::kFloat32, {1, H / 128, Is / 128}), stream,
+                     out.shape[0]);
   }
 
   void route_into(const Tensor& x, const Tensor& bound_m, int64_t rows, int32_t* indices,

@@ -172,7 +172,7 @@ RefRow ref_forward_row(const ForwardInputs& in, int l, int64_t row, RefRow* gemm
 // One grouped GEMM (y [L, C, n] from x [L, C, k] and w [L, n, k]) through
 // `ex` against the reference, rows past the counts untouched.
 void check_grouped_gemm(Experts& ex, MemoryOps& ops, std::mt19937_64& rng, int L, int64_t C,
-                        int64_t n, int64_t k, const std::vector<int32_t>& counts) {
+                        int64_t n, int64_t k, const std::vector<int32_t>& counts, int64_t call_rows = 0) {
   std::vector<uint8_t> x(static_cast<size_t>(L * C * k));
   std::vector<float> xs(static_cast<size_t>(L * C * (k / kGroup)));
   random_fp8_rows(rng, L * C, k, x.data(), xs.data());
@@ -187,7 +187,7 @@ void check_grouped_gemm(Experts& ex, MemoryOps& ops, std::mt19937_64& rng, int L
   ex.grouped_gemm(dy.tensor(DType::kBFloat16, {L, C, n}), dcount.tensor(DType::kInt32, {L}),
                   dx.tensor(DType::kFloat8E4M3, {L, C, k}), dxs.tensor(DType::kFloat32, {L, C, kb}),
                   dw.tensor(DType::kFloat8E4M3, {L, n, k}), dws.tensor(DType::kFloat32, {L, nb, kb}),
-                  ops.stream());
+                  ops.stream(), call_rows);
   ex.check(ops.stream());
   const std::vector<uint16_t> y = dy.download();
   GemmCheck chk(std::ldexp(1.0, -11));
@@ -267,6 +267,7 @@ std::vector<int32_t> make_counts(CountPattern p, int L, int64_t C, std::mt19937_
 std::string ExpertCase::name() const {
   std::string n = std::string(shape.name) + "_" + count_pattern_name(counts);
   if (expected_rows) n += "_Rows" + std::to_string(expected_rows);
+  if (call_rows) n += "_CallRows" + std::to_string(call_rows);
   return n;
 }
 
@@ -296,8 +297,8 @@ void run_grouped_gemm_case(ExpertDevice device, MemoryOps& ops, const ExpertCase
   const std::vector<int32_t> counts = make_counts(c.counts, s.num_experts, s.rows, rng);
   auto ex = make_experts(device, s, c.expected_rows);
   // Both of forward()'s GEMM shapes: [2I x H] and [H x I].
-  check_grouped_gemm(*ex, ops, rng, s.num_experts, s.rows, 2 * s.intermediate, s.hidden, counts);
-  check_grouped_gemm(*ex, ops, rng, s.num_experts, s.rows, s.hidden, s.intermediate, counts);
+  check_grouped_gemm(*ex, ops, rng, s.num_experts, s.rows, 2 * s.intermediate, s.hidden, counts, c.call_rows);
+  check_grouped_gemm(*ex, ops, rng, s.num_experts, s.rows, s.hidden, s.intermediate, counts, c.call_rows);
 }
 
 void run_grouped_gemm_reuse_case(ExpertDevice device, MemoryOps& ops, const ExpertShape& s,
@@ -378,16 +379,18 @@ void run_forward_case(ExpertDevice device, MemoryOps& ops, const ExpertCase& c) 
   const Tensor tcount = in.count(), tx = in.tx(), txs = in.txs(), tw13 = in.tw13(), tw13s = in.tw13s(),
                tw2 = in.tw2(), tw2s = in.tw2s();
   auto ex = make_experts(device, s, c.expected_rows);
-  ex->forward(dy.tensor(DType::kBFloat16, {L, C, H}), tcount, tx, txs, tw13, tw13s, tw2, tw2s, ops.stream());
+  ex->forward(dy.tensor(DType::kBFloat16, {L, C, H}), tcount, tx, txs, tw13, tw13s, tw2, tw2s, ops.stream(),
+              c.call_rows);
   ex->check(ops.stream());
   // The same three steps through the public calls, each of which the other
   // tests check elementwise against the reference: forward() must give the
   // same bits (the kernels are deterministic).
-  ex->grouped_gemm(dgu.tensor(DType::kBFloat16, {L, C, 2 * I}), tcount, tx, txs, tw13, tw13s, ops.stream());
+  ex->grouped_gemm(dgu.tensor(DType::kBFloat16, {L, C, 2 * I}), tcount, tx, txs, tw13, tw13s, ops.stream(),
+                   c.call_rows);
   ex->silu_mul_quant(dact.tensor(DType::kFloat8E4M3, {L, C, I}), dact_s.tensor(DType::kFloat32, {L, C, ib}),
                      dgu.tensor(DType::kBFloat16, {L, C, 2 * I}), tcount, ops.stream());
   ex->grouped_gemm(dy_steps.tensor(DType::kBFloat16, {L, C, H}), tcount, dact.tensor(DType::kFloat8E4M3, {L, C, I}),
-                   dact_s.tensor(DType::kFloat32, {L, C, ib}), tw2, tw2s, ops.stream());
+                   dact_s.tensor(DType::kFloat32, {L, C, ib}), tw2, tw2s, ops.stream(), c.call_rows);
   ex->check(ops.stream());
   const std::vector<uint16_t> y = dy.download(), y_steps = dy_steps.download();
   // And the whole layer against the fp64 reference, which follows the

@@ -45,6 +45,7 @@ struct ExpertCase {
   ExpertShape shape;
   CountPattern counts;
   int64_t expected_rows = 0;  // ExpertConfig.expected_rows (GPU tile choice)
+  int64_t call_rows = 0;      // forward() / grouped_gemm()'s expected_rows (the call's tiles)
   std::string name() const;
 };
 // Shapes x count patterns: every pattern on the small shape, the decode

@@ -184,6 +184,15 @@ TEST(ExpertsArguments, ForwardAndQuantCallsNameTheirFields) {
   Tensor x = a.tx;
   x.shape[1] = 5;  // more rows than max_rows
   expect_invalid(fwd(a.tw13, a.tw2, x), {"expert_x has shape [2, 5, 256]", "max_rows"});
+  // A call's expected_rows below 0; 0 and values above the config's are
+  // allowed (they count as the config's), and the object stays usable.
+  expect_invalid([&] { ex->forward(a.ty, a.tcount, a.tx, a.txs, a.tw13, a.tw13s, a.tw2, a.tw2s, nullptr, -1); },
+                 {"Experts.forward", "expected_rows = -1", ">= 0"});
+  expect_invalid([&] { ex->grouped_gemm(Tensor::contiguous(a.ty.data, DType::kBFloat16, {2, 4, 256}), a.tcount,
+                                        a.tx, a.txs, a.tw13, a.tw13s, nullptr, -7); },
+                 {"Experts.grouped_gemm", "expected_rows = -7"});
+  for (int64_t rows : {0, 1, 3, 1 << 20})
+    EXPECT_NO_THROW(ex->forward(a.ty, a.tcount, a.tx, a.txs, a.tw13, a.tw13s, a.tw2, a.tw2s, nullptr, rows));
 
   // silu_mul_quant: 2I not a multiple of 256; quantize: K not a multiple of 128.
   std::vector<uint16_t> gu(2 * 4 * 384);

@@ -113,6 +113,13 @@ def events_us(fn, iters, warmup=2):
     return s.elapsed_time(e) * 1e3 / iters
 
 
+def event_device_us(evt):
+    """A profiler average's GPU time: device_time_total in newer torch (2.11's
+    averages have no cuda_time_total, and a kernel-less one gives 0)."""
+    t = getattr(evt, "device_time_total", None)
+    return getattr(evt, "cuda_time_total", 0) if t is None else t
+
+
 def kernel_us(fn, iters, names):
     """GPU time per call of the kernels whose names contain one of `names`."""
     fn()
@@ -125,7 +132,7 @@ def kernel_us(fn, iters, names):
     total = 0.0
     for evt in prof.key_averages():
         if any(n in evt.key for n in names):
-            total += getattr(evt, "device_time_total", None) or evt.cuda_time_total
+            total += event_device_us(evt)
     return total / iters if total > 0 else None
 
 
@@ -140,7 +147,7 @@ def step_kernels(fn, iters, top=12):
         torch.cuda.synchronize()
     rows = []
     for evt in prof.key_averages():
-        t = getattr(evt, "device_time_total", None) or evt.cuda_time_total
+        t = event_device_us(evt)
         if t > 0:
             rows.append([evt.key[:120], t / iters])
     rows.sort(key=lambda r: -r[1])

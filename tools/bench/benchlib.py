@@ -22,6 +22,10 @@ def header(tool, machine, gpu=True):
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "git_commit": os.environ.get("MOELINK_GIT_COMMIT") or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        # The MOELINK_ settings the run was under (A/B switches such as
+        # MOELINK_MLA_DECODE_SEESAW), which the command line does not show.
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith("MOELINK_") and k != "MOELINK_GIT_COMMIT"},
     }
 
 

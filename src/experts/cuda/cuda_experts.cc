@@ -106,15 +106,22 @@ class CudaExperts final : public ExpertsImpl {
     // one launch before the first GEMM.
     arguments_together_ = env_switch("MOELINK_EXPERTS_ARGUMENT_KERNELS", "1", "2", true);
     const int64_t L = c.num_experts, C = c.max_rows, H = c.hidden_dim, I = c.intermediate_dim;
-    const GemmTiles t = tiles(c.expected_rows);
-    // forward()'s two GEMMs whole first (the first refuses a GPU other than
-    // Hopper, before anything else is allocated), GEMM2 also as forward()'s
-    // own object, and below, where their tiles are few (a handful of
-    // experts with a handful of rows, e.g. a shared expert), split over K:
-    // the GEMM objects and buffers exist from here, so that a capture
-    // allocates nothing.
-    for (int64_t n : {2 * I, H}) gemm_for(t, L, c.expected_rows, n, 1);
-    if (arguments_together_) gemm_for(t, L, c.expected_rows, H, 1, kForwardGemm2);
+    // forward()'s GEMMs for every row class a call may name (the first
+    // refuses a GPU other than Hopper, before anything else is allocated):
+    // whole, GEMM2 also as forward()'s own object, and where their tiles are
+    // few (a handful of experts with a handful of rows, e.g. a shared
+    // expert), split over K. The GEMM objects and split buffers exist from
+    // here, so that a capture allocates nothing.
+    for (int64_t rows = 1;; rows *= 2) {
+      const RowClass rc = row_class(rows);
+      for (int64_t n : {2 * I, H}) gemm_for(rc.tiles, L, rc.rows, n, 1);
+      if (arguments_together_) gemm_for(rc.tiles, L, rc.rows, H, 1, kForwardGemm2);
+      reserve_split(L, C, 2 * I, H, rc.split_gate_up);
+      reserve_split(L, C, H, I, rc.split_down);
+      gemm_for(rc.tiles, L, rc.rows, 2 * I, rc.split_gate_up);
+      gemm_for(rc.tiles, L, rc.rows, H, rc.split_down);
+      if (rc.rows >= c.expected_rows) break;
+    }
     const size_t gate_up = static_cast<size_t>(L * C * 2 * I) * 2;
     const size_t act_q = static_cast<size_t>(L * C * I);
     const size_t act_scale = static_cast<size_t>(L * C * (I / kQuantGroup)) * 4;
@@ -126,33 +133,28 @@ class CudaExperts final : public ExpertsImpl {
     ws_.act_scale = Tensor::contiguous(p + gate_up + act_q, DType::kFloat32, {L, C, I / kQuantGroup});
     error_buffer_ = experts::device_alloc(sizeof(ExpertErrorRecord), true);
     error_ = static_cast<ExpertErrorRecord*>(error_buffer_.get());
-
-    split_gate_up_ = split_for(t, L, c.expected_rows, 2 * I, H);
-    split_down_ = split_for(t, L, c.expected_rows, H, I);
-    reserve_split(L, C, 2 * I, H, split_gate_up_);
-    reserve_split(L, C, H, I, split_down_);
-    gemm_for(t, L, c.expected_rows, 2 * I, split_gate_up_);
-    gemm_for(t, L, c.expected_rows, H, split_down_);
   }
 
   void grouped_gemm(const Tensor& y, const Tensor& count, const Tensor& x, const Tensor& x_scale,
-                    const Tensor& w, const Tensor& w_scale, ExpertOp op,
+                    const Tensor& w, const Tensor& w_scale, ExpertOp op, int64_t expected_rows,
                     cudaStream_t stream) override {
     GemmOperands o = operands(y, x, x_scale, w, w_scale, op);
     o.counts = static_cast<const int32_t*>(count.data);
-    const int split = o.n == 2 * config_.intermediate_dim && o.k == config_.hidden_dim ? split_gate_up_
-                      : o.n == config_.hidden_dim && o.k == config_.intermediate_dim ? split_down_
+    const RowClass rc = row_class(expected_rows);
+    const int split = o.n == 2 * config_.intermediate_dim && o.k == config_.hidden_dim ? rc.split_gate_up
+                      : o.n == config_.hidden_dim && o.k == config_.intermediate_dim ? rc.split_down
                                                                                        : 1;
-    run_gemm(o, tiles(config_.expected_rows), config_.num_experts, config_.expected_rows, split, stream);
+    run_gemm(o, rc.tiles, config_.num_experts, rc.rows, split, stream);
   }
 
   void forward(const Tensor& y, const Tensor& count, const Tensor& x, const Tensor& x_scale,
                const Tensor& w13, const Tensor& w13_scale, const Tensor& w2, const Tensor& w2_scale,
                const Tensor& gate_up, const Tensor& act_q, const Tensor& act_scale,
-               cudaStream_t stream) override {
-    if (!arguments_together_ || split_gate_up_ > 1 || split_down_ > 1) {
+               int64_t expected_rows, cudaStream_t stream) override {
+    const RowClass rc = row_class(expected_rows);
+    if (!arguments_together_ || rc.split_gate_up > 1 || rc.split_down > 1) {
       ExpertsImpl::forward(y, count, x, x_scale, w13, w13_scale, w2, w2_scale, gate_up, act_q,
-                           act_scale, stream);
+                           act_scale, expected_rows, stream);
       return;
     }
     // Both GEMMs' arguments in one launch before GEMM1 (they depend only on
@@ -161,10 +163,9 @@ class CudaExperts final : public ExpertsImpl {
     GemmOperands o1 = operands(gate_up, x, x_scale, w13, w13_scale, ExpertOp::kForward);
     GemmOperands o2 = operands(y, act_q, act_scale, w2, w2_scale, ExpertOp::kForward);
     o1.counts = o2.counts = static_cast<const int32_t*>(count.data);
-    const GemmTiles t = tiles(config_.expected_rows);
     const int L = static_cast<int>(config_.num_experts);
-    BlockScaledGemm& g1 = gemm_for(t, L, config_.expected_rows, o1.n, 1);
-    BlockScaledGemm& g2 = gemm_for(t, L, config_.expected_rows, o2.n, 1, kForwardGemm2);
+    BlockScaledGemm& g1 = gemm_for(rc.tiles, L, rc.rows, o1.n, 1);
+    BlockScaledGemm& g2 = gemm_for(rc.tiles, L, rc.rows, o2.n, 1, kForwardGemm2);
     g1.write_arguments(o1, error_, stream, programmatic_, &g2, &o2);
     g1.launch(stream, programmatic_);
     silu_mul_quant(act_q, act_scale, gate_up, count, ExpertOp::kForward, stream);
@@ -209,6 +210,24 @@ class CudaExperts final : public ExpertsImpl {
 
  private:
   GemmTiles tiles(int64_t rows) const { return forced_ ? forced_tiles_ : tiles_for_rows(rows); }
+
+  // The grouped GEMMs' setup for a call whose experts are expected to hold
+  // about `expected_rows` rows: those rows rounded up to a power of two and
+  // at most the config's expected_rows (the constructor made the GEMM
+  // objects of each such class), their tiles and forward()'s K splits.
+  struct RowClass {
+    int64_t rows;
+    GemmTiles tiles;
+    int split_gate_up, split_down;
+  };
+  RowClass row_class(int64_t expected_rows) const {
+    int64_t rows = 1;
+    while (rows < expected_rows) rows *= 2;
+    rows = std::min(rows, config_.expected_rows);
+    const GemmTiles t = tiles(rows);
+    const int64_t L = config_.num_experts, H = config_.hidden_dim, I = config_.intermediate_dim;
+    return {rows, t, split_for(t, L, rows, 2 * I, H), split_for(t, L, rows, H, I)};
+  }
 
   // K slices for a GEMM of `groups` groups of about `rows` rows and n x k
   // weights on `tiles`: the swapped-operand tiles (one row tile a group)
@@ -354,7 +373,6 @@ class CudaExperts final : public ExpertsImpl {
   bool dynamic_ = true;                       // MOELINK_EXPERTS_DYNAMIC_TILES
   bool raster_auto_ = true;                   // MOELINK_EXPERTS_RASTER
   bool arguments_together_ = true;            // MOELINK_EXPERTS_ARGUMENT_KERNELS
-  int split_gate_up_ = 1, split_down_ = 1;    // forward()'s GEMMs
   GrowingDeviceBuffer partial_, x_scale_split_, w_scale_split_;  // split GEMMs' (GemmOperands)
   std::map<std::tuple<int, int, int>, std::unique_ptr<BlockScaledGemm>> split_gemms_;  // by tiles, groups, CTAs
   experts::DeviceBuffer workspace_, error_buffer_;
