@@ -22,6 +22,17 @@ def has_gpu():
 def greedy_alone(model_dir, prompt_ids, max_tokens, eos=1, backend="cpu"):
     """The model's own greedy tokens for one request, on an engine of its
     own (the tiny model's sizes) on `backend`."""
+    return greedy_runs(model_dir, prompt_ids, max_tokens, 1, eos, backend)[0]
+
+
+def greedy_runs(model_dir, prompt_ids, max_tokens, runs, eos=1, backend="cpu"):
+    """The greedy tokens of `runs` requests of one prompt, one after another
+    on one engine of its own: the second and later find the prompt's full
+    pages in the prefix cache and prefill only the rest. On a GPU that rest
+    runs through GEMMs of other shapes (bf16 rounds differently), which can
+    turn a near-tie between two tokens the other way some tokens later; a
+    server's repeated request takes the same path. On the CPU every run
+    gives the same tokens."""
     import moelink
     model = moelink.Model(f"{model_dir}/config.json", backend=backend, max_tokens=48, num_pages=8,
                           page_size=16, max_requests=1, max_pages_per_request=6,
@@ -29,8 +40,11 @@ def greedy_alone(model_dir, prompt_ids, max_tokens, eos=1, backend="cpu"):
     model.load_checkpoint(model_dir)
     eng = moelink.Engine(model, num_pages=8, page_size=16, token_budget=48, max_running=1,
                          max_pages_per_request=6)
-    i = eng.add(prompt_ids, max_tokens=max_tokens, stop_tokens=[eos])
-    return eng.run()[i].tokens
+    out = []
+    for _ in range(runs):
+        i = eng.add(prompt_ids, max_tokens=max_tokens, stop_tokens=[eos])
+        out.append(eng.run()[i].tokens)
+    return out
 
 
 def start_raw_stream(url, prompt, max_tokens, events):
