@@ -225,9 +225,19 @@ class CudaExperts final : public ExpertsImpl {
     while (rows < expected_rows) rows *= 2;
     rows = std::min(rows, config_.expected_rows);
     const GemmTiles t = tiles(rows);
-    const int64_t L = config_.num_experts, H = config_.hidden_dim, I = config_.intermediate_dim;
-    return {rows, t, split_for(t, L, rows, 2 * I, H), split_for(t, L, rows, H, I)};
+    const int64_t L = config_.num_experts, C = config_.max_rows, H = config_.hidden_dim,
+                  I = config_.intermediate_dim;
+    // A split's partial sums cover every row up to the capacity (the counts
+    // are on the device): a class below the config's splits only where
+    // that stays small (the shared expert of a 4096-token layer would
+    // otherwise hold 470 MB for calls its small twin takes).
+    auto split = [&](int64_t n, int64_t k) {
+      const int s = split_for(t, L, rows, n, k);
+      return rows < config_.expected_rows && partial_bytes(L, C, n, s) > kSmallClassSplitBytes ? 1 : s;
+    };
+    return {rows, t, split(2 * I, H), split(H, I)};
   }
+  static constexpr size_t kSmallClassSplitBytes = size_t{64} << 20;
 
   // K slices for a GEMM of `groups` groups of about `rows` rows and n x k
   // weights on `tiles`: the swapped-operand tiles (one row tile a group)
