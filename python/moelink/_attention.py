@@ -24,7 +24,7 @@ class MLAAttention:
 
     MLAAttention(config="deepseek-v3", *, max_tokens, max_requests,
                  max_pages_per_request, page_size=64, tp_size=1, tp_rank=0,
-                 device="cuda", decode_kernel="auto", prefill_kernel="auto", head_gemm="fp8",
+                 device="cuda", decode_kernel="auto", prefill_kernel="auto", head_gemm="bf16",
                  debug=None, share_with=None, **config_fields)
 
     decode_kernel (CUDA): "auto" (FlashInfer's MLA kernel where it applies:
@@ -33,10 +33,10 @@ class MLAAttention:
     Hopper prefill kernel where it applies: qk_nope_head_dim 128, rotary 64,
     v_head_dim 128; else moelink's own), "flashinfer" or "moelink".
     head_gemm: the absorbed decode's per-head GEMMs (q_nope through W_UK^T,
-    the latent output through W_UV): "fp8" (the activations quantized
-    1x128, moelink's fp8 grouped GEMM; the default) or "bf16" (kv_b_proj
-    dequantized to bf16 at load; cuBLAS's batched GEMM on CUDA; not yet
-    run on a GPU).
+    the latent output through W_UV): "bf16" (the default: kv_b_proj
+    dequantized to bf16 at load; cuBLAS's batched GEMM on CUDA) or "fp8"
+    (the activations quantized 1x128, moelink's fp8 grouped GEMM; half the
+    weight bytes, slower on an H100: docs/attention.md).
 
     share_with=other: use other's scratch (activations, GEMM and FlashInfer
     workspaces; only the weights are this layer's), for layers called one
@@ -48,7 +48,7 @@ class MLAAttention:
     def __init__(self, config: Any = "deepseek-v3", *, max_tokens: int, max_requests: int,
                  max_pages_per_request: int, page_size: int = 64, tp_size: int = 1,
                  tp_rank: int = 0, device: str = "cuda", decode_kernel: str = "auto",
-                 prefill_kernel: str = "auto", head_gemm: str = "fp8", debug: Optional[bool] = None,
+                 prefill_kernel: str = "auto", head_gemm: str = "bf16", debug: Optional[bool] = None,
                  share_with: Optional["MLAAttention"] = None, **config_fields):
         cfg = mla_config(config, **config_fields)
         self._host = device == "cpu"

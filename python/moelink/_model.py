@@ -27,7 +27,7 @@ class Model:
     Model(config, *, max_tokens, num_pages, backend="nvlink", page_size=64,
           max_requests=64, max_pages_per_request=64, num_layers=0, overlap="auto",
           dp_size=1, tp_size=1, tp_rank=0, mtp=False, decode_graphs=False,
-          decode_kernel="auto", prefill_kernel="auto", head_gemm="fp8", group=None,
+          decode_kernel="auto", prefill_kernel="auto", head_gemm="bf16", group=None,
           bootstrap=None, timeout_s=None, debug=None)
 
     mtp=True also runs the checkpoint's MTP module on every step: step()
@@ -47,7 +47,7 @@ class Model:
                  max_pages_per_request: int = 64, num_layers: int = 0, overlap: str = "auto",
                  dp_size: int = 1, tp_size: int = 1, tp_rank: int = 0, mtp: bool = False,
                  decode_graphs: bool = False, decode_kernel: str = "auto", prefill_kernel: str = "auto",
-                 head_gemm: str = "fp8", group=None, bootstrap=None, timeout_s: Optional[float] = None,
+                 head_gemm: str = "bf16", group=None, bootstrap=None, timeout_s: Optional[float] = None,
                  debug: Optional[bool] = None):
         cfg = model_full_config(config)
         self._host = backend in _HOST_BACKENDS

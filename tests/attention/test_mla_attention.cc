@@ -869,11 +869,12 @@ TEST(MLAAttentionCuda, DecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
   check_decode_graph(small_config(), moelink::MLADecodeKernel::kAuto, false);
 }
 
-// The same with the head GEMMs in bf16 (cuBLAS's batched GEMM captured in
-// the graph, its rows the bucket's host bound).
-TEST(MLAAttentionCuda, HeadGemmBf16DecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
+// The same with the head GEMMs in fp8 (the default is bf16: cuBLAS's
+// batched GEMM captured in the graph, its rows the bucket's host bound):
+// moelink's grouped GEMM on the tiles of the bucket's rows.
+TEST(MLAAttentionCuda, HeadGemmFp8DecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
   if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  check_decode_graph(small_config(), moelink::MLADecodeKernel::kAuto, false, moelink::MLAHeadGemm::kBf16);
+  check_decode_graph(small_config(), moelink::MLADecodeKernel::kAuto, false, moelink::MLAHeadGemm::kFp8);
 }
 
 // The same on moelink's warpgroup kernel (latent 512; 128 heads: two head

@@ -349,7 +349,7 @@ def main():
     p.add_argument("--qkv-a", default="", help="token counts of the merged qkv_a_proj comparison (empty: none)")
     p.add_argument("--bmm", default="", help="token counts of the W_UK / W_UV batched GEMMs against torch.bmm "
                                              "(empty: none)")
-    p.add_argument("--head-gemm", default="fp8", choices=("fp8", "bf16"), help="MLAAttention's head_gemm (W_UK / W_UV): bf16 or fp8")
+    p.add_argument("--head-gemm", default="bf16", choices=("fp8", "bf16"), help="MLAAttention's head_gemm (W_UK / W_UV): bf16 or fp8")
     p.add_argument("--step-kernels", action="store_true",
                    help="record each case's step kernel by kernel (torch.profiler) in its row")
     p.add_argument("--prefill", default="", help="chunk lengths of the prefill comparison (empty: none)")

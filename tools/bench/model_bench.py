@@ -428,7 +428,7 @@ def main():
                         "moelink-serve's is its --token-budget, 4096 in gpu_check.sh's serve runs)")
     p.add_argument("--acceptance", type=float, default=0.8, help="accepted drafts assumed in tokens_per_s")
     p.add_argument("--overlap", default="auto", help="the MoE layers' overlap mode")
-    p.add_argument("--head-gemm", default="fp8", choices=("fp8", "bf16"), help="the attention's W_UK / W_UV GEMMs: bf16 or fp8")
+    p.add_argument("--head-gemm", default="bf16", choices=("fp8", "bf16"), help="the attention's W_UK / W_UV GEMMs: bf16 or fp8")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--profile-batches", default="1,32,128", help="batches whose graphed step is profiled")
     p.add_argument("--profile-iters", type=int, default=3)

@@ -37,7 +37,7 @@ class ServerOptions:
     prefix_caching: bool = True  # share the KV pages of common prompt prefixes between requests
     decode_kernel: str = "auto"   # GPU backends: MLA decode on "auto", "flashinfer" or "moelink" (MLAOptions)
     prefill_kernel: str = "auto"  # GPU backends: MLA prefill on "auto", "flashinfer" or "moelink"
-    head_gemm: str = "fp8"        # the MLA decode's W_UK / W_UV GEMMs: "fp8" or "bf16" (MLAOptions.head_gemm)
+    head_gemm: str = "bf16"       # the MLA decode's W_UK / W_UV GEMMs: "fp8" or "bf16" (MLAOptions.head_gemm)
     kv_provider: str = "auto"     # --pd: libfabric provider of the KV hand-off (auto: shm for a GPU cache, else tcp)
 
 
@@ -54,7 +54,7 @@ def add_model_arguments(p) -> None:
                    help="GPU backends: the MLA decode kernel (auto: FlashInfer's where it applies)")
     p.add_argument("--prefill-kernel", default="auto", choices=_KERNELS,
                    help="GPU backends: the MLA prefill kernel (auto: FlashInfer's where it applies)")
-    p.add_argument("--head-gemm", default="fp8", choices=("fp8", "bf16"),
+    p.add_argument("--head-gemm", default="bf16", choices=("fp8", "bf16"),
                    help="the MLA decode's W_UK / W_UV GEMMs: fp8 (grouped GEMM) or bf16 (cuBLAS)")
 
 
