@@ -32,7 +32,8 @@
 #   W_UK / W_UV batched GEMMs against torch.bmm
 #   (MOELINK_ATTENTION_BENCH_ARGS adds arguments).
 #   seesaw (not in the default): moelink's out-of-step decode kernel
-#   (MOELINK_MLA_DECODE_SEESAW=1): the decode tests under it, each named
+#   everywhere it applies (MOELINK_MLA_DECODE_SEESAW=1; by default it runs
+#   from 32 decode rows): the decode tests under it, each named
 #   as it runs (seesaw-tests.log; 300 s at most: a kernel that hangs on a
 #   transaction barrier fails here, not the call), then attention_bench.py
 #   at 128 heads, batch 1 / 32 / 128, kv 5000, seesaw off and on, two
@@ -40,7 +41,7 @@
 #   head-gemm (not in the default): MLAOptions.head_gemm bf16 (cuBLAS)
 #   against fp8 (the grouped GEMM): the attention tests *HeadGemm* (both
 #   against the reference on the CUDA and CPU paths, a bad value refused,
-#   bf16 in a decode graph), then attention_bench.py (128 and 16
+#   fp8 in a decode graph), then attention_bench.py (128 and 16
 #   heads, batch 1 / 32 / 128, q_len 1 and 2, kv 5000, --step-kernels) and
 #   model_bench.py (ep8, batch 1 / 32 / 128, q_len 1 and 2), bf16 and fp8
 #   interleaved, two rounds (head-gemm-*.json).

@@ -320,6 +320,8 @@ bool wgmma_decode_applies(const TcDecodeArgs& a) {
   return hopper && aligned && a.R == kLatent && a.head_dim - a.nope_dims == kRope && a.heads >= 1;
 }
 
+constexpr int64_t kSeesawMinRows = 32;
+
 int wgmma_decode_head_blocks(const TcDecodeArgs& a) { return (a.heads + kHeads - 1) / kHeads; }
 
 void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cudaStream_t stream) {
@@ -332,12 +334,17 @@ void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cud
                                               static_cast<int>(kSmemBytes)));
   });
   static const bool heads_inner = env_int("MOELINK_MLA_DECODE_HEADS_INNER", 1, 0, 1) == 1;
-  static const bool seesaw = env_int("MOELINK_MLA_DECODE_SEESAW", 0, 0, 1) == 1;
+  // MOELINK_MLA_DECODE_SEESAW=0 / 1: never / always the out-of-step kernel
+  // where it applies; unset: from kSeesawMinRows decode rows (on an H100,
+  // 128 heads, kv 5000: 155 / 470 us against 167 / 531 at 32 / 128 rows,
+  // 51 against 49 at one; docs/attention.md).
+  static const int seesaw = env_int("MOELINK_MLA_DECODE_SEESAW", -1, 0, 1);
   const int head_blocks = wgmma_decode_head_blocks(a);
   const dim3 grid(static_cast<unsigned>(a.rows_bound * (heads_inner ? head_blocks : 1)),
                   static_cast<unsigned>(heads_inner ? 1 : head_blocks), static_cast<unsigned>(splits));
   const int inner = heads_inner ? head_blocks : 0;
-  if (seesaw && seesaw_decode_applies(a))
+  const bool out_of_step = seesaw == 1 || (seesaw < 0 && a.rows_bound >= kSeesawMinRows);
+  if (out_of_step && seesaw_decode_applies(a))
     launch_seesaw_decode(a, workspace, grid, inner, stream);
   else if (overlap)
     wgmma_decode_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner);
