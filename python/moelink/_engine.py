@@ -155,5 +155,7 @@ class Engine:
         """The model's steps inside step() so far: steps and seconds, and
         the decode-only ones (every request decoding): decode_steps,
         decode_seconds, decode_requests (host clock around the model's
-        step, which waits for the device)."""
+        step, which waits for the device); and of step() itself:
+        step_seconds (its C++ part, without the GIL) and gil_wait_seconds
+        (the wait to take the GIL back after it)."""
         return self._impl.step_times

@@ -5,6 +5,7 @@
 #include <nanobind/stl/vector.h>
 #include <nanobind/stl/optional.h>
 
+#include <chrono>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -86,10 +87,18 @@ class PyEngine {
   // [(id, new tokens, finish reason or "", cached tokens, error)]
   std::vector<std::tuple<uint64_t, std::vector<uint32_t>, std::string, int64_t, std::string>> step() {
     std::vector<engine::StepResult> r;
+    using Clock = std::chrono::steady_clock;
+    const Clock::time_point start = Clock::now();
+    Clock::time_point done;
     {
       nb::gil_scoped_release release;
       r = engine_->step();
+      done = Clock::now();
     }
+    // The step without the GIL, then the wait to take it back (other
+    // Python threads hold it meanwhile: a server's handler threads).
+    step_seconds_ += std::chrono::duration<double>(done - start).count();
+    gil_wait_seconds_ += std::chrono::duration<double>(Clock::now() - done).count();
     std::vector<std::tuple<uint64_t, std::vector<uint32_t>, std::string, int64_t, std::string>> out;
     for (const engine::StepResult& s : r)
       out.emplace_back(s.id, s.tokens, engine::finish_reason_name(s.finished), s.cached_tokens, s.error);
@@ -109,11 +118,14 @@ class PyEngine {
   }
 
   engine::Engine& engine() { return *engine_; }
+  double step_seconds() const { return step_seconds_; }
+  double gil_wait_seconds() const { return gil_wait_seconds_; }
   engine::KvCacheManager& kv() { return kv_; }
 
  private:
   engine::KvCacheManager kv_;
   std::unique_ptr<engine::Engine> engine_;
+  double step_seconds_ = 0.0, gil_wait_seconds_ = 0.0;  // step(): its C++ part, the GIL wait after it
 };
 
 }  // namespace
@@ -150,6 +162,8 @@ void bind_engine(nb::module_& m) {
         d["decode_steps"] = t.decode_steps;
         d["decode_seconds"] = t.decode_seconds;
         d["decode_requests"] = t.decode_requests;
+        d["step_seconds"] = e.step_seconds();
+        d["gil_wait_seconds"] = e.gil_wait_seconds();
         return d;
       });
 }

@@ -104,6 +104,10 @@ def test_metrics_count_the_engines_steps(served):
     m = {k: float(v) for k, v in m.items()}
     assert m["moelink_engine_steps_total"] >= m["moelink_model_steps_total"] >= m["moelink_decode_steps_total"] > 0
     assert m["moelink_engine_step_seconds_total"] >= m["moelink_model_step_seconds_total"] > 0
+    # Engine.step: its C++ part and the GIL wait after it, both inside the Python-side clock.
+    assert m["moelink_engine_step_seconds_total"] >= (m["moelink_engine_cxx_step_seconds_total"]
+                                                     + m["moelink_engine_gil_wait_seconds_total"]) * 0.999
+    assert m["moelink_engine_cxx_step_seconds_total"] >= m["moelink_model_step_seconds_total"]
     assert m["moelink_model_step_seconds_total"] >= m["moelink_decode_step_seconds_total"] > 0
     assert m["moelink_decode_step_requests_total"] >= m["moelink_decode_steps_total"]
     # The graphed decode steps' host / wait split: each part of their time

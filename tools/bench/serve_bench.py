@@ -28,6 +28,8 @@ prompts, ignore_eos, --max-tokens output tokens):
                      tokens over their time), engine_step_us and
                      model_step_us (whole engine rounds and the model's
                      steps in them) and overhead_share = 1 - model / engine;
+                     gil_wait_us: of an engine round, the wait for the GIL
+                     after the step's C++ part;
                      graph_host_us / graph_wait_us: the graphed decode
                      steps' host clock until their work is queued / after
                      (model_bench.py reports the same split);
@@ -270,6 +272,9 @@ def run_cell(server, sessions, concurrency, max_tokens, rate, seed):
             "engine_step_us": d["engine_step_seconds"] / max(1.0, d["engine_steps"]) * 1e6,
             "model_step_us": d["model_step_seconds"] / max(1.0, d["model_steps"]) * 1e6,
             "overhead_share": 1.0 - d["model_step_seconds"] / max(1e-12, d["engine_step_seconds"]),
+            # Of that overhead: the engine thread's wait for the GIL after each
+            # step's C++ part (the handler threads hold it meanwhile).
+            "gil_wait_us": d.get("engine_gil_wait_seconds", 0.0) / max(1.0, d["engine_steps"]) * 1e6,
             # How the decode steps ran (--cuda-graphs): replayed or eager.
             "graph_replays": int(d.get("decode_graph_replays", 0)),
             "graph_eager_steps": int(d.get("decode_graph_eager_steps", 0))}
@@ -394,7 +399,8 @@ def main():
                           (f"  decode step {s['decode_step_us']:.0f} us at {s['decode_batch']:.1f} "
                            f"({s['graph_replays']} replayed, {s['graph_eager_steps']} eager; "
                            f"host {s.get('graph_host_us', 0):.0f} + wait {s.get('graph_wait_us', 0):.0f} us), "
-                           f"overhead {s['overhead_share']:.3f}" if s else ""), file=sys.stderr, flush=True)
+                           f"overhead {s['overhead_share']:.3f} (GIL wait {s.get('gil_wait_us', 0):.0f} us a round)"
+                           if s else ""), file=sys.stderr, flush=True)
                     if a.json != "-":
                         write_json(rec, a.json)
         finally:

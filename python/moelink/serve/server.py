@@ -101,6 +101,8 @@ class _Job:
 STEP_METRICS = [
     ("engine_steps", "rounds of the engine's step loop that ran the model"),
     ("engine_step_seconds", "time in Engine.step (schedule, model step, process outputs)"),
+    ("engine_cxx_step_seconds", "Engine.step's C++ part (without the GIL)"),
+    ("engine_gil_wait_seconds", "the engine thread's wait for the GIL after each Engine.step"),
     ("model_steps", "model steps"),
     ("model_step_seconds", "time in the model's steps (host clock; they wait for the device)"),
     ("decode_steps", "model steps where every request decoded"),
@@ -304,6 +306,8 @@ class Server:
             t = e.step_times
             self._steps = dict(engine_steps=self._steps["engine_steps"] + 1,
                                engine_step_seconds=self._steps["engine_step_seconds"] + time.perf_counter() - t0,
+                               engine_cxx_step_seconds=t["step_seconds"],
+                               engine_gil_wait_seconds=t["gil_wait_seconds"],
                                model_steps=t["steps"], model_step_seconds=t["seconds"],
                                decode_steps=t["decode_steps"], decode_step_seconds=t["decode_seconds"],
                                decode_step_requests=t["decode_requests"],
