@@ -32,6 +32,8 @@ def test_front_bench_streams_every_token_and_records_each_round(tmp_path):
     assert [(r["round"], r["switch_us"]) for r in rec["rounds"]] == [(1, 5000), (1, 1000), (2, 5000), (2, 1000)]
     for r in rec["rounds"]:
         assert 0 <= r["front_share"] < 1 and r["full_steps"] >= 3 and r["tok_s"] > 0
+        # The GIL wait after a step lies inside the gap between steps.
+        assert 0 <= r["gil_wait_us_p50"] <= r["gil_wait_us_p90"] and r["gil_wait_us_p50"] <= r["gap_us_p90"]
     assert [s["switch_us"] for s in rec["summary"]] == [5000, 1000]
 
 

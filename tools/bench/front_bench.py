@@ -16,7 +16,10 @@ carried every request:
                 work and its waits for the GIL), as a share of the decode
                 phase (issue 35's server overhead, without the GPU);
   gap_us        p50 / p90 of the time between one step's end and the next
-                one's start.
+                one's start;
+  gil_wait_us   p50 / p90 of the engine thread's wait for the GIL after a
+                step (past the stub's sleep: its overshoot, tens of us,
+                included), which gap_us holds.
 The rounds of different settings interleave; the summary is their medians.
 The stub's step is the GPU's bare step: 7 ms is the DeepSeek-V3-shaped
 model's step at 128 requests (bench/results).
@@ -46,7 +49,8 @@ def stub_server(model_dir, port, step_ms, max_tokens, switch_us, ready, rounds_o
 
         def __init__(self):
             self.requests, self.next_id, self.steps = {}, 0, []
-            self.times = dict(steps=0, seconds=0.0, decode_steps=0, decode_seconds=0.0, decode_requests=0)
+            self.times = dict(steps=0, seconds=0.0, decode_steps=0, decode_seconds=0.0, decode_requests=0,
+                              step_seconds=0.0, gil_wait_seconds=0.0)
 
         def add(self, prompt, max_tokens=16, **_):
             self.next_id += 1
@@ -69,6 +73,10 @@ def stub_server(model_dir, port, step_ms, max_tokens, switch_us, ready, rounds_o
             t0 = time.perf_counter()
             time.sleep(step_ms * 1e-3)  # the model's step: the GIL released, as in Engine.step
             t1 = time.perf_counter()
+            # The step is the sleep; what t1 has past its end is the wait to
+            # take the GIL back (and the sleep's own overshoot, tens of us),
+            # which the real engine's clocks count outside the model's step.
+            end = t0 + step_ms * 1e-3
             out = []
             for rid, r in list(self.requests.items()):
                 if r[2]:
@@ -80,10 +88,11 @@ def stub_server(model_dir, port, step_ms, max_tokens, switch_us, ready, rounds_o
                 out.append(StepResult(rid, [100 + (rid * 7 + r[1]) % 1000], finished, 0))
                 if finished:
                     del self.requests[rid]
-            for k, v in (("steps", 1), ("seconds", t1 - t0), ("decode_steps", 1),
-                         ("decode_seconds", t1 - t0), ("decode_requests", len(out))):
+            for k, v in (("steps", 1), ("seconds", end - t0), ("decode_steps", 1),
+                         ("decode_seconds", end - t0), ("decode_requests", len(out)),
+                         ("step_seconds", end - t0), ("gil_wait_seconds", max(0.0, t1 - end))):
                 self.times[k] += v
-            self.steps.append((t0, t1, len(out)))
+            self.steps.append((t0, end, len(out), max(0.0, t1 - end)))
             return out
 
     stub = StubEngine()
@@ -138,14 +147,16 @@ def one_round(model_dir, a, switch_us):
     finally:
         stop.set()
         proc.join(30)
-    full = [(s, e) for s, e, n in steps if n == a.requests]
+    full = [(s, e, w) for s, e, n, w in steps if n == a.requests]
     if len(full) < 3 or sum(chunks) < a.requests * a.max_tokens:
         raise SystemExit(f"front_bench: {sum(chunks)} of {a.requests * a.max_tokens} chunks streamed, "
                          f"{len(full)} steps carried every request")
     gaps = sorted(full[i + 1][0] - full[i][1] for i in range(len(full) - 1))
+    waits = sorted(w for _, _, w in full)
     span = full[-1][1] - full[0][0]
-    return {"switch_us": switch_us, "front_share": 1 - sum(e - s for s, e in full) / span,
+    return {"switch_us": switch_us, "front_share": 1 - sum(e - s for s, e, _ in full) / span,
             "gap_us_p50": gaps[len(gaps) // 2] * 1e6, "gap_us_p90": gaps[int(len(gaps) * 0.9)] * 1e6,
+            "gil_wait_us_p50": waits[len(waits) // 2] * 1e6, "gil_wait_us_p90": waits[int(len(waits) * 0.9)] * 1e6,
             "full_steps": len(full), "client_wall_s": wall, "tok_s": sum(chunks) / wall}
 
 
@@ -184,9 +195,11 @@ def main():
             rec["rounds"].append(row)
             print(f"front_bench: round {r + 1} switch {s:5d} us  front share {row['front_share']:.3f}  "
                   f"gap p50 {row['gap_us_p50']:8.0f} us  p90 {row['gap_us_p90']:8.0f} us  "
+                  f"GIL wait p50 {row['gil_wait_us_p50']:6.0f} us  p90 {row['gil_wait_us_p90']:6.0f} us  "
                   f"{row['tok_s']:8.0f} tok/s", file=sys.stderr, flush=True)
     rec["summary"] = [{"switch_us": s, **{k: statistics.median(x[k] for x in rec["rounds"] if x["switch_us"] == s)
-                                         for k in ("front_share", "gap_us_p50", "gap_us_p90", "tok_s")}}
+                                         for k in ("front_share", "gap_us_p50", "gap_us_p90", "gil_wait_us_p50",
+                                                   "gil_wait_us_p90", "tok_s")}}
                       for s in switches]
     write_json(rec, a.json)
 

@@ -527,8 +527,8 @@ def set_switch_interval() -> None:
     thread, so the engine thread waits through a convoy of switches after
     each step. tools/bench/front_bench.py (a stub engine, 7 ms steps, 128
     streams, 3 interleaved rounds on a 2-core machine): the share of the
-    decode phase outside the steps, medians, 0.35 at 500 us, 0.11 at
-    1000, 0.09 at 2000, 0.10 at 5000."""
+    decode phase outside the steps, medians, 0.47 at 500 us and 0.14 at
+    5000 (the GIL wait after a step included)."""
     v = os.environ.get("MOELINK_SERVE_SWITCH_INTERVAL_US", "")
     us = 5000
     if v:
