@@ -92,6 +92,7 @@ class _Job:
         self.out: "queue.Queue" = queue.Queue()
         self.id: Optional[int] = None
         self.cancelled = False
+        self.sink: Optional["_StreamWriter"] = None  # a streamed request's writer (pushed to)
 
 
 # The local engine's step loop (Server.step_counts): the server's overhead
@@ -288,9 +289,9 @@ class Server:
                     job.id = self.engine.add(job.prompt, **job.params)
                     self._jobs[job.id] = job
                 except ValueError as e:
-                    job.out.put(("error", str(e)))
+                    self._outbox.put([(job, ("error", str(e)))])  # in order with any stream's
                 except moelink.SystemError as e:  # the engine failed since the request came in
-                    job.out.put(("failed", str(e)))
+                    self._outbox.put([(job, ("failed", str(e)))])
             for jid, job in list(self._jobs.items()):
                 if job.cancelled:
                     self.engine.cancel(jid)
@@ -332,7 +333,10 @@ class Server:
             if delivery is None:
                 return
             for job, item in delivery:
-                job.out.put(item)
+                if job.sink is not None:
+                    job.sink.push(item)
+                else:
+                    job.out.put(item)
 
     # ------------------------------------------------------------ requests
 
@@ -471,52 +475,175 @@ class Server:
     def generate(self, prompt, params, stop):
         """Yields (text delta, finish reason or None, cached tokens, output
         tokens) as the engine makes tokens; stop strings end the text early."""
-        with self.metrics.lock:
-            self.metrics.requests += 1
-        t0 = last = time.monotonic()
         cancel_box = []
         source = (self._scheduler_tokens if self.scheduler else self._local_tokens)(prompt, params, cancel_box)
-        out_ids, text, sent = [], _IncrementalText(self.tokenizer), 0
-        longest_stop = max((len(s) for s in stop), default=0)
+        out = _TextOutput(self.metrics, self.tokenizer, stop, cancel_box)
         try:
             for tokens, finished, cached, error in source:
-                now = time.monotonic()
-                with self.metrics.lock:
-                    if tokens and not out_ids:
-                        self.metrics.ttft_sum += now - t0
-                        self.metrics.ttft_count += 1
-                    elif tokens:
-                        self.metrics.itl_sum += now - last
-                        self.metrics.itl_count += 1
-                    self.metrics.tokens += len(tokens)
-                    self.metrics.cached_tokens += cached
-                last = now
-                out_ids += tokens
-                if finished == "error":
-                    raise RequestError(500, f"the engine failed: {error}", None, kind="server_error")
-                checked = len(text.text)  # the text before it held no stop string
-                text.add(tokens, final=bool(finished))
-                full = text.text
-                reason = {"stop": "stop", "length": "length"}.get(finished)
-                # A stop string ends the text before it; a new one overlaps the new text.
-                first = min((at for at in (full.find(s, max(0, checked - len(s) + 1)) for s in stop) if at >= 0),
-                            default=-1)
-                if first >= 0:
-                    full, reason = full[:first], "stop"
-                if reason == "stop" and not finished and cancel_box:
-                    cancel_box[0]()  # a stop string: the engine's request is no longer needed
-                # Text that may be the start of a stop string is held back
-                # until it is known not to be (it is never sent, then cut).
-                hold = 0 if reason or not stop else longest_stop - 1
-                upto = max(sent, len(full) - hold)
-                delta, sent = full[sent:upto], upto
-                yield delta, reason, cached, len(out_ids)
-                if reason or finished:
-                    with self.metrics.lock:
-                        self.metrics.finished += 1
+                delta, reason, n, end = out.feed(tokens, finished, cached, error)
+                yield delta, reason, cached, n
+                if end:
                     return
         finally:
             source.close()  # a client that went away: the request is cancelled
+
+    def stream_local(self, prompt, params, stop, writer: "_StreamWriter") -> None:
+        """A streamed request on the local engine: the delivery thread feeds
+        its tokens to `writer`, which writes its events; returns when the
+        stream has ended (its last bytes written, or the client gone)."""
+        job = _Job(prompt, params)
+        writer.start(self, job, _TextOutput(self.metrics, self.tokenizer, stop, [lambda: self.cancel(job)]))
+        job.sink = writer
+        self.submit(job)
+        try:
+            writer.wait()
+        finally:
+            self.cancel(job)  # the engine drops it if it still has it
+
+
+class _TextOutput:
+    """A request's output as text, fed one step's tokens at a time (a
+    handler's generate(), or the delivery thread for a _StreamWriter): the
+    text so far, stop strings (the text ends before the first; the engine's
+    request is cancelled through cancel_box), the request's metrics."""
+
+    def __init__(self, metrics, tokenizer, stop, cancel_box):
+        with metrics.lock:
+            metrics.requests += 1
+        self.metrics, self.stop, self.cancel_box = metrics, stop, cancel_box
+        self.t0 = self.last = time.monotonic()
+        self.out_ids, self.text, self.sent = [], _IncrementalText(tokenizer), 0
+        self.longest_stop = max((len(x) for x in stop), default=0)
+
+    def feed(self, tokens, finished, cached, error):
+        """(text delta, finish reason or None, output tokens, whether the
+        request ended); RequestError for an engine failure."""
+        now = time.monotonic()
+        m = self.metrics
+        with m.lock:
+            if tokens and not self.out_ids:
+                m.ttft_sum += now - self.t0
+                m.ttft_count += 1
+            elif tokens:
+                m.itl_sum += now - self.last
+                m.itl_count += 1
+            m.tokens += len(tokens)
+            m.cached_tokens += cached
+        self.last = now
+        self.out_ids += tokens
+        if finished == "error":
+            raise RequestError(500, f"the engine failed: {error}", None, kind="server_error")
+        checked = len(self.text.text)  # the text before it held no stop string
+        self.text.add(tokens, final=bool(finished))
+        full = self.text.text
+        reason = {"stop": "stop", "length": "length"}.get(finished)
+        # A stop string ends the text before it; a new one overlaps the new text.
+        first = min((at for at in (full.find(x, max(0, checked - len(x) + 1)) for x in self.stop) if at >= 0),
+                    default=-1)
+        if first >= 0:
+            full, reason = full[:first], "stop"
+        if reason == "stop" and not finished and self.cancel_box:
+            self.cancel_box[0]()  # a stop string: the engine's request is no longer needed
+        # Text that may be the start of a stop string is held back until it
+        # is known not to be (it is never sent, then cut).
+        hold = 0 if reason or not self.stop else self.longest_stop - 1
+        upto = max(self.sent, len(full) - hold)
+        delta, self.sent = full[self.sent:upto], upto
+        end = bool(reason or finished)
+        if end:
+            with m.lock:
+                m.finished += 1
+        return delta, reason, len(self.out_ids), end
+
+
+class _StreamWriter:
+    """A streamed response's events, written by the delivery thread as each
+    step's tokens come (push), so that a step does not wake one handler
+    thread a stream: those 128 threads taking the GIL in turn held it when
+    the engine thread came back from its step (docs/serve.md). Writes never
+    block the delivery thread: what the socket does not take at once waits
+    in a backlog that the request's handler thread writes (blocking) while
+    the delivery thread appends to it. The handler thread waits in wait()
+    until the stream has ended."""
+
+    def __init__(self, sock, chunk, usage_event, include_usage):
+        # chunk(delta, reason) -> an event's bytes; usage_event(output tokens,
+        # cached prompt tokens) -> the usage event's.
+        self.sock, self.chunk, self.usage_event, self.include_usage = sock, chunk, usage_event, include_usage
+        self.cached = 0
+        self.cond = threading.Condition()
+        self.backlog = bytearray()
+        self.flushing = False  # the handler thread is writing backlog bytes
+        self.done = self.gone = False
+
+    def start(self, server, job, text: "_TextOutput") -> None:
+        self.server, self.job, self.text = server, job, text
+
+    def push(self, item) -> None:
+        """The delivery thread: one item of the engine's for this request."""
+        if self.done:
+            return
+        try:
+            if item[0] == "error":
+                raise RequestError(400, item[1], None)
+            if item[0] == "failed":
+                raise RequestError(503, item[1], None, kind="server_error")
+            _, tokens, finished, cached, error = item
+            delta, reason, n, end = self.text.feed(tokens, finished, cached, error)
+            self.cached = max(self.cached, cached)
+            data = self.chunk(delta, reason)
+            if end:
+                data += (self.usage_event(n, self.cached) if self.include_usage else b"") + b"data: [DONE]\n\n"
+        except RequestError as e:
+            data, end = b"data: " + json.dumps({"error": e.body()["error"]}).encode() + b"\n\n", True
+        self._write(data)
+        if end:
+            with self.cond:
+                self.done = True
+                self.cond.notify()
+
+    def _write(self, data: bytes) -> None:
+        with self.cond:
+            if self.gone:
+                return
+            if self.flushing or self.backlog:
+                self.backlog += data
+                self.cond.notify()
+                return
+        try:
+            n = self.sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            n = 0
+        except OSError:  # the client went away: its request is cancelled, its pages freed
+            self._gone()
+            return
+        if n < len(data):
+            with self.cond:
+                self.backlog += data[n:]
+                self.cond.notify()
+
+    def _gone(self) -> None:
+        with self.cond:
+            self.gone = self.done = True
+            self.cond.notify()
+        self.server.cancel(self.job)
+
+    def wait(self) -> None:
+        """The handler thread: writes the backlog until the stream ends."""
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.backlog or self.done)
+                if not self.backlog:
+                    return  # done, everything written (or the client gone)
+                chunk, self.backlog, self.flushing = bytes(self.backlog), bytearray(), True
+            try:
+                self.sock.sendall(chunk)
+            except OSError:
+                self._gone()
+                return
+            finally:
+                with self.cond:
+                    self.flushing = False
 
 
 def set_switch_interval() -> None:
@@ -657,8 +784,8 @@ class _Handler(BaseHTTPRequestHandler):
         usage = lambda n: {"prompt_tokens": len(prompt), "completion_tokens": n,
                            "total_tokens": len(prompt) + n,
                            "prompt_tokens_details": {"cached_tokens": cached_box[0]}}
-        gen = s.generate(prompt, params, stop)
         if not stream:
+            gen = s.generate(prompt, params, stop)
             text, reason, n = "", None, 0
             try:
                 for delta, reason, cached, n in gen:
@@ -681,31 +808,51 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def event(choice, extra=None):
+        def event_bytes(choice, extra=None) -> bytes:
             payload = dict(base, object=obj, choices=[choice] if choice else [])
             if extra:
                 payload.update(extra)
-            self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+            return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+        first_box = [True]
+
+        def chunk(delta, reason) -> bytes:
+            if chat:
+                d = {"content": delta}
+                if first_box[0]:
+                    d["role"] = "assistant"
+                choice = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}
+            first_box[0] = False
+            return event_bytes(choice)
+
+        if s.engine is not None:
+            # The local engine: the delivery thread writes this stream's
+            # events as the steps come (_StreamWriter); this thread waits.
+            def usage_event(n, cached):
+                cached_box[0] = cached
+                return event_bytes(None, {"usage": usage(n)})
+
+            self.wfile.flush()
+            s.stream_local(prompt, params, stop, _StreamWriter(self.connection, chunk, usage_event, include_usage))
+            return
+        gen = s.generate(prompt, params, stop)
+
+        def event(data: bytes):
+            self.wfile.write(data)
             self.wfile.flush()
 
         try:
-            first, n = True, 0
+            n = 0
             for delta, reason, cached, n in gen:
                 cached_box[0] = max(cached_box[0], cached)
-                if chat:
-                    d = {"content": delta}
-                    if first:
-                        d["role"] = "assistant"
-                    choice = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
-                else:
-                    choice = {"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}
-                first = False
-                event(choice)
+                event(chunk(delta, reason))
             if include_usage:
-                event(None, {"usage": usage(n)})
+                event(event_bytes(None, {"usage": usage(n)}))
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except RequestError as e:
-            event(None, {"error": e.body()["error"]})
+            event(event_bytes(None, {"error": e.body()["error"]}))
         except (BrokenPipeError, ConnectionResetError):
             gen.close()  # the client went away: its request is cancelled, its pages freed
