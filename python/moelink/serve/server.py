@@ -1,6 +1,7 @@
 """The OpenAI-compatible front: HTTP handler threads parse and check each
 request, an engine thread owns moelink.Engine (adds, cancels, steps) and
-hands every request its tokens through a queue."""
+hands each step's outputs to a delivery thread, which writes every streamed
+request's events and gathers the others' text while the next step runs."""
 
 from __future__ import annotations
 
@@ -85,14 +86,14 @@ class RequestError(Exception):
 
 
 class _Job:
-    """One request between a handler thread and the engine thread."""
+    """One request between a handler thread, the engine thread and the
+    delivery thread, which pushes the engine's items for it to its sink (a
+    _StreamWriter or a _Gathered)."""
 
-    def __init__(self, prompt, params):
-        self.prompt, self.params = prompt, params
-        self.out: "queue.Queue" = queue.Queue()
+    def __init__(self, prompt, params, sink):
+        self.prompt, self.params, self.sink = prompt, params, sink
         self.id: Optional[int] = None
         self.cancelled = False
-        self.sink: Optional["_StreamWriter"] = None  # a streamed request's writer (pushed to)
 
 
 # The local engine's step loop (Server.step_counts): the server's overhead
@@ -333,10 +334,7 @@ class Server:
             if delivery is None:
                 return
             for job, item in delivery:
-                if job.sink is not None:
-                    job.sink.push(item)
-                else:
-                    job.out.put(item)
+                job.sink.push(item)
 
     # ------------------------------------------------------------ requests
 
@@ -422,27 +420,6 @@ class Server:
                       top_p=float(top_p), seed=seed, stop_tokens=[] if ignore_eos else self.stop_ids)
         return prompt, params, stop, stream, include_usage
 
-    def _local_tokens(self, prompt, params, cancel_box):
-        """(new tokens, finished, cached, error) from the local engine."""
-        job = _Job(prompt, params)
-        cancel_box.append(lambda: self.cancel(job))
-        self.submit(job)
-        try:
-            while True:
-                item = job.out.get()
-                if item[0] == "error":
-                    raise RequestError(400, item[1], None)
-                if item[0] == "failed":
-                    raise RequestError(503, item[1], None, kind="server_error")
-                _, tokens, finished, cached, error = item
-                yield tokens, finished, cached, error
-                if finished:
-                    return
-        finally:
-            # Done, or the client went away, or an error ended it: the engine
-            # drops the request if it still has it (also one still queued).
-            self.cancel(job)
-
     def _scheduler_tokens(self, prompt, params, cancel_box):
         """(new tokens, finished, cached, error) from moelink-scheduler's stream."""
         from moelink.scheduler import SchedulerClient, SchedulerError
@@ -473,10 +450,12 @@ class Server:
             client.close()
 
     def generate(self, prompt, params, stop):
-        """Yields (text delta, finish reason or None, cached tokens, output
-        tokens) as the engine makes tokens; stop strings end the text early."""
+        """moelink-scheduler's engines: yields (text delta, finish reason or
+        None, cached tokens, output tokens) as they make tokens; stop
+        strings end the text early. (The local engine's requests go through
+        run_local.)"""
         cancel_box = []
-        source = (self._scheduler_tokens if self.scheduler else self._local_tokens)(prompt, params, cancel_box)
+        source = self._scheduler_tokens(prompt, params, cancel_box)
         out = _TextOutput(self.metrics, self.tokenizer, stop, cancel_box)
         try:
             for tokens, finished, cached, error in source:
@@ -487,16 +466,16 @@ class Server:
         finally:
             source.close()  # a client that went away: the request is cancelled
 
-    def stream_local(self, prompt, params, stop, writer: "_StreamWriter") -> None:
-        """A streamed request on the local engine: the delivery thread feeds
-        its tokens to `writer`, which writes its events; returns when the
-        stream has ended (its last bytes written, or the client gone)."""
-        job = _Job(prompt, params)
-        writer.start(self, job, _TextOutput(self.metrics, self.tokenizer, stop, [lambda: self.cancel(job)]))
-        job.sink = writer
+    def run_local(self, prompt, params, stop, sink) -> None:
+        """A request on the local engine whose outputs the delivery thread
+        pushes to `sink` (a _StreamWriter writes a stream's events, a
+        _Gathered gathers the text); returns when the request has ended
+        (a stream's last bytes written, or its client gone)."""
+        job = _Job(prompt, params, sink)
+        sink.start(self, job, _TextOutput(self.metrics, self.tokenizer, stop, [lambda: self.cancel(job)]))
         self.submit(job)
         try:
-            writer.wait()
+            sink.wait()
         finally:
             self.cancel(job)  # the engine drops it if it still has it
 
@@ -556,6 +535,47 @@ class _TextOutput:
         return delta, reason, len(self.out_ids), end
 
 
+class _Gathered:
+    """A non-streamed request's text, gathered by the delivery thread as the
+    steps come (its handler thread sleeps until the end): text, finish
+    reason, output tokens, cached prompt tokens, or the RequestError that
+    ended it."""
+
+    def __init__(self):
+        self.text, self.reason, self.n, self.cached = "", None, 0, 0
+        self.error: Optional[RequestError] = None
+        self._done = threading.Event()
+
+    def start(self, server, job, text: "_TextOutput") -> None:
+        self._out = text
+
+    def push(self, item) -> None:
+        if self._done.is_set():
+            return
+        try:
+            _raise_engine_error(item)
+            _, tokens, finished, cached, error = item
+            delta, self.reason, self.n, end = self._out.feed(tokens, finished, cached, error)
+            self.text += delta
+            self.cached = max(self.cached, cached)
+        except RequestError as e:
+            self.error, end = e, True
+        if end:
+            self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+
+
+def _raise_engine_error(item) -> None:
+    """The RequestError of an engine thread's item that is not tokens: a
+    request the engine refused (400), or an engine that failed (503)."""
+    if item[0] == "error":
+        raise RequestError(400, item[1], None)
+    if item[0] == "failed":
+        raise RequestError(503, item[1], None, kind="server_error")
+
+
 class _StreamWriter:
     """A streamed response's events, written by the delivery thread as each
     step's tokens come (push), so that a step does not wake one handler
@@ -584,10 +604,7 @@ class _StreamWriter:
         if self.done:
             return
         try:
-            if item[0] == "error":
-                raise RequestError(400, item[1], None)
-            if item[0] == "failed":
-                raise RequestError(503, item[1], None, kind="server_error")
+            _raise_engine_error(item)
             _, tokens, finished, cached, error = item
             delta, reason, n, end = self.text.feed(tokens, finished, cached, error)
             self.cached = max(self.cached, cached)
@@ -785,12 +802,18 @@ class _Handler(BaseHTTPRequestHandler):
                            "total_tokens": len(prompt) + n,
                            "prompt_tokens_details": {"cached_tokens": cached_box[0]}}
         if not stream:
-            gen = s.generate(prompt, params, stop)
             text, reason, n = "", None, 0
             try:
-                for delta, reason, cached, n in gen:
-                    text += delta
-                    cached_box[0] = max(cached_box[0], cached)
+                if s.engine is not None:  # gathered by the delivery thread; this thread waits
+                    got = _Gathered()
+                    s.run_local(prompt, params, stop, got)
+                    if got.error is not None:
+                        raise got.error
+                    text, reason, n, cached_box[0] = got.text, got.reason, got.n, got.cached
+                else:
+                    for delta, reason, cached, n in s.generate(prompt, params, stop):
+                        text += delta
+                        cached_box[0] = max(cached_box[0], cached)
             except RequestError as e:
                 self._error(e)
                 return
@@ -835,7 +858,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return event_bytes(None, {"usage": usage(n)})
 
             self.wfile.flush()
-            s.stream_local(prompt, params, stop, _StreamWriter(self.connection, chunk, usage_event, include_usage))
+            s.run_local(prompt, params, stop, _StreamWriter(self.connection, chunk, usage_event, include_usage))
             return
         gen = s.generate(prompt, params, stop)
 
