@@ -122,3 +122,12 @@ def test_an_error_ends_the_stream_with_an_error_event(item, status):
     assert events[0].startswith(b"data:  w3") and b'"error"' in events[1] and status.encode() in events[1]
     assert b"[DONE]" not in b"".join(got)
     b.close()
+
+
+def test_a_socket_with_a_timeout_is_refused():
+    a, b = socket.socketpair()
+    a.settimeout(5.0)  # its sends would wait for room, MSG_DONTWAIT or not
+    with pytest.raises(ValueError, match="blocking socket"):
+        _writer(a, 3)
+    a.close()
+    b.close()

@@ -589,6 +589,10 @@ class _StreamWriter:
     def __init__(self, sock, chunk, usage_event, include_usage):
         # chunk(delta, reason) -> an event's bytes; usage_event(output tokens,
         # cached prompt tokens) -> the usage event's.
+        # A socket with a timeout would wait in send() (Python polls it
+        # before a retry), MSG_DONTWAIT or not: the connection stays blocking.
+        if sock.gettimeout() is not None:
+            raise ValueError("moelink: _StreamWriter needs a blocking socket (no timeout)")
         self.sock, self.chunk, self.usage_event, self.include_usage = sock, chunk, usage_event, include_usage
         self.cached = 0
         self.cond = threading.Condition()
