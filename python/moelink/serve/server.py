@@ -481,10 +481,11 @@ class Server:
 
 
 class _TextOutput:
-    """A request's output as text, fed one step's tokens at a time (a
-    handler's generate(), or the delivery thread for a _StreamWriter): the
-    text so far, stop strings (the text ends before the first; the engine's
-    request is cancelled through cancel_box), the request's metrics."""
+    """A request's output as text, fed one step's tokens at a time
+    (generate() for the scheduler's engines; the delivery thread for the
+    local engine's _StreamWriter and _Gathered): the text so far, stop
+    strings (the text ends before the first; the engine's request is
+    cancelled through cancel_box), the request's metrics."""
 
     def __init__(self, metrics, tokenizer, stop, cancel_box):
         with metrics.lock:
