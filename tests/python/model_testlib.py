@@ -28,11 +28,10 @@ def greedy_alone(model_dir, prompt_ids, max_tokens, eos=1, backend="cpu"):
 def greedy_runs(model_dir, prompt_ids, max_tokens, runs, eos=1, backend="cpu"):
     """The greedy tokens of `runs` requests of one prompt, one after another
     on one engine of its own: the second and later find the prompt's full
-    pages in the prefix cache and prefill only the rest. On a GPU that rest
-    runs through GEMMs of other shapes (bf16 rounds differently), which can
-    turn a near-tie between two tokens the other way some tokens later; a
-    server's repeated request takes the same path. On the CPU every run
-    gives the same tokens."""
+    pages in the prefix cache and prefill only the rest, as a server's
+    repeated request does (the reference for it where a GPU's roundings
+    could differ between the two paths; on an H100 the tiny model's runs
+    gave the same tokens, 2026-12-07)."""
     import moelink
     model = moelink.Model(f"{model_dir}/config.json", backend=backend, max_tokens=48, num_pages=8,
                           page_size=16, max_requests=1, max_pages_per_request=6,

@@ -40,8 +40,7 @@ def test_disaggregated_requests_give_the_models_own_tokens(pd_cluster):
                "w300 w301 w302 w303", "w7"]
     for p in prompts:
         # The second request of a prompt finds its full pages cached on both
-        # workers, as the reference's second run does on its one engine
-        # (greedy_runs: on a GPU a near-tie may go another way after that).
+        # workers, as the reference's second run does on its one engine.
         want, want_again = (tok.decode(t) for t in greedy_runs(
             model_dir, tok.encode(p, add_special_tokens=False).ids, 7, 2, backend=serving.options.backend))
         r = client.completions.create(model=serving.front.model_name, prompt=p, max_tokens=7, temperature=0)
