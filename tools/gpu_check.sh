@@ -21,6 +21,10 @@
 #   under load (MOELINK_SERVE_BENCH_ARGS replaces the default 64 requests a
 #   cell at concurrency 1, 16 and 64, 64 output tokens; the model step's
 #   model.json, when there, gives the bare step beside it).
+#   serve-rate (not in the default): the same server under Poisson
+#   arrivals (issue 35's request rates): 2, 8 and 32 requests/s, at most
+#   64 in flight, 64 requests of 64 tokens a cell, both traces, cache on
+#   (serve-rate.json).
 #   pd-gpu (not in the default): the P/D hand-off tests on the nvlink
 #   backend (KV caches in GPU memory) with .deps/libfabric-cuda.tar.xz's
 #   libfabric (FI_HMEM CUDA) preloaded; where moelink-scheduler is built,
@@ -87,14 +91,14 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 steps=${*:-build test python sanitize bench internode experts}
 known="build test python sanitize bench internode experts layer model model-sanitize serve serve-batch128
-  serve-vs-bare serve-switch pd-gpu attention seesaw head-gemm split-k vllm wheel fabric"
+  serve-vs-bare serve-switch serve-rate pd-gpu attention seesaw head-gemm split-k vllm wheel fabric"
 for s in $steps; do  # a misspelt step would otherwise run nothing and pass
   [[ " $(echo $known) " == *" $s "* ]] || { echo "gpu_check.sh: unknown step '$s' (steps: $(echo $known))" >&2; exit 2; }
 done
 bdir=${MOELINK_BUILD_DIR:-build-gpu}
 source "$root/tools/device_env.sh"
 python_build=OFF
-{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has serve-vs-bare || has serve-switch || has pd-gpu || has attention || has seesaw || has head-gemm || has split-k || has vllm; } && python_build=ON
+{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has serve-vs-bare || has serve-switch || has serve-rate || has pd-gpu || has attention || has seesaw || has head-gemm || has split-k || has vllm; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
@@ -356,6 +360,11 @@ if has head-gemm; then
         --json "$OUT/head-gemm-model-$g-r$round.json" 2>&1 | tail -8 || status=1
     done
   done
+fi
+if has serve-rate; then
+  echo "== moelink-serve under Poisson arrivals: 2, 8 and 32 requests/s"
+  serve_bench serve-rate --rate 2,8,32 --requests 64 --concurrency 64 --max-tokens 64 \
+    --traces shared-prefix,multi-turn --cache on
 fi
 if has serve-batch128; then
   echo "== moelink-serve decoding 128 requests at once (issue 35's batch-128 rate against the bare step)"
