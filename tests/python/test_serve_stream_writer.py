@@ -5,7 +5,8 @@ take waits in a backlog that the request's handler thread writes. Over a
 socket pair whose reader stalls: every byte arrives, in order, the
 delivery thread's pushes return at once, wait() returns only once all is
 written; a reader that goes away ends the stream and cancels the request;
-an engine error ends it with an error event."""
+an engine error ends it with an error event; one request's output that
+raises ends that request alone (the delivery thread goes on)."""
 
 import socket
 import threading
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from moelink.serve.server import RequestError, _StreamWriter
+from moelink.serve.server import RequestError, _deliver, _Gathered, _StreamWriter
 
 
 class _Text:
@@ -130,4 +131,28 @@ def test_a_socket_with_a_timeout_is_refused():
     with pytest.raises(ValueError, match="blocking socket"):
         _writer(a, 3)
     a.close()
+    b.close()
+
+
+class _Job:
+    def __init__(self, sink):
+        self.sink = sink
+
+
+def test_a_sink_that_raises_ends_its_request_alone():
+    a, b = socket.socketpair()
+    bad, server, _ = _writer(a, 5)
+    bad.chunk = lambda delta, reason: 1 / 0  # a bug in one request's output
+    good = _Gathered()
+    good.start(server, None, _Text(2))
+    jobs = [_Job(bad), _Job(good)]
+    _deliver([(jobs[0], ("tokens", [1], "", 0, "")), (jobs[1], ("tokens", [1], "", 0, ""))], server)
+    _deliver([(jobs[1], ("tokens", [2], "length", 0, ""))], server)
+    bad.wait()
+    good.wait()
+    assert server.cancelled == [jobs[0]] and good.error is None and good.text == " w1 w2" and good.reason == "length"
+    a.close()
+    got = []
+    _read_all(b, got)
+    assert b"ZeroDivisionError" in b"".join(got) and b"server_error" in b"".join(got)
     b.close()

@@ -333,8 +333,7 @@ class Server:
             delivery = self._outbox.get()
             if delivery is None:
                 return
-            for job, item in delivery:
-                job.sink.push(item)
+            _deliver(delivery, self)
 
     # ------------------------------------------------------------ requests
 
@@ -564,8 +563,27 @@ class _Gathered:
         if end:
             self._done.set()
 
+    def fail(self, why: str) -> None:
+        """Ends the request with a server error (_deliver)."""
+        if not self._done.is_set():
+            self.error = RequestError(500, f"moelink-serve failed the request: {why}", None, kind="server_error")
+            self._done.set()
+
     def wait(self) -> None:
         self._done.wait()
+
+
+def _deliver(delivery, server) -> None:
+    """The delivery thread's round: each (job, item) to its job's sink. A
+    sink that raises (a bug in one request's output) ends that request
+    with an error and a cancel; the others' go on (no stream may hang on
+    another's failure)."""
+    for job, item in delivery:
+        try:
+            job.sink.push(item)
+        except Exception as e:
+            server.cancel(job)
+            job.sink.fail(f"{type(e).__name__}: {e}")
 
 
 def _raise_engine_error(item) -> None:
@@ -575,6 +593,10 @@ def _raise_engine_error(item) -> None:
         raise RequestError(400, item[1], None)
     if item[0] == "failed":
         raise RequestError(503, item[1], None, kind="server_error")
+
+
+def _error_event(e: RequestError) -> bytes:
+    return b"data: " + json.dumps({"error": e.body()["error"]}).encode() + b"\n\n"
 
 
 class _StreamWriter:
@@ -617,12 +639,22 @@ class _StreamWriter:
             if end:
                 data += (self.usage_event(n, self.cached) if self.include_usage else b"") + b"data: [DONE]\n\n"
         except RequestError as e:
-            data, end = b"data: " + json.dumps({"error": e.body()["error"]}).encode() + b"\n\n", True
+            data, end = _error_event(e), True
         self._write(data)
         if end:
-            with self.cond:
-                self.done = True
-                self.cond.notify()
+            self._end()
+
+    def fail(self, why: str) -> None:
+        """Ends the stream with a server error event (_deliver)."""
+        if not self.done:
+            self._write(_error_event(RequestError(500, f"moelink-serve failed the request: {why}", None,
+                                                  kind="server_error")))
+            self._end()
+
+    def _end(self) -> None:
+        with self.cond:
+            self.done = True
+            self.cond.notify()
 
     def _write(self, data: bytes) -> None:
         with self.cond:
