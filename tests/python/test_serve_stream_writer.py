@@ -14,21 +14,19 @@ import time
 
 import pytest
 
-from moelink.serve.server import RequestError, _deliver, _Gathered, _StreamWriter
+from moelink.serve.server import _deliver, _Gathered, _Metrics, _StreamWriter, _TextOutput
 
 
-class _Text:
-    """_TextOutput's part the writer uses: a token's text, the end after `n`."""
+class _WordTokenizer:
+    """Token t reads " w<t>" (the tiny model's tokenizer's shape)."""
 
-    def __init__(self, n):
-        self.n, self.seen = n, 0
+    def decode(self, ids):
+        return "".join(f" w{t}" for t in ids)
 
-    def feed(self, tokens, finished, cached, error):
-        if finished == "error":
-            raise RequestError(500, f"the engine failed: {error}", None, kind="server_error")
-        self.seen += len(tokens)
-        end = self.seen >= self.n
-        return "".join(f" w{t}" for t in tokens), "length" if end else None, self.seen, end
+
+def _text():
+    """The request's text as the server keeps it (no stop strings)."""
+    return _TextOutput(_Metrics(), _WordTokenizer(), [], [])
 
 
 class _Server:
@@ -39,11 +37,11 @@ class _Server:
         self.cancelled.append(job)
 
 
-def _writer(sock, n, include_usage=True):
+def _writer(sock, include_usage=True):
     w = _StreamWriter(sock, lambda delta, reason: b"data: %s|%s\n\n" % (delta.encode() * 40, str(reason).encode()),
                       lambda n, cached: b"data: usage %d %d\n\n" % (n, cached), include_usage)
     server, job = _Server(), object()
-    w.start(server, job, _Text(n))
+    w.start(server, job, _text())
     return w, server, job
 
 
@@ -65,7 +63,7 @@ def _read_all(sock, out):
 def test_a_stalled_reader_gets_every_event_in_order_and_pushes_never_block():
     a, b = _pair()
     n = 300  # events of about 300 bytes: far beyond the socket's buffers
-    w, server, _ = _writer(a, n)
+    w, server, _ = _writer(a)
     waiter = threading.Thread(target=w.wait)
     waiter.start()
     slowest = 0.0
@@ -93,7 +91,7 @@ def test_a_stalled_reader_gets_every_event_in_order_and_pushes_never_block():
 
 def test_a_reader_that_goes_away_ends_the_stream_and_cancels_the_request():
     a, b = _pair()
-    w, server, job = _writer(a, 10 ** 6)
+    w, server, job = _writer(a)
     waiter = threading.Thread(target=w.wait)
     waiter.start()
     b.close()
@@ -112,7 +110,7 @@ def test_a_reader_that_goes_away_ends_the_stream_and_cancels_the_request():
                                           (("failed", "the engine failed"), "the engine failed")])
 def test_an_error_ends_the_stream_with_an_error_event(item, status):
     a, b = socket.socketpair()
-    w, server, _ = _writer(a, 10)
+    w, server, _ = _writer(a)
     w.push(("tokens", [3], "", 0, ""))
     w.push(item)
     w.wait()
@@ -129,7 +127,7 @@ def test_a_socket_with_a_timeout_is_refused():
     a, b = socket.socketpair()
     a.settimeout(5.0)  # its sends would wait for room, MSG_DONTWAIT or not
     with pytest.raises(ValueError, match="blocking socket"):
-        _writer(a, 3)
+        _writer(a)
     a.close()
     b.close()
 
@@ -141,10 +139,10 @@ class _Job:
 
 def test_a_sink_that_raises_ends_its_request_alone():
     a, b = socket.socketpair()
-    bad, server, _ = _writer(a, 5)
+    bad, server, _ = _writer(a)
     bad.chunk = lambda delta, reason: 1 / 0  # a bug in one request's output
     good = _Gathered()
-    good.start(server, None, _Text(2))
+    good.start(server, None, _text())
     jobs = [_Job(bad), _Job(good)]
     _deliver([(jobs[0], ("tokens", [1], "", 0, "")), (jobs[1], ("tokens", [1], "", 0, ""))], server)
     _deliver([(jobs[1], ("tokens", [2], "length", 0, ""))], server)

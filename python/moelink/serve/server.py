@@ -207,10 +207,10 @@ class Server:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._engine_thread = threading.Thread(target=self._engine_loop, name="moelink-engine", daemon=True)
-        # A step's outputs go to their requests' queues from a thread of
+        # A step's outputs go to their requests' sinks from a thread of
         # their own (_deliver_loop), while the engine thread runs the next
         # step (which releases the GIL): the engine thread hands over one
-        # list a step instead of waking every handler thread itself.
+        # list a step instead of touching every request itself.
         self._outbox: "queue.Queue" = queue.Queue()
         self._deliver_thread = threading.Thread(target=self._deliver_loop, name="moelink-deliver", daemon=True)
         self._http: Optional[ThreadingHTTPServer] = None
@@ -328,7 +328,7 @@ class Server:
                 self._outbox.put(delivery)
 
     def _deliver_loop(self) -> None:
-        """Puts each step's outputs on their requests' queues, in order."""
+        """Pushes each step's outputs to their requests' sinks, in order."""
         while True:
             delivery = self._outbox.get()
             if delivery is None:
@@ -493,6 +493,18 @@ class _TextOutput:
         self.t0 = self.last = time.monotonic()
         self.out_ids, self.text, self.sent = [], _IncrementalText(tokenizer), 0
         self.longest_stop = max((len(x) for x in stop), default=0)
+        self.cached = 0  # prompt tokens the prefix cache held (the largest count reported)
+
+    def feed_item(self, item):
+        """feed() of an engine thread's item: ("tokens", tokens, finished,
+        cached, error), or the RequestError of a request the engine refused
+        ("error": 400) or of an engine that failed ("failed": 503)."""
+        if item[0] == "error":
+            raise RequestError(400, item[1], None)
+        if item[0] == "failed":
+            raise RequestError(503, item[1], None, kind="server_error")
+        _, tokens, finished, cached, error = item
+        return self.feed(tokens, finished, cached, error)
 
     def feed(self, tokens, finished, cached, error):
         """(text delta, finish reason or None, output tokens, whether the
@@ -510,6 +522,7 @@ class _TextOutput:
             m.cached_tokens += cached
         self.last = now
         self.out_ids += tokens
+        self.cached = max(self.cached, cached)
         if finished == "error":
             raise RequestError(500, f"the engine failed: {error}", None, kind="server_error")
         checked = len(self.text.text)  # the text before it held no stop string
@@ -542,7 +555,7 @@ class _Gathered:
     ended it."""
 
     def __init__(self):
-        self.text, self.reason, self.n, self.cached = "", None, 0, 0
+        self.text, self.reason, self.n = "", None, 0
         self.error: Optional[RequestError] = None
         self._done = threading.Event()
 
@@ -553,11 +566,8 @@ class _Gathered:
         if self._done.is_set():
             return
         try:
-            _raise_engine_error(item)
-            _, tokens, finished, cached, error = item
-            delta, self.reason, self.n, end = self._out.feed(tokens, finished, cached, error)
+            delta, self.reason, self.n, end = self._out.feed_item(item)
             self.text += delta
-            self.cached = max(self.cached, cached)
         except RequestError as e:
             self.error, end = e, True
         if end:
@@ -572,6 +582,10 @@ class _Gathered:
     def wait(self) -> None:
         self._done.wait()
 
+    @property
+    def cached(self) -> int:
+        return self._out.cached
+
 
 def _deliver(delivery, server) -> None:
     """The delivery thread's round: each (job, item) to its job's sink. A
@@ -584,15 +598,6 @@ def _deliver(delivery, server) -> None:
         except Exception as e:
             server.cancel(job)
             job.sink.fail(f"{type(e).__name__}: {e}")
-
-
-def _raise_engine_error(item) -> None:
-    """The RequestError of an engine thread's item that is not tokens: a
-    request the engine refused (400), or an engine that failed (503)."""
-    if item[0] == "error":
-        raise RequestError(400, item[1], None)
-    if item[0] == "failed":
-        raise RequestError(503, item[1], None, kind="server_error")
 
 
 def _error_event(e: RequestError) -> bytes:
@@ -617,7 +622,6 @@ class _StreamWriter:
         if sock.gettimeout() is not None:
             raise ValueError("moelink: _StreamWriter needs a blocking socket (no timeout)")
         self.sock, self.chunk, self.usage_event, self.include_usage = sock, chunk, usage_event, include_usage
-        self.cached = 0
         self.cond = threading.Condition()
         self.backlog = bytearray()
         self.flushing = False  # the handler thread is writing backlog bytes
@@ -631,13 +635,11 @@ class _StreamWriter:
         if self.done:
             return
         try:
-            _raise_engine_error(item)
-            _, tokens, finished, cached, error = item
-            delta, reason, n, end = self.text.feed(tokens, finished, cached, error)
-            self.cached = max(self.cached, cached)
+            delta, reason, n, end = self.text.feed_item(item)
             data = self.chunk(delta, reason)
             if end:
-                data += (self.usage_event(n, self.cached) if self.include_usage else b"") + b"data: [DONE]\n\n"
+                usage = self.usage_event(n, self.text.cached) if self.include_usage else b""
+                data += usage + b"data: [DONE]\n\n"
         except RequestError as e:
             data, end = _error_event(e), True
         self._write(data)
