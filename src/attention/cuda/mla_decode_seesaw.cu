@@ -48,6 +48,7 @@
 #include "attention/cuda/tma.cuh"
 #include "attention/cuda/tma_map.h"
 #include "attention/cuda/wgmma.cuh"
+#include "core/arg_checks.h"
 #include "nvlink/cuda_check.h"
 
 namespace moelink::detail::attention {
@@ -64,14 +65,16 @@ constexpr int kRotaryAtom = kLatent / 64;             // atom 8: a tile's rotary
 constexpr uint32_t kTile = (kRow / 64) * kAtomBlock;  // 64 rows x 576 dims: 72 KB
 constexpr uint32_t kPOffset = kRotaryAtom * kAtomBlock;
 constexpr uint32_t kRedBytes = 4 * kHeads * 4;  // the published maxima and the row sums
-constexpr uint32_t kBarrierBytes = 4 * 8;       // a transaction barrier per tile and load group
+constexpr int kAtoms = kRow / 64;               // 9 atoms of 64 dims a row
+constexpr uint32_t kBarrierBytes = 2 * kAtoms * 8;  // transaction barriers: per tile and load group, or per atom
 constexpr size_t kSmemBytes = 3 * size_t(kTile) + kRedBytes + kBarrierBytes + 1024;  // + alignment to 1024
 static_assert(kSmemBytes <= 227 * 1024, "past a Hopper block's shared memory");
 
-// Named barriers: P0 ready (wg 0 arrives, wg 1 waits), P1 ready (the
-// reverse), and each warpgroup's own (before it refills a group or uses
-// the rows it zeroed).
-enum Barrier : int { kP0Ready = 1, kP1Ready, kOwnSync };
+// Named barriers: P0 ready (wg 0 arrives, wg 1 waits; own-first: wg 0's
+// maxima only), P1 ready (the reverse), each warpgroup's own (before it
+// refills a group or uses the rows it zeroed), and own-first's P0 stored
+// (wg 0's P0 on wg 1's maxima in shared memory).
+enum Barrier : int { kP0Ready = 1, kP1Ready, kOwnSync, kP0Stored = kOwnSync + 2 };
 
 __device__ __forceinline__ float base_of(float m) { return m == -INFINITY ? 0.0f : m; }
 
@@ -93,6 +96,13 @@ __device__ __forceinline__ int group_atom(int group, int i) { return i < 4 ? 4 *
 
 // box_rows: the tensor map's box height, gcd(page_size, 64) (a box never
 // crosses a page).
+// kAtomWaits: a transaction barrier per atom (the scorer starts on an atom
+// as soon as it lands) rather than per load group.
+// kOwnFirst: warpgroup 1 multiplies its own stage first (P1 V1, then P0 V0
+// with wg 0's P0 rescaled to wg 1's maxima by wg 0), so its half of tile
+// 1 is refilled early in the pair rather than at its end; else the other's
+// stage first (P0 V0 under its own softmax, then P1 V1).
+template <bool kOwnFirst, bool kAtomWaits>
 __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs a, void* workspace,
                                                                     int inner_head_blocks, int box_rows,
                                                                     const __grid_constant__ CUtensorMap cache_map) {
@@ -105,7 +115,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   const uint32_t q_tile = base, tiles = base + kTile;
   float* max_pub = reinterpret_cast<float*>(smem_raw + (base + 3 * kTile - raw));  // [2 warpgroups][64 heads]
   float* red_sum = max_pub + 2 * kHeads;                                           // [2 warpgroups][64 heads]
-  const uint32_t barriers = base + 3 * kTile + kRedBytes;  // [tile][group], 8 bytes each
+  const uint32_t barriers = base + 3 * kTile + kRedBytes;  // [tile][group] or [tile][atom], 8 bytes each
 
   // The grid as mla_decode_wgmma.cu's (inner_head_blocks > 0: a row's head blocks side by side).
   const int64_t r = inner_head_blocks > 0 ? blockIdx.x / inner_head_blocks : blockIdx.x;
@@ -129,15 +139,22 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   const int pairs = (stages + 1) / 2;
   const int32_t* block_row = a.block_table + static_cast<int64_t>(request) * a.block_stride;
   const uint32_t my_tile = tiles + wg * kTile, other_tile = tiles + (1 - wg) * kTile;
-  auto barrier_of = [&](int tile, int group) { return barriers + (2 * tile + group) * 8; };
+  // The barrier a group's atom completes on.
+  auto barrier_of = [&](int tile, int group, int atom) {
+    return barriers + (kAtomWaits ? kAtoms * tile + atom : 2 * tile + group) * 8;
+  };
 
   // Group `group` of stage `stage`'s tile <- its keys, by TMA (one thread):
   // boxes of box_rows keys, each inside a page; boxes past the range's end
   // repeat the range's last box (masked, their values zeroed before use).
   auto load_group = [&](int stage, int group) {
     const int tile = stage & 1, atoms = group_atoms(tile, group);
-    const uint32_t bar = barrier_of(tile, group), dst = tiles + tile * kTile;
-    tma::arrive_expect_tx(bar, atoms * kAtomBlock);
+    const uint32_t dst = tiles + tile * kTile;
+    if (kAtomWaits) {
+      for (int i = 0; i < atoms; ++i) tma::arrive_expect_tx(barrier_of(tile, group, group_atom(group, i)), kAtomBlock);
+    } else {
+      tma::arrive_expect_tx(barrier_of(tile, group, 0), atoms * kAtomBlock);
+    }
     const int64_t k0 = range.begin + static_cast<int64_t>(stage) * kKeysPerStage;
     const int64_t last_box = (range.end - 1) / box_rows * box_rows;
     for (int j = 0; j < kKeysPerStage / box_rows; ++j) {
@@ -146,12 +163,13 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
                                                      k % a.page_size);
       for (int i = 0; i < atoms; ++i) {
         const int atom = group_atom(group, i);
-        tma::load_2d(dst + atom * kAtomBlock + j * box_rows * 128, &cache_map, atom * 64, cache_row, bar);
+        tma::load_2d(dst + atom * kAtomBlock + j * box_rows * 128, &cache_map, atom * 64, cache_row,
+                     barrier_of(tile, group, atom));
       }
     }
   };
   if (tid == 0) {
-    for (int b = 0; b < 4; ++b) tma::barrier_init(barriers + b * 8, 1);
+    for (int b = 0; b < (kAtomWaits ? 2 * kAtoms : 4); ++b) tma::barrier_init(barriers + b * 8, 1);
     tma::fence_barrier_init();
     tma::prefetch_map(&cache_map);
     for (int stage = 0; stage < 2; ++stage)  // stage 1 may lie past the range: masked
@@ -198,14 +216,33 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
         mma_64x64_ss(sc, smem_desc(q_tile + atom * kAtomBlock + k * 32, 16, 1024),
                      smem_desc(my_tile + atom * kAtomBlock + k * 32, 16, 1024));
     };
-    tma::wait_parity(barrier_of(wg, wg), parity);  // this warpgroup's group: its latent half
-    wgmma_fence();
+    // This warpgroup's group (its latent half) first, then the other's
+    // (the other latent half and the rotary atom), waiting for a group at
+    // once or for each atom as it comes. Straight-line code: a loop with
+    // a conditional wait made ptxas serialize the MMAs (C7520).
+    if constexpr (kAtomWaits) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) score_atom(group_atom(wg, i));
-    tma::wait_parity(barrier_of(wg, 1 - wg), parity);  // the other's: the other latent half and the rotary atom
-    wgmma_fence();
+      for (int i = 0; i < 4; ++i) {
+        tma::wait_parity(barrier_of(wg, wg, group_atom(wg, i)), parity);
+        wgmma_fence();
+        score_atom(group_atom(wg, i));
+      }
 #pragma unroll
-    for (int i = 0; i < 5; ++i) score_atom(group_atom(1 - wg, i));
+      for (int i = 0; i < 5; ++i) {
+        tma::wait_parity(barrier_of(wg, 1 - wg, group_atom(1 - wg, i)), parity);
+        wgmma_fence();
+        score_atom(group_atom(1 - wg, i));
+      }
+    } else {
+      tma::wait_parity(barrier_of(wg, wg, 0), parity);
+      wgmma_fence();
+#pragma unroll
+      for (int i = 0; i < 4; ++i) score_atom(group_atom(wg, i));
+      tma::wait_parity(barrier_of(wg, 1 - wg, 0), parity);
+      wgmma_fence();
+#pragma unroll
+      for (int i = 0; i < 5; ++i) score_atom(group_atom(1 - wg, i));
+    }
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(sc);
@@ -213,7 +250,15 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   };
   // P = exp2(S - base) into pa (bf16) and this tile's P atom; returns the
   // rows' sums of this thread's share.
-  auto probabilities = [&](const float (&b)[2], float (&sum)[2]) {
+  auto store_p = [&](int j, uint32_t lo, uint32_t hi) {  // n8 tile j's two rows into this tile's P atom
+    const int col = j * 8 + c2;
+    const uint32_t in_piece = (col % 8) * 2;
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(my_tile + kPOffset + tile_offset(row0, col / 8) + in_piece),
+                 "r"(lo));
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(my_tile + kPOffset + tile_offset(row1, col / 8) + in_piece),
+                 "r"(hi));
+  };
+  auto probabilities = [&](const float (&b)[2], float (&sum)[2], bool to_shared) {
     sum[0] = sum[1] = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -225,13 +270,16 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       const uint32_t lo = pack_bf16(p0, p1), hi = pack_bf16(p2, p3);
       pa[4 * (j / 2) + 2 * (j % 2)] = lo;
       pa[4 * (j / 2) + 2 * (j % 2) + 1] = hi;
-      const int col = j * 8 + c2;
-      const uint32_t in_piece = (col % 8) * 2;
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(my_tile + kPOffset + tile_offset(row0, col / 8) + in_piece),
-                   "r"(lo));
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(my_tile + kPOffset + tile_offset(row1, col / 8) + in_piece),
-                   "r"(hi));
+      if (to_shared) store_p(j, lo, hi);
     }
+    if (to_shared) fence_proxy_async();
+  };
+  // P = exp2(S - b) into this tile's P atom only (own-first's P0 on wg 1's maxima).
+  auto store_rescaled = [&](const float (&b)[2]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      store_p(j, pack_bf16(exp2f(sc[4 * j] - b[0]), exp2f(sc[4 * j + 1] - b[0])),
+              pack_bf16(exp2f(sc[4 * j + 2] - b[1]), exp2f(sc[4 * j + 3] - b[1])));
     fence_proxy_async();
   };
   // Before this warpgroup's P V of stage `stage`: its values (atoms 4 wg ..
@@ -296,14 +344,82 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     const bool refill_next = p + 1 < pairs;
     float mx[2], sum[2];
     scores(2 * p + wg, mx);
-    if (wg == 0) {
+    if constexpr (kOwnFirst) {
+      // wg 0: P0 (own maxima m0) V0_L, then P1 V1_L after rescaling to
+      // m1; it stores P0 for wg 1 only once m1 is known, on m1.
+      // wg 1: P1 (m1 = max(m0, its scores)) V1_R, then P0 V0_R; one
+      // rescale of its accumulator a pair.
+      if (wg == 0) {
+        float m0[2], b0[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          m0[h] = fmaxf(run_max[h], mx[h]);
+          b0[h] = base_of(m0[h]);
+        }
+        publish_max(m0);
+        barrier_arrive(kP0Ready, kThreads);  // m0
+        probabilities(b0, sum, false);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) run_sum[h] = run_sum[h] * exp2f(run_max[h] - b0[h]) + sum[h];
+        scale_rows(out, exp2f(run_max[0] - b0[0]), exp2f(run_max[1] - b0[1]));
+        zero_tail(2 * p);
+        issue_pv_own(my_tile);
+        barrier_sync(kP1Ready, kThreads);  // wg 1's maxima m1 and P1
+        float m1[2], b1[2];
+        read_max(1, m1);
+        b1[0] = base_of(m1[0]), b1[1] = base_of(m1[1]);
+        store_rescaled(b1);
+        barrier_arrive(kP0Stored, kThreads);
+        wgmma_wait<0>();
+        fence_registers(out);
+        fence_registers(pa);
+        if (refill_next) refill(2 * p + 2);  // tile 0's values 0-255: read
+        const float g0 = exp2f(m0[0] - b1[0]), g1 = exp2f(m0[1] - b1[1]);
+        run_sum[0] *= g0, run_sum[1] *= g1;
+        scale_rows(out, g0, g1);
+        zero_tail(2 * p + 1);
+        issue_pv_other(other_tile);
+        wgmma_wait<0>();
+        fence_registers(out);
+        if (refill_next) refill(2 * p + 3);  // tile 1's values 0-255 and P1: read
+        run_max[0] = m1[0], run_max[1] = m1[1];
+      } else {
+        barrier_sync(kP0Ready, kThreads);  // wg 0's maxima m0
+        float m0[2], m1[2], b1[2];
+        read_max(0, m0);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          m1[h] = fmaxf(m0[h], mx[h]);
+          b1[h] = base_of(m1[h]);
+        }
+        probabilities(b1, sum, true);
+        publish_max(m1);
+        barrier_arrive(kP1Ready, kThreads);
+        const float f0 = exp2f(run_max[0] - b1[0]), f1 = exp2f(run_max[1] - b1[1]);
+        run_sum[0] = run_sum[0] * f0 + sum[0];
+        run_sum[1] = run_sum[1] * f1 + sum[1];
+        scale_rows(out, f0, f1);
+        zero_tail(2 * p + 1);
+        issue_pv_own(my_tile);
+        zero_tail(2 * p);
+        barrier_sync(kP0Stored, kThreads);  // wg 0's P0 on m1
+        issue_pv_other(other_tile);
+        wgmma_wait<1>();
+        fence_registers(pa);
+        if (refill_next) refill(2 * p + 3);  // tile 1's values 256-511: read
+        wgmma_wait<0>();
+        fence_registers(out);
+        if (refill_next) refill(2 * p + 2);  // tile 0's values 256-511 and P0: read
+        run_max[0] = m1[0], run_max[1] = m1[1];
+      }
+    } else if (wg == 0) {
       float m0[2], b0[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         m0[h] = fmaxf(run_max[h], mx[h]);
         b0[h] = base_of(m0[h]);
       }
-      probabilities(b0, sum);
+      probabilities(b0, sum, true);
       publish_max(m0);
       barrier_arrive(kP0Ready, kThreads);
 #pragma unroll
@@ -342,7 +458,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       scale_rows(out, f0, f1);
       zero_tail(2 * p);
       issue_pv_other(other_tile);
-      probabilities(b1, sum);
+      probabilities(b1, sum, true);
       publish_max(m1);
       barrier_arrive(kP1Ready, kThreads);
       const float g0 = exp2f(m0[0] - b1[0]), g1 = exp2f(m0[1] - b1[1]);
@@ -382,13 +498,23 @@ void launch_seesaw_decode(const TcDecodeArgs& a, void* workspace, dim3 grid, int
                           cudaStream_t stream) {
   static std::once_flag attribute_set;
   std::call_once(attribute_set, [] {
-    MOELINK_CUDA_CHECK(cudaFuncSetAttribute(seesaw_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(kSmemBytes)));
+    for (const void* kernel : {reinterpret_cast<const void*>(seesaw_decode_kernel<false, false>),
+                               reinterpret_cast<const void*>(seesaw_decode_kernel<false, true>),
+                               reinterpret_cast<const void*>(seesaw_decode_kernel<true, false>),
+                               reinterpret_cast<const void*>(seesaw_decode_kernel<true, true>)})
+      MOELINK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(kSmemBytes)));
   });
+  // A/B candidates: MOELINK_MLA_DECODE_SEESAW_OWN_FIRST=1 (warpgroup 1's own
+  // stage first), MOELINK_MLA_DECODE_SEESAW_ATOM_WAITS=1 (a barrier per atom).
+  static const bool own_first = env_int("MOELINK_MLA_DECODE_SEESAW_OWN_FIRST", 0, 0, 1) == 1;
+  static const bool atom_waits = env_int("MOELINK_MLA_DECODE_SEESAW_ATOM_WAITS", 0, 0, 1) == 1;
   const int box_rows = std::gcd(a.page_size, kKeysPerStage);
   const CUtensorMap cache_map =
       bf16_swizzled_row_map(a.cache, kRow, static_cast<uint64_t>(a.num_pages) * a.page_size, kRow * 2, box_rows);
-  seesaw_decode_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner_head_blocks, box_rows, cache_map);
+  auto kernel = own_first ? (atom_waits ? seesaw_decode_kernel<true, true> : seesaw_decode_kernel<true, false>)
+                          : (atom_waits ? seesaw_decode_kernel<false, true> : seesaw_decode_kernel<false, false>);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner_head_blocks, box_rows, cache_map);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
