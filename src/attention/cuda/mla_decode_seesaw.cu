@@ -11,16 +11,21 @@
 // 0-255, warpgroup 1 dims 256-511, so each stage's P V runs in both: a
 // warpgroup multiplies its own probabilities from registers and the
 // other's from shared memory. Per pair of stages (2p in tile 0, 2p + 1 in
-// tile 1):
-//   wg 0: S0 = Q K0; m0 = max(m, rowmax S0); P0 = exp(S0 - m0) -> shared;
-//         m0 -> shared; O_L += P0 V0_L (P0 from registers) ... then, with
-//         wg 1's m1 and P1: O_L *= exp(m0 - m1); O_L += P1 V1_L;
-//   wg 1: S1 = Q K1; with wg 0's m0: O_R *= exp(m - m0); O_R += P0 V0_R;
-//         m1 = max(m0, rowmax S1); P1 = exp(S1 - m1) -> shared; m1 ->
-//         shared; O_R *= exp(m0 - m1); O_R += P1 V1_R (P1 from registers).
+// tile 1), each warpgroup multiplies its own stage first:
+//   wg 0: S0 = Q K0; m0 = max(m, rowmax S0) -> shared; P0 = exp(S0 - m0);
+//         O_L *= exp(m - m0); O_L += P0 V0_L (P0 from registers); then,
+//         with wg 1's m1 and P1: exp(S0 - m1) -> shared (P0 on wg 1's
+//         maxima); O_L *= exp(m0 - m1); O_L += P1 V1_L;
+//   wg 1: S1 = Q K1; with wg 0's m0: m1 = max(m0, rowmax S1) -> shared;
+//         P1 = exp(S1 - m1) -> shared; O_R *= exp(m - m1); O_R += P1 V1_R
+//         (P1 from registers); then O_R += P0 V0_R (P0 on m1).
 // So one warpgroup's softmax runs under the other's MMAs; the warpgroups
-// meet at two named barriers (P0 ready, P1 ready), never at a block-wide
-// one inside the loop. A stage's P goes into its tile's rotary atom (dims
+// meet at three named barriers (m0 published, m1 and P1 ready, P0 stored),
+// never at a block-wide one inside the loop. Warpgroup 1's own stage
+// first frees its half of tile 1 early in the pair, so the refill the
+// next pair's scores wait for is on its way sooner (the other stage first,
+// P0 V0_R under wg 1's softmax, was 4 % slower at 128 requests of 128
+// heads on an H100; docs/attention.md). A stage's P goes into its tile's rotary atom (dims
 // 512-575), which the P V never reads: Q and two tiles fit (218 KB with the barriers).
 //
 // Loads: a tile's 9 atoms (64 dims each) are two groups, each refilled by
@@ -48,7 +53,6 @@
 #include "attention/cuda/tma.cuh"
 #include "attention/cuda/tma_map.h"
 #include "attention/cuda/wgmma.cuh"
-#include "core/arg_checks.h"
 #include "nvlink/cuda_check.h"
 
 namespace moelink::detail::attention {
@@ -65,16 +69,14 @@ constexpr int kRotaryAtom = kLatent / 64;             // atom 8: a tile's rotary
 constexpr uint32_t kTile = (kRow / 64) * kAtomBlock;  // 64 rows x 576 dims: 72 KB
 constexpr uint32_t kPOffset = kRotaryAtom * kAtomBlock;
 constexpr uint32_t kRedBytes = 4 * kHeads * 4;  // the published maxima and the row sums
-constexpr int kAtoms = kRow / 64;               // 9 atoms of 64 dims a row
-constexpr uint32_t kBarrierBytes = 2 * kAtoms * 8;  // transaction barriers: per tile and load group, or per atom
+constexpr uint32_t kBarrierBytes = 4 * 8;       // a transaction barrier per tile and load group
 constexpr size_t kSmemBytes = 3 * size_t(kTile) + kRedBytes + kBarrierBytes + 1024;  // + alignment to 1024
 static_assert(kSmemBytes <= 227 * 1024, "past a Hopper block's shared memory");
 
-// Named barriers: P0 ready (wg 0 arrives, wg 1 waits; own-first: wg 0's
-// maxima only), P1 ready (the reverse), each warpgroup's own (before it
-// refills a group or uses the rows it zeroed), and own-first's P0 stored
-// (wg 0's P0 on wg 1's maxima in shared memory).
-enum Barrier : int { kP0Ready = 1, kP1Ready, kOwnSync, kP0Stored = kOwnSync + 2 };
+// Named barriers: m0 published (wg 0 arrives, wg 1 waits), m1 and P1 ready
+// (the reverse), each warpgroup's own (before it refills a group or uses
+// the rows it zeroed), and P0 stored (wg 0's P0 on m1; wg 0 arrives).
+enum Barrier : int { kM0Ready = 1, kP1Ready, kOwnSync, kP0Stored = kOwnSync + 2 };
 
 __device__ __forceinline__ float base_of(float m) { return m == -INFINITY ? 0.0f : m; }
 
@@ -96,13 +98,6 @@ __device__ __forceinline__ int group_atom(int group, int i) { return i < 4 ? 4 *
 
 // box_rows: the tensor map's box height, gcd(page_size, 64) (a box never
 // crosses a page).
-// kAtomWaits: a transaction barrier per atom (the scorer starts on an atom
-// as soon as it lands) rather than per load group.
-// kOwnFirst: warpgroup 1 multiplies its own stage first (P1 V1, then P0 V0
-// with wg 0's P0 rescaled to wg 1's maxima by wg 0), so its half of tile
-// 1 is refilled early in the pair rather than at its end; else the other's
-// stage first (P0 V0 under its own softmax, then P1 V1).
-template <bool kOwnFirst, bool kAtomWaits>
 __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs a, void* workspace,
                                                                     int inner_head_blocks, int box_rows,
                                                                     const __grid_constant__ CUtensorMap cache_map) {
@@ -115,7 +110,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   const uint32_t q_tile = base, tiles = base + kTile;
   float* max_pub = reinterpret_cast<float*>(smem_raw + (base + 3 * kTile - raw));  // [2 warpgroups][64 heads]
   float* red_sum = max_pub + 2 * kHeads;                                           // [2 warpgroups][64 heads]
-  const uint32_t barriers = base + 3 * kTile + kRedBytes;  // [tile][group] or [tile][atom], 8 bytes each
+  const uint32_t barriers = base + 3 * kTile + kRedBytes;  // [tile][group], 8 bytes each
 
   // The grid as mla_decode_wgmma.cu's (inner_head_blocks > 0: a row's head blocks side by side).
   const int64_t r = inner_head_blocks > 0 ? blockIdx.x / inner_head_blocks : blockIdx.x;
@@ -139,22 +134,15 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   const int pairs = (stages + 1) / 2;
   const int32_t* block_row = a.block_table + static_cast<int64_t>(request) * a.block_stride;
   const uint32_t my_tile = tiles + wg * kTile, other_tile = tiles + (1 - wg) * kTile;
-  // The barrier a group's atom completes on.
-  auto barrier_of = [&](int tile, int group, int atom) {
-    return barriers + (kAtomWaits ? kAtoms * tile + atom : 2 * tile + group) * 8;
-  };
+  auto barrier_of = [&](int tile, int group) { return barriers + (2 * tile + group) * 8; };
 
   // Group `group` of stage `stage`'s tile <- its keys, by TMA (one thread):
   // boxes of box_rows keys, each inside a page; boxes past the range's end
   // repeat the range's last box (masked, their values zeroed before use).
   auto load_group = [&](int stage, int group) {
     const int tile = stage & 1, atoms = group_atoms(tile, group);
-    const uint32_t dst = tiles + tile * kTile;
-    if (kAtomWaits) {
-      for (int i = 0; i < atoms; ++i) tma::arrive_expect_tx(barrier_of(tile, group, group_atom(group, i)), kAtomBlock);
-    } else {
-      tma::arrive_expect_tx(barrier_of(tile, group, 0), atoms * kAtomBlock);
-    }
+    const uint32_t bar = barrier_of(tile, group), dst = tiles + tile * kTile;
+    tma::arrive_expect_tx(bar, atoms * kAtomBlock);
     const int64_t k0 = range.begin + static_cast<int64_t>(stage) * kKeysPerStage;
     const int64_t last_box = (range.end - 1) / box_rows * box_rows;
     for (int j = 0; j < kKeysPerStage / box_rows; ++j) {
@@ -163,13 +151,12 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
                                                      k % a.page_size);
       for (int i = 0; i < atoms; ++i) {
         const int atom = group_atom(group, i);
-        tma::load_2d(dst + atom * kAtomBlock + j * box_rows * 128, &cache_map, atom * 64, cache_row,
-                     barrier_of(tile, group, atom));
+        tma::load_2d(dst + atom * kAtomBlock + j * box_rows * 128, &cache_map, atom * 64, cache_row, bar);
       }
     }
   };
   if (tid == 0) {
-    for (int b = 0; b < (kAtomWaits ? 2 * kAtoms : 4); ++b) tma::barrier_init(barriers + b * 8, 1);
+    for (int b = 0; b < 4; ++b) tma::barrier_init(barriers + b * 8, 1);
     tma::fence_barrier_init();
     tma::prefetch_map(&cache_map);
     for (int stage = 0; stage < 2; ++stage)  // stage 1 may lie past the range: masked
@@ -216,33 +203,14 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
         mma_64x64_ss(sc, smem_desc(q_tile + atom * kAtomBlock + k * 32, 16, 1024),
                      smem_desc(my_tile + atom * kAtomBlock + k * 32, 16, 1024));
     };
-    // This warpgroup's group (its latent half) first, then the other's
-    // (the other latent half and the rotary atom), waiting for a group at
-    // once or for each atom as it comes. Straight-line code: a loop with
-    // a conditional wait made ptxas serialize the MMAs (C7520).
-    if constexpr (kAtomWaits) {
+    tma::wait_parity(barrier_of(wg, wg), parity);  // this warpgroup's group: its latent half
+    wgmma_fence();
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        tma::wait_parity(barrier_of(wg, wg, group_atom(wg, i)), parity);
-        wgmma_fence();
-        score_atom(group_atom(wg, i));
-      }
+    for (int i = 0; i < 4; ++i) score_atom(group_atom(wg, i));
+    tma::wait_parity(barrier_of(wg, 1 - wg), parity);  // the other's: the other latent half and the rotary atom
+    wgmma_fence();
 #pragma unroll
-      for (int i = 0; i < 5; ++i) {
-        tma::wait_parity(barrier_of(wg, 1 - wg, group_atom(1 - wg, i)), parity);
-        wgmma_fence();
-        score_atom(group_atom(1 - wg, i));
-      }
-    } else {
-      tma::wait_parity(barrier_of(wg, wg, 0), parity);
-      wgmma_fence();
-#pragma unroll
-      for (int i = 0; i < 4; ++i) score_atom(group_atom(wg, i));
-      tma::wait_parity(barrier_of(wg, 1 - wg, 0), parity);
-      wgmma_fence();
-#pragma unroll
-      for (int i = 0; i < 5; ++i) score_atom(group_atom(1 - wg, i));
-    }
+    for (int i = 0; i < 5; ++i) score_atom(group_atom(1 - wg, i));
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(sc);
@@ -274,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     }
     if (to_shared) fence_proxy_async();
   };
-  // P = exp2(S - b) into this tile's P atom only (own-first's P0 on wg 1's maxima).
+  // P = exp2(S - b) into this tile's P atom only (wg 0's P0 on wg 1's maxima).
   auto store_rescaled = [&](const float (&b)[2]) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -344,98 +312,32 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     const bool refill_next = p + 1 < pairs;
     float mx[2], sum[2];
     scores(2 * p + wg, mx);
-    if constexpr (kOwnFirst) {
-      // wg 0: P0 (own maxima m0) V0_L, then P1 V1_L after rescaling to
-      // m1; it stores P0 for wg 1 only once m1 is known, on m1.
-      // wg 1: P1 (m1 = max(m0, its scores)) V1_R, then P0 V0_R; one
-      // rescale of its accumulator a pair.
-      if (wg == 0) {
-        float m0[2], b0[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          m0[h] = fmaxf(run_max[h], mx[h]);
-          b0[h] = base_of(m0[h]);
-        }
-        publish_max(m0);
-        barrier_arrive(kP0Ready, kThreads);  // m0
-        probabilities(b0, sum, false);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) run_sum[h] = run_sum[h] * exp2f(run_max[h] - b0[h]) + sum[h];
-        scale_rows(out, exp2f(run_max[0] - b0[0]), exp2f(run_max[1] - b0[1]));
-        zero_tail(2 * p);
-        issue_pv_own(my_tile);
-        barrier_sync(kP1Ready, kThreads);  // wg 1's maxima m1 and P1
-        float m1[2], b1[2];
-        read_max(1, m1);
-        b1[0] = base_of(m1[0]), b1[1] = base_of(m1[1]);
-        store_rescaled(b1);
-        barrier_arrive(kP0Stored, kThreads);
-        wgmma_wait<0>();
-        fence_registers(out);
-        fence_registers(pa);
-        if (refill_next) refill(2 * p + 2);  // tile 0's values 0-255: read
-        const float g0 = exp2f(m0[0] - b1[0]), g1 = exp2f(m0[1] - b1[1]);
-        run_sum[0] *= g0, run_sum[1] *= g1;
-        scale_rows(out, g0, g1);
-        zero_tail(2 * p + 1);
-        issue_pv_other(other_tile);
-        wgmma_wait<0>();
-        fence_registers(out);
-        if (refill_next) refill(2 * p + 3);  // tile 1's values 0-255 and P1: read
-        run_max[0] = m1[0], run_max[1] = m1[1];
-      } else {
-        barrier_sync(kP0Ready, kThreads);  // wg 0's maxima m0
-        float m0[2], m1[2], b1[2];
-        read_max(0, m0);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          m1[h] = fmaxf(m0[h], mx[h]);
-          b1[h] = base_of(m1[h]);
-        }
-        probabilities(b1, sum, true);
-        publish_max(m1);
-        barrier_arrive(kP1Ready, kThreads);
-        const float f0 = exp2f(run_max[0] - b1[0]), f1 = exp2f(run_max[1] - b1[1]);
-        run_sum[0] = run_sum[0] * f0 + sum[0];
-        run_sum[1] = run_sum[1] * f1 + sum[1];
-        scale_rows(out, f0, f1);
-        zero_tail(2 * p + 1);
-        issue_pv_own(my_tile);
-        zero_tail(2 * p);
-        barrier_sync(kP0Stored, kThreads);  // wg 0's P0 on m1
-        issue_pv_other(other_tile);
-        wgmma_wait<1>();
-        fence_registers(pa);
-        if (refill_next) refill(2 * p + 3);  // tile 1's values 256-511: read
-        wgmma_wait<0>();
-        fence_registers(out);
-        if (refill_next) refill(2 * p + 2);  // tile 0's values 256-511 and P0: read
-        run_max[0] = m1[0], run_max[1] = m1[1];
-      }
-    } else if (wg == 0) {
+    if (wg == 0) {
       float m0[2], b0[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         m0[h] = fmaxf(run_max[h], mx[h]);
         b0[h] = base_of(m0[h]);
       }
-      probabilities(b0, sum, true);
       publish_max(m0);
-      barrier_arrive(kP0Ready, kThreads);
+      barrier_arrive(kM0Ready, kThreads);
+      probabilities(b0, sum, false);
 #pragma unroll
       for (int h = 0; h < 2; ++h) run_sum[h] = run_sum[h] * exp2f(run_max[h] - b0[h]) + sum[h];
-      const float f0 = exp2f(run_max[0] - b0[0]), f1 = exp2f(run_max[1] - b0[1]);
-      scale_rows(out, f0, f1);
+      scale_rows(out, exp2f(run_max[0] - b0[0]), exp2f(run_max[1] - b0[1]));
       zero_tail(2 * p);
       issue_pv_own(my_tile);
-      barrier_sync(kP1Ready, kThreads);  // wg 1's maxima and P1
-      float m1[2];
+      barrier_sync(kP1Ready, kThreads);  // wg 1's maxima m1 and P1
+      float m1[2], b1[2];
       read_max(1, m1);
+      b1[0] = base_of(m1[0]), b1[1] = base_of(m1[1]);
+      store_rescaled(b1);
+      barrier_arrive(kP0Stored, kThreads);
       wgmma_wait<0>();
       fence_registers(out);
       fence_registers(pa);
       if (refill_next) refill(2 * p + 2);  // tile 0's values 0-255: read
-      const float g0 = exp2f(m0[0] - base_of(m1[0])), g1 = exp2f(m0[1] - base_of(m1[1]));
+      const float g0 = exp2f(m0[0] - b1[0]), g1 = exp2f(m0[1] - b1[1]);
       run_sum[0] *= g0, run_sum[1] *= g1;
       scale_rows(out, g0, g1);
       zero_tail(2 * p + 1);
@@ -445,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       if (refill_next) refill(2 * p + 3);  // tile 1's values 0-255 and P1: read
       run_max[0] = m1[0], run_max[1] = m1[1];
     } else {
-      barrier_sync(kP0Ready, kThreads);  // wg 0's maxima and P0
+      barrier_sync(kM0Ready, kThreads);  // wg 0's maxima m0
       float m0[2], m1[2], b1[2];
       read_max(0, m0);
 #pragma unroll
@@ -453,27 +355,24 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
         m1[h] = fmaxf(m0[h], mx[h]);
         b1[h] = base_of(m1[h]);
       }
-      const float f0 = exp2f(run_max[0] - base_of(m0[0])), f1 = exp2f(run_max[1] - base_of(m0[1]));
-      run_sum[0] *= f0, run_sum[1] *= f1;
-      scale_rows(out, f0, f1);
-      zero_tail(2 * p);
-      issue_pv_other(other_tile);
       probabilities(b1, sum, true);
       publish_max(m1);
       barrier_arrive(kP1Ready, kThreads);
-      const float g0 = exp2f(m0[0] - b1[0]), g1 = exp2f(m0[1] - b1[1]);
-      run_sum[0] = run_sum[0] * g0 + sum[0];
-      run_sum[1] = run_sum[1] * g1 + sum[1];
+      const float f0 = exp2f(run_max[0] - b1[0]), f1 = exp2f(run_max[1] - b1[1]);
+      run_sum[0] = run_sum[0] * f0 + sum[0];
+      run_sum[1] = run_sum[1] * f1 + sum[1];
+      scale_rows(out, f0, f1);
+      zero_tail(2 * p + 1);
+      issue_pv_own(my_tile);
+      zero_tail(2 * p);
+      barrier_sync(kP0Stored, kThreads);  // wg 0's P0 on m1
+      issue_pv_other(other_tile);
+      wgmma_wait<1>();
+      fence_registers(pa);
+      if (refill_next) refill(2 * p + 3);  // tile 1's values 256-511: read
       wgmma_wait<0>();
       fence_registers(out);
       if (refill_next) refill(2 * p + 2);  // tile 0's values 256-511 and P0: read
-      scale_rows(out, g0, g1);
-      zero_tail(2 * p + 1);
-      issue_pv_own(my_tile);
-      wgmma_wait<0>();
-      fence_registers(out);
-      fence_registers(pa);
-      if (refill_next) refill(2 * p + 3);  // tile 1's values 256-511: read
       run_max[0] = m1[0], run_max[1] = m1[1];
     }
   }
@@ -498,23 +397,13 @@ void launch_seesaw_decode(const TcDecodeArgs& a, void* workspace, dim3 grid, int
                           cudaStream_t stream) {
   static std::once_flag attribute_set;
   std::call_once(attribute_set, [] {
-    for (const void* kernel : {reinterpret_cast<const void*>(seesaw_decode_kernel<false, false>),
-                               reinterpret_cast<const void*>(seesaw_decode_kernel<false, true>),
-                               reinterpret_cast<const void*>(seesaw_decode_kernel<true, false>),
-                               reinterpret_cast<const void*>(seesaw_decode_kernel<true, true>)})
-      MOELINK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              static_cast<int>(kSmemBytes)));
+    MOELINK_CUDA_CHECK(cudaFuncSetAttribute(seesaw_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(kSmemBytes)));
   });
-  // A/B candidates: MOELINK_MLA_DECODE_SEESAW_OWN_FIRST=1 (warpgroup 1's own
-  // stage first), MOELINK_MLA_DECODE_SEESAW_ATOM_WAITS=1 (a barrier per atom).
-  static const bool own_first = env_int("MOELINK_MLA_DECODE_SEESAW_OWN_FIRST", 0, 0, 1) == 1;
-  static const bool atom_waits = env_int("MOELINK_MLA_DECODE_SEESAW_ATOM_WAITS", 0, 0, 1) == 1;
   const int box_rows = std::gcd(a.page_size, kKeysPerStage);
   const CUtensorMap cache_map =
       bf16_swizzled_row_map(a.cache, kRow, static_cast<uint64_t>(a.num_pages) * a.page_size, kRow * 2, box_rows);
-  auto kernel = own_first ? (atom_waits ? seesaw_decode_kernel<true, true> : seesaw_decode_kernel<true, false>)
-                          : (atom_waits ? seesaw_decode_kernel<false, true> : seesaw_decode_kernel<false, false>);
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner_head_blocks, box_rows, cache_map);
+  seesaw_decode_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner_head_blocks, box_rows, cache_map);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 

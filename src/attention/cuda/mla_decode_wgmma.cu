@@ -337,7 +337,8 @@ void launch_wgmma_decode(const TcDecodeArgs& a, void* workspace, int splits, cud
   // MOELINK_MLA_DECODE_SEESAW=0 / 1: never / always the out-of-step kernel
   // where it applies; unset: from kSeesawMinRows decode rows (on an H100,
   // 128 heads, kv 5000: 155 / 470 us against 167 / 531 at 32 / 128 rows,
-  // 51 against 49 at one; docs/attention.md).
+  // 51 against 49 at one; 153 / 449 us since its own-stage-first order;
+  // docs/attention.md).
   static const int seesaw = env_int("MOELINK_MLA_DECODE_SEESAW", -1, 0, 1);
   const int head_blocks = wgmma_decode_head_blocks(a);
   const dim3 grid(static_cast<unsigned>(a.rows_bound * (heads_inner ? head_blocks : 1)),
