@@ -10,7 +10,9 @@
 #   layer (not in the default): tools/bench/layer_bench.py, the MoE layer
 #   stage by stage (MOELINK_LAYER_BENCH_ARGS adds arguments).
 #   model (not in the default): tools/bench/model_bench.py, the full-width
-#   model's decode step (MOELINK_MODEL_BENCH_ARGS adds arguments).
+#   model's decode step beside moelink-plan's prediction on this GPU's
+#   profile, calibrated by the layer step's layer.json where that ran first
+#   (MOELINK_MODEL_BENCH_ARGS adds arguments).
 #   model-sanitize (not in the default): compute-sanitizer memcheck over a
 #   short model_bench.py run (the ep8 model of one layer, every batch, q_len
 #   1 then 2, graphed steps replayed after other buckets' steps: where the
@@ -270,6 +272,8 @@ if has model; then
   echo "== the model's decode step: tools/bench/model_bench.py"
   cmd=($py tools/bench/model_bench.py --machine "$machine" --plan $bdir/tools/plan/moelink-plan
        --json "$OUT/model.json" --svg "$OUT/model.svg" ${MOELINK_MODEL_BENCH_ARGS:-})
+  # The layer step's run, where it ran first, calibrates moelink-plan (where it applies: one rank).
+  [[ -f $OUT/layer.json ]] && cmd+=(--plan-calibrate "$OUT/layer.json")
   echo "${cmd[*]}"
   PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
     tee "$OUT/model-bench.log" | tail -40 || status=1

@@ -130,3 +130,39 @@ def test_model_bench_with_spread_contexts_and_shuffled_pages(tmp_path):
     assert [(r["batch"], r["q_len"]) for r in rec["shapes"][0]["results"]] == [(3, 1)]
     bad = subprocess.run(cmd[:-2] + ["--kv-spread", "-1"], capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode != 0 and "--kv-spread -1" in bad.stderr
+
+
+def test_plan_prediction_names_the_gpus_profile_and_the_calibration_files(tmp_path):
+    """plan_us runs moelink-plan on the profile the GPU's name names (the H100
+    runs had used h200's), with each --plan-calibrate file as --calibrate, and
+    passes its notes on; a failing plan gives None. A stand-in binary records
+    its arguments."""
+    sys.path.insert(0, os.path.join(ROOT, "tools", "bench"))
+    from model_bench import plan_gpu_of, plan_us
+    assert plan_gpu_of("NVIDIA H100 80GB HBM3") == "h100" and plan_gpu_of("NVIDIA H200") == "h200"
+    assert plan_gpu_of("NVIDIA H800") == "h800" and plan_gpu_of("NVIDIA A100-SXM4-80GB") is None
+    assert plan_gpu_of(None) is None
+    args = tmp_path / "args.txt"
+    fake = tmp_path / "moelink-plan"
+    fake.write_text("#!/bin/sh\n"
+                    f"echo \"$@\" > {args}\n"
+                    "echo 'note: --calibrate layer.json does not apply to EP8' >&2\n"
+                    "echo '{\"moe_layer\": {\"total_us\": 900}, \"dense_layer\": {\"total_us\": 600},"
+                    " \"head_us\": 1000, \"step_us\": 60000}'\n")
+    fake.chmod(0o755)
+    p = plan_us(str(fake), "h100", ["layer.json", "bench.json"], "ep8", 128, 2, 5000, 0.8)
+    argv = args.read_text().split()
+    assert argv[argv.index("--gpu") + 1] == "h100" and argv[argv.index("--ep") + 1] == "8"
+    assert argv[argv.index("--mtp") + 1] == "1" and argv[argv.index("--batch") + 1] == "128"
+    assert [argv[i + 1] for i, v in enumerate(argv) if v == "--calibrate"] == ["layer.json", "bench.json"]
+    assert (p["moe"], p["dense"], p["head"], p["step"], p["gpu"]) == (900, 600, 1000, 60000, "h100")
+    assert "does not apply" in p["notes"]
+    fake.write_text("#!/bin/sh\necho 'moelink-plan: --gpu: unknown gpu' >&2\nexit 2\n")
+    assert plan_us(str(fake), "h100", [], "world1", 1, 1, 5000, 0.8) is None
+    # The command line refuses a profile moelink-plan lacks and a missing calibration file, by name.
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    for extra, message in ((["--plan-gpu", "a100"], "--plan-gpu 'a100': one of h100, h200, h800"),
+                           (["--plan-calibrate", str(tmp_path / "none.json")], "none.json: no such file")):
+        cmd, env = _bench(tmp_path, "--plan", str(fake), *extra)
+        bad = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+        assert bad.returncode != 0 and message in bad.stderr, bad.stderr

@@ -54,7 +54,10 @@ q_len (1, or 2: a draft row verified, ModelOptions' speculative step):
                    routing);
   plan_us          with --plan: moelink-plan's prediction of the same layer
                    kinds for this layout (EP8 or EP1, TP1, the batch, kv,
-                   q_len).
+                   q_len) on the GPU's profile (--plan-gpu; by default the
+                   one this GPU's name names), calibrated by --plan-calibrate's
+                   files where they apply; plan_over_measured: its MoE and
+                   dense layers over the measured ones.
 
     PYTHONPATH=build-gpu/python python3 tools/bench/model_bench.py \\
         --plan build-gpu/tools/plan/moelink-plan --json model.json
@@ -293,18 +296,35 @@ def moe_layer_floor_us(fields, b, q, kv, copy_gbs, fp8_tflops):
     return max(bytes_ / (copy_gbs * 1e9) * 1e6, flops / (fp8_tflops * 1e12) * 1e6), bytes_, flops
 
 
-def plan_us(plan_bin, shape, b, q, kv, acceptance):
+# moelink-plan's GPU profiles, by the name torch gives the device.
+PLAN_GPUS = {"H100": "h100", "H200": "h200", "H800": "h800"}
+
+
+def plan_gpu_of(device_name):
+    """The moelink-plan profile of a device name ("NVIDIA H100 80GB HBM3" -> h100), or None."""
+    for key, profile in PLAN_GPUS.items():
+        if key in (device_name or ""):
+            return profile
+    return None
+
+
+def plan_us(plan_bin, gpu, calibrations, shape, b, q, kv, acceptance):
     """moelink-plan's per-layer-kind prediction (us), or None."""
-    cmd = [plan_bin, "--model", "deepseek-v3", "--gpu", "h200", "--ep", "8" if shape == "ep8" else "1",
+    cmd = [plan_bin, "--model", "deepseek-v3", "--gpu", gpu, "--ep", "8" if shape == "ep8" else "1",
            "--tp", "1", "--batch", str(b), "--kv-len", str(kv), "--mtp", str(q - 1), "--acceptance",
            str(acceptance), "--overlap", "dispatch", "--ignore-memory", "--json", "-"]
+    for f in calibrations:
+        cmd += ["--calibrate", f]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         print(f"model_bench: {' '.join(cmd)} failed: {res.stderr.strip()}", file=sys.stderr)
         return None
+    if res.stderr.strip():  # e.g. a calibration file that does not apply to the layout
+        print(f"model_bench: moelink-plan: {res.stderr.strip()}", file=sys.stderr)
     j = json.loads(res.stdout)
     return {"moe": j["moe_layer"]["total_us"], "dense": j.get("dense_layer", {}).get("total_us"),
-            "head": j["head_us"], "step": j["step_us"], "command": " ".join(cmd)}
+            "head": j["head_us"], "step": j["step_us"], "gpu": gpu, "notes": res.stderr.strip(),
+            "command": " ".join(cmd)}
 
 
 def run_shape(a, timer, shape, rec):
@@ -337,7 +357,10 @@ def run_shape(a, timer, shape, rec):
             r["moe_floor_us"], r["moe_floor_bytes"], r["moe_floor_flops"] = f, nbytes, flops
             r["moe_over_floor"] = moe / f
         if a.plan and not a.tiny:
-            r["plan_us"] = plan_us(a.plan, shape, b, q, a.kv, a.acceptance)
+            p = r["plan_us"] = plan_us(a.plan, a.plan_gpu, a.plan_calibrate, shape, b, q, a.kv, a.acceptance)
+            if p:
+                r["plan_over_measured"] = {k: p[k] / r["layer_us"][k] for k in ("moe", "dense")
+                                           if p.get(k) and r["layer_us"].get(k)}
         results.append(r)
     out = {"shape": shape, "fields": {k: v for k, v in fields.items() if k != "rope_scaling"},
            "checkpoint": ckpt, "models_layers": [1, K, K + a.moe_layers], "results": results}
@@ -438,6 +461,10 @@ def main():
                    help="where the random checkpoints are written and reused (default: /dev/shm/moelink-model-bench "
                         "where /dev/shm exists, else the temporary directory)")
     p.add_argument("--plan", help="the moelink-plan binary (adds its prediction)")
+    p.add_argument("--plan-gpu", default=None,
+                   help="moelink-plan's GPU profile (h100, h200, h800; default: the one the GPU's name names)")
+    p.add_argument("--plan-calibrate", action="append", default=[],
+                   help="moelink-plan --calibrate's file (moelink-bench or layer_bench.py JSON; repeatable)")
     p.add_argument("--machine", default=os.environ.get("MOELINK_MACHINE", "nvidia-h200"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="-", help="output file ('-': standard output)")
@@ -450,6 +477,11 @@ def main():
             raise SystemExit(f"model_bench: --q-lens: {q} is not 1 or 2")
     if a.plan and not os.access(a.plan, os.X_OK):
         raise SystemExit(f"model_bench: --plan {a.plan}: no such executable (build the moelink-plan target)")
+    if a.plan_gpu is not None and a.plan_gpu not in PLAN_GPUS.values():
+        raise SystemExit(f"model_bench: --plan-gpu {a.plan_gpu!r}: one of {', '.join(sorted(PLAN_GPUS.values()))}")
+    for f in a.plan_calibrate:
+        if not os.path.isfile(f):
+            raise SystemExit(f"model_bench: --plan-calibrate {f}: no such file")
     if a.kv < 0 or a.kv_spread < 0:
         raise SystemExit(f"model_bench: --kv {a.kv} and --kv-spread {a.kv_spread} must be >= 0")
     if a.moe_layers < 1 or not a.batches or min(a.batches) < 1:
@@ -465,11 +497,17 @@ def main():
     gpu = a.backend not in HOST_BACKENDS
     timer = Timer(gpu)
     rec = header("model_bench", a.machine, gpu=gpu)
+    if a.plan and a.plan_gpu is None:
+        a.plan_gpu = plan_gpu_of(rec["gpu"])
+        if a.plan_gpu is None:
+            a.plan_gpu = "h200"
+            print(f"model_bench: no moelink-plan profile names {rec['gpu']!r}: --plan-gpu h200", file=sys.stderr)
     rec.update(backend=a.backend, kv=a.kv, page_size=a.page_size, acceptance=a.acceptance, overlap=a.overlap,
                head_gemm=a.head_gemm,
                same_token=a.same_token, kv_spread=a.kv_spread, shuffle_pages=a.shuffle_pages,
                max_tokens=a.max_tokens,
-               moe_layers=a.moe_layers, tiny=a.tiny)
+               moe_layers=a.moe_layers, tiny=a.tiny, plan_gpu=a.plan_gpu if a.plan else None,
+               plan_calibrate=a.plan_calibrate)
     if gpu:
         from benchlib import copy_gbs
         from experts_bench import dense_fp8_tflops
