@@ -53,6 +53,7 @@
 #include "attention/cuda/tma.cuh"
 #include "attention/cuda/tma_map.h"
 #include "attention/cuda/wgmma.cuh"
+#include "core/arg_checks.h"
 #include "nvlink/cuda_check.h"
 
 namespace moelink::detail::attention {
@@ -97,7 +98,11 @@ __device__ __forceinline__ int group_atoms(int tile, int group) { return group =
 __device__ __forceinline__ int group_atom(int group, int i) { return i < 4 ? 4 * group + i : kRotaryAtom; }
 
 // box_rows: the tensor map's box height, gcd(page_size, 64) (a box never
-// crosses a page).
+// crosses a page). kPrefetch: at the top of each pair, each warpgroup's
+// first thread prefetches the next pair's stage it scores into L2 (an A/B
+// candidate, MOELINK_MLA_DECODE_SEESAW_PREFETCH=1: the refills issued at a
+// pair's end are what its next scores wait for).
+template <bool kPrefetch>
 __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs a, void* workspace,
                                                                     int inner_head_blocks, int box_rows,
                                                                     const __grid_constant__ CUtensorMap cache_map) {
@@ -153,6 +158,17 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
         const int atom = group_atom(group, i);
         tma::load_2d(dst + atom * kAtomBlock + j * box_rows * 128, &cache_map, atom * 64, cache_row, bar);
       }
+    }
+  };
+  // Stage `stage`'s keys (every atom) -> L2, where the stage has keys.
+  auto prefetch_stage = [&](int stage) {
+    const int64_t k0 = range.begin + static_cast<int64_t>(stage) * kKeysPerStage;
+    if (k0 >= range.end) return;
+    for (int j = 0; j < kKeysPerStage / box_rows && k0 + j * box_rows < range.end; ++j) {
+      const int64_t k = k0 + j * box_rows;
+      const int32_t cache_row = static_cast<int32_t>(static_cast<int64_t>(block_row[k / a.page_size]) * a.page_size +
+                                                     k % a.page_size);
+      for (int atom = 0; atom < kRow / 64; ++atom) tma::prefetch_2d_l2(&cache_map, atom * 64, cache_row);
     }
   };
   if (tid == 0) {
@@ -311,6 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   for (int p = 0; p < pairs; ++p) {
     const bool refill_next = p + 1 < pairs;
     float mx[2], sum[2];
+    if (kPrefetch && wtid == 0) prefetch_stage(2 * p + 2 + wg);
     scores(2 * p + wg, mx);
     if (wg == 0) {
       float m0[2], b0[2];
@@ -397,13 +414,17 @@ void launch_seesaw_decode(const TcDecodeArgs& a, void* workspace, dim3 grid, int
                           cudaStream_t stream) {
   static std::once_flag attribute_set;
   std::call_once(attribute_set, [] {
-    MOELINK_CUDA_CHECK(cudaFuncSetAttribute(seesaw_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(kSmemBytes)));
+    for (const void* kernel : {reinterpret_cast<const void*>(seesaw_decode_kernel<false>),
+                               reinterpret_cast<const void*>(seesaw_decode_kernel<true>)})
+      MOELINK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(kSmemBytes)));
   });
+  static const bool prefetch = env_int("MOELINK_MLA_DECODE_SEESAW_PREFETCH", 0, 0, 1) == 1;
   const int box_rows = std::gcd(a.page_size, kKeysPerStage);
   const CUtensorMap cache_map =
       bf16_swizzled_row_map(a.cache, kRow, static_cast<uint64_t>(a.num_pages) * a.page_size, kRow * 2, box_rows);
-  seesaw_decode_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner_head_blocks, box_rows, cache_map);
+  auto kernel = prefetch ? seesaw_decode_kernel<true> : seesaw_decode_kernel<false>;
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner_head_blocks, box_rows, cache_map);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
