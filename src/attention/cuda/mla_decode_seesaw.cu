@@ -25,8 +25,9 @@
 // first frees its half of tile 1 early in the pair, so the refill the
 // next pair's scores wait for is on its way sooner (the other stage first,
 // P0 V0_R under wg 1's softmax, was 4 % slower at 128 requests of 128
-// heads on an H100; docs/attention.md). A stage's P goes into its tile's rotary atom (dims
-// 512-575), which the P V never reads: Q and two tiles fit (218 KB with the barriers).
+// heads on an H100; docs/attention.md). A stage's P goes into its tile's
+// rotary atom (dims 512-575), which the P V never reads: Q and two tiles
+// fit (218 KB with the barriers).
 //
 // Loads: a tile's 9 atoms (64 dims each) are two groups, each refilled by
 // the warpgroup that reads it last, as soon as that read is done, by TMA
@@ -232,8 +233,8 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     fence_registers(sc);
     scale_mask_max<8>(sc, range.begin + static_cast<int64_t>(stage) * kKeysPerStage + c2, key_end, scale, mx);
   };
-  // P = exp2(S - base) into pa (bf16) and this tile's P atom; returns the
-  // rows' sums of this thread's share.
+  // P = exp2(S - base) into pa (bf16) and, to_shared, this tile's P atom;
+  // returns the rows' sums of this thread's share.
   auto store_p = [&](int j, uint32_t lo, uint32_t hi) {  // n8 tile j's two rows into this tile's P atom
     const int col = j * 8 + c2;
     const uint32_t in_piece = (col % 8) * 2;
