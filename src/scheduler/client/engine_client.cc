@@ -28,6 +28,7 @@ struct EngineClient::Impl {
   uint32_t heartbeat_interval_ms = 500;
   std::string last_error = "not connected yet";
   std::shared_ptr<grpc::ClientContext> stream_ctx;  // the open assignment stream
+  std::shared_ptr<grpc::ClientContext> register_ctx;  // a registration in flight
 
   std::mutex report_mu;  // serializes reports: seq order = send order
   uint64_t seq = 0;
@@ -48,9 +49,24 @@ struct EngineClient::Impl {
     if (handlers.held)
       for (auto& h : handlers.held()) *req.add_held() = std::move(h);
     v1::RegisterResponse resp;
-    grpc::ClientContext ctx;
-    prepare(ctx, true);
-    grpc::Status s = stub->Register(&ctx, req, &resp);
+    auto ctx = std::make_shared<grpc::ClientContext>();
+    prepare(*ctx, true);
+    // Wait for the channel rather than fail at once while it reconnects: a
+    // fail-fast call returns without polling the channel, and a sync-only
+    // client has nothing else polling it but gRPC's backup poller (every 5
+    // s), so after a scheduler restart the new connection went unnoticed
+    // for 4-10 s, past the scheduler's recovery grace.
+    ctx->set_wait_for_ready(true);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (stopping) return false;
+      register_ctx = ctx;
+    }
+    grpc::Status s = stub->Register(ctx.get(), req, &resp);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      register_ctx.reset();
+    }
     if (!s.ok()) {
       std::lock_guard<std::mutex> lock(mu);
       last_error = "Register: " + s.error_message();
@@ -186,6 +202,7 @@ EngineClient::~EngineClient() {
     std::lock_guard<std::mutex> lock(impl_->mu);
     impl_->stopping = true;
     if (impl_->stream_ctx) impl_->stream_ctx->TryCancel();
+    if (impl_->register_ctx) impl_->register_ctx->TryCancel();  // waiting for an unreachable scheduler
   }
   impl_->cv.notify_all();
   if (impl_->session.joinable()) impl_->session.join();
