@@ -262,6 +262,44 @@ TEST(Server, EngineTokenIsRequiredWhenSet) {
   EXPECT_TRUE(client.generate(generate_request({1, 2, 3}, 2), nullptr).ok());
 }
 
+// EngineClient's registration waits for the channel (so a restarted
+// scheduler is found at once): where nothing listens it names the scheduler
+// when start gives up, and destroying the client cancels a registration
+// still waiting (rather than sitting out its rpc_timeout).
+TEST(Server, EngineClientNamesAnUnreachableSchedulerAndStopsPromptly) {
+  std::string target;
+  {
+    SchedulerServer gone(loopback());
+    target = target_of(gone);
+  }  // nothing listens there now
+  auto make = [&](std::chrono::milliseconds rpc_timeout) {
+    EngineClientOptions o;
+    o.target = target;
+    o.rpc_timeout = rpc_timeout;
+    o.info.set_engine_id("lost");
+    o.info.set_kv_capacity_blocks(1024);
+    o.info.set_block_size(16);
+    o.info.set_max_batch(8);
+    EngineHandlers h;
+    h.on_run = [](const v1::RunRequest&) {};
+    return std::make_unique<EngineClient>(o, h);
+  };
+  auto quick = make(std::chrono::milliseconds(200));
+  try {
+    quick->start(std::chrono::milliseconds(1000));
+    FAIL() << "registered with nothing listening";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("could not register"), std::string::npos) << what;
+    EXPECT_NE(what.find("no answer from the scheduler at " + target + " within 200 ms"), std::string::npos) << what;
+  }
+  auto slow = make(std::chrono::milliseconds(20000));
+  EXPECT_THROW(slow->start(std::chrono::milliseconds(300)), std::runtime_error);
+  const auto t0 = std::chrono::steady_clock::now();
+  slow.reset();  // its registration waits up to 20 s for the channel
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+}
+
 TEST(Server, RefusesToListenBeyondLoopbackWithoutAuthentication) {
   SchedulerOptions o;
   o.listen = "0.0.0.0:0";

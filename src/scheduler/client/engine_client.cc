@@ -69,7 +69,10 @@ struct EngineClient::Impl {
     }
     if (!s.ok()) {
       std::lock_guard<std::mutex> lock(mu);
-      last_error = "Register: " + s.error_message();
+      last_error = s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
+                       ? "Register: no answer from the scheduler at " + options.target + " within " +
+                             std::to_string(options.rpc_timeout.count()) + " ms (rpc_timeout): unreachable?"
+                       : "Register: " + s.error_message();
       return false;
     }
     if (!resp.released().empty() && handlers.on_released)
