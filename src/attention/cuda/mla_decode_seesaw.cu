@@ -141,6 +141,10 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   const int32_t* block_row = a.block_table + static_cast<int64_t>(request) * a.block_stride;
   const uint32_t my_tile = tiles + wg * kTile, other_tile = tiles + (1 - wg) * kTile;
   auto barrier_of = [&](int tile, int group) { return barriers + (2 * tile + group) * 8; };
+  // Key k's row of the cache (the tensor map's outer coordinate).
+  auto cache_row_of = [&](int64_t k) {
+    return static_cast<int32_t>(static_cast<int64_t>(block_row[k / a.page_size]) * a.page_size + k % a.page_size);
+  };
 
   // Group `group` of stage `stage`'s tile <- its keys, by TMA (one thread):
   // boxes of box_rows keys, each inside a page; boxes past the range's end
@@ -152,9 +156,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     const int64_t k0 = range.begin + static_cast<int64_t>(stage) * kKeysPerStage;
     const int64_t last_box = (range.end - 1) / box_rows * box_rows;
     for (int j = 0; j < kKeysPerStage / box_rows; ++j) {
-      const int64_t k = min(k0 + j * box_rows, last_box);
-      const int32_t cache_row = static_cast<int32_t>(static_cast<int64_t>(block_row[k / a.page_size]) * a.page_size +
-                                                     k % a.page_size);
+      const int32_t cache_row = cache_row_of(min(k0 + j * box_rows, last_box));
       for (int i = 0; i < atoms; ++i) {
         const int atom = group_atom(group, i);
         tma::load_2d(dst + atom * kAtomBlock + j * box_rows * 128, &cache_map, atom * 64, cache_row, bar);
@@ -164,11 +166,8 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   // Stage `stage`'s keys (every atom) -> L2, where the stage has keys.
   auto prefetch_stage = [&](int stage) {
     const int64_t k0 = range.begin + static_cast<int64_t>(stage) * kKeysPerStage;
-    if (k0 >= range.end) return;
     for (int j = 0; j < kKeysPerStage / box_rows && k0 + j * box_rows < range.end; ++j) {
-      const int64_t k = k0 + j * box_rows;
-      const int32_t cache_row = static_cast<int32_t>(static_cast<int64_t>(block_row[k / a.page_size]) * a.page_size +
-                                                     k % a.page_size);
+      const int32_t cache_row = cache_row_of(k0 + j * box_rows);
       for (int atom = 0; atom < kRow / 64; ++atom) tma::prefetch_2d_l2(&cache_map, atom * 64, cache_row);
     }
   };
