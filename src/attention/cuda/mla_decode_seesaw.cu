@@ -44,7 +44,12 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include <atomic>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
 #include <mutex>
 #include <numeric>
 
@@ -72,7 +77,11 @@ constexpr uint32_t kTile = (kRow / 64) * kAtomBlock;  // 64 rows x 576 dims: 72 
 constexpr uint32_t kPOffset = kRotaryAtom * kAtomBlock;
 constexpr uint32_t kRedBytes = 4 * kHeads * 4;  // the published maxima and the row sums
 constexpr uint32_t kBarrierBytes = 4 * 8;       // a transaction barrier per tile and load group
-constexpr size_t kSmemBytes = 3 * size_t(kTile) + kRedBytes + kBarrierBytes + 1024;  // + alignment to 1024
+constexpr int kMaxBoxes = kKeysPerStage / 8;     // a stage's TMA boxes (box_rows >= 8)
+// Each warpgroup's page ids of the boxes of the two stages it refills next: [wg][tile][box].
+constexpr uint32_t kRowStashBytes = 2 * 2 * kMaxBoxes * 4;
+constexpr size_t kSmemBytes =
+    3 * size_t(kTile) + kRedBytes + kBarrierBytes + kRowStashBytes + 1024;  // + alignment to 1024
 static_assert(kSmemBytes <= 227 * 1024, "past a Hopper block's shared memory");
 
 // Named barriers: m0 published (wg 0 arrives, wg 1 waits), m1 and P1 ready
@@ -98,15 +107,44 @@ __device__ __forceinline__ void scale_rows(float (&out)[128], float f0, float f1
 __device__ __forceinline__ int group_atoms(int tile, int group) { return group == 1 - tile ? 5 : 4; }
 __device__ __forceinline__ int group_atom(int group, int i) { return i < 4 ? 4 * group + i : kRotaryAtom; }
 
+// Clock stamps of the kernel's phases, for tuning:
+// MOELINK_MLA_DECODE_SEESAW_TRACE=<prefix> runs the process's first three
+// eager launches stamped and writes <prefix>.<n>.bin (read by
+// tools/bench/seesaw_trace_report.py). Each warpgroup's first thread stamps
+// the first kBlocks blocks' first kPairs pairs of stages; a thread's stamps
+// are its SM's clock, so only differences within a block mean anything.
+struct SeesawTrace {
+  enum Event : int {
+    kPairStart,
+    kOwnGroup,       // its score MMAs' own load group landed
+    kOtherGroup,     // the other group landed
+    kScores,         // the score MMAs done
+    kExchange,       // wg 0: wg 1's m1 and P1 ready; wg 1: wg 0's m0 ready
+    kOwnPvIssued,    // P V of its own stage issued
+    kOwnPvDone,
+    kOtherPvIssued,  // P V of the other's stage issued
+    kOtherPvDone,
+    kEvents
+  };
+  static constexpr int kBlocks = 16, kPairs = 48;
+  uint64_t* out;  // [kBlocks][kPairs][2 warpgroups][kEvents] clock cycles; null: no stamps
+
+  __device__ __forceinline__ void stamp(int wg, int wtid, int pair, Event e) const {
+    const int block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (wtid != 0 || block >= kBlocks || pair >= kPairs) return;
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+    out[((block * kPairs + pair) * 2 + wg) * kEvents + e] = t;
+  }
+};
+
 // box_rows: the tensor map's box height, gcd(page_size, 64) (a box never
-// crosses a page). kPrefetch: at the top of each pair, each warpgroup's
-// first thread prefetches the next pair's stage it scores into L2 (an A/B
-// candidate, MOELINK_MLA_DECODE_SEESAW_PREFETCH=1: the refills issued at a
-// pair's end are what its next scores wait for).
-template <bool kPrefetch>
+// crosses a page). kTrace: SeesawTrace's clock stamps (tuning only).
+template <bool kTrace>
 __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs a, void* workspace,
                                                                     int inner_head_blocks, int box_rows,
-                                                                    const __grid_constant__ CUtensorMap cache_map) {
+                                                                    const __grid_constant__ CUtensorMap cache_map,
+                                                                    SeesawTrace trace) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __trap();  // wgmma is sm_90a's
 #else
@@ -117,6 +155,8 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   float* max_pub = reinterpret_cast<float*>(smem_raw + (base + 3 * kTile - raw));  // [2 warpgroups][64 heads]
   float* red_sum = max_pub + 2 * kHeads;                                           // [2 warpgroups][64 heads]
   const uint32_t barriers = base + 3 * kTile + kRedBytes;  // [tile][group], 8 bytes each
+  const uint32_t page_stash = barriers + kBarrierBytes;
+  const int32_t* stashed_page = reinterpret_cast<const int32_t*>(smem_raw + (page_stash - raw));
 
   // The grid as mla_decode_wgmma.cu's (inner_head_blocks > 0: a row's head blocks side by side).
   const int64_t r = inner_head_blocks > 0 ? blockIdx.x / inner_head_blocks : blockIdx.x;
@@ -126,6 +166,10 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   if (r >= decode_rows) return;
   const int32_t request = a.plan.request[r];
   const int tid = threadIdx.x, wg = tid / 128, wtid = tid % 128, lane = tid % 32;
+  int trace_pair = 0;
+  auto stamp = [&](SeesawTrace::Event e) {
+    if constexpr (kTrace) trace.stamp(wg, wtid, trace_pair, e);
+  };
   if (request < 0) {
     if (splits == 1) zero_skipped_row(a.out_latent, a.Nd, r, head0, kHeads, a.heads, kLatent, tid, kThreads);
     return;
@@ -135,48 +179,58 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   const KeyRange range = split_keys(static_cast<int64_t>(a.plan.position[r]) + 1, split, splits);
   const Partials part = partials_of(workspace, splits, a.Nd, a.heads, kLatent);
   if (range.begin >= range.end) return mark_empty_split(part, a.Nd, split, r, head0, kHeads, a.heads, tid);
-  const int64_t key_end[2] = {range.end, range.end};
   const int stages = static_cast<int>((range.end - range.begin + kKeysPerStage - 1) / kKeysPerStage);
   const int pairs = (stages + 1) / 2;
   const int32_t* block_row = a.block_table + static_cast<int64_t>(request) * a.block_stride;
   const uint32_t my_tile = tiles + wg * kTile, other_tile = tiles + (1 - wg) * kTile;
   auto barrier_of = [&](int tile, int group) { return barriers + (2 * tile + group) * 8; };
-  // Key k's row of the cache (the tensor map's outer coordinate).
-  auto cache_row_of = [&](int64_t k) {
-    return static_cast<int32_t>(static_cast<int64_t>(block_row[k / a.page_size]) * a.page_size + k % a.page_size);
+  // Box j of stage `stage`: its first key (keys below 2^31: int32
+  // positions). Boxes of box_rows keys, each inside a page; boxes past the
+  // range's end repeat the range's last box (masked, their values zeroed
+  // before use).
+  auto box_key = [&](int stage, int j) {
+    const int64_t k = range.begin + static_cast<int64_t>(stage) * kKeysPerStage + j * box_rows;
+    return static_cast<int32_t>(min(k, (range.end - 1) / box_rows * box_rows));
   };
-
-  // Group `group` of stage `stage`'s tile <- its keys, by TMA (one thread):
-  // boxes of box_rows keys, each inside a page; boxes past the range's end
-  // repeat the range's last box (masked, their values zeroed before use).
-  auto load_group = [&](int stage, int group) {
+  // Key k's row of the cache (the tensor map's outer coordinate) on page `page`.
+  auto cache_row = [&](int32_t page, int32_t k) { return page * a.page_size + k % a.page_size; };
+  const int boxes = kKeysPerStage / box_rows;
+  // Group `group` of stage `stage`'s tile <- its keys, by TMA (one thread),
+  // box j from cache row row_of(j).
+  auto load_group = [&](int stage, int group, const auto& row_of) {
     const int tile = stage & 1, atoms = group_atoms(tile, group);
     const uint32_t bar = barrier_of(tile, group), dst = tiles + tile * kTile;
     tma::arrive_expect_tx(bar, atoms * kAtomBlock);
-    const int64_t k0 = range.begin + static_cast<int64_t>(stage) * kKeysPerStage;
-    const int64_t last_box = (range.end - 1) / box_rows * box_rows;
-    for (int j = 0; j < kKeysPerStage / box_rows; ++j) {
-      const int32_t cache_row = cache_row_of(min(k0 + j * box_rows, last_box));
+    for (int j = 0; j < boxes; ++j) {
+      const int32_t row = row_of(j);
       for (int i = 0; i < atoms; ++i) {
         const int atom = group_atom(group, i);
-        tma::load_2d(dst + atom * kAtomBlock + j * box_rows * 128, &cache_map, atom * 64, cache_row, bar);
+        tma::load_2d(dst + atom * kAtomBlock + j * box_rows * 128, &cache_map, atom * 64, row, bar);
       }
     }
   };
-  // Stage `stage`'s keys (every atom) -> L2, where the stage has keys.
-  auto prefetch_stage = [&](int stage) {
-    const int64_t k0 = range.begin + static_cast<int64_t>(stage) * kKeysPerStage;
-    for (int j = 0; j < kKeysPerStage / box_rows && k0 + j * box_rows < range.end; ++j) {
-      const int32_t cache_row = cache_row_of(k0 + j * box_rows);
-      for (int atom = 0; atom < kRow / 64; ++atom) tma::prefetch_2d_l2(&cache_map, atom * 64, cache_row);
-    }
+  // The page ids of the boxes this warpgroup refills in pair p (stages 2p +
+  // 2 and 2p + 3) -> its stash, by cp.async (its first thread, at the
+  // pair's top). Read from the block table at the refill, they held the
+  // refill's TMA and the warpgroup's next MMAs a memory latency back (about
+  // 800 cycles a refill at 128 requests on an H100: SeesawTrace).
+  auto stash_of = [&](int stage, int j) { return (wg * 2 + (stage & 1)) * kMaxBoxes + j; };
+  auto stash_pages = [&](int p) {
+    for (int s = 2 * p + 2; s < 2 * p + 4; ++s)
+      for (int j = 0; j < boxes; ++j)
+        cp_async_4(page_stash + 4 * stash_of(s, j), block_row + box_key(s, j) / a.page_size);
+    cp_async_commit();
   };
   if (tid == 0) {
     for (int b = 0; b < 4; ++b) tma::barrier_init(barriers + b * 8, 1);
     tma::fence_barrier_init();
     tma::prefetch_map(&cache_map);
     for (int stage = 0; stage < 2; ++stage)  // stage 1 may lie past the range: masked
-      for (int group = 0; group < 2; ++group) load_group(stage, group);
+      for (int group = 0; group < 2; ++group)
+        load_group(stage, group, [&](int j) {
+          const int32_t k = box_key(stage, j);
+          return cache_row(block_row[k / a.page_size], k);
+        });
   }
 
   // The queries: 4 threads a head, heads past a.heads zeros.
@@ -206,8 +260,9 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   uint32_t pa[16];  // probabilities as wgmma's A fragments: K step k of 16 keys in pa[4 k .. 4 k + 3]
 
   // S = Q K^T over this warpgroup's tile (its own group's atoms first, while
-  // the other's may still land), masked and in log2 units; the row maxima
-  // (over the quad) to mx.
+  // the other's may still land), keys past the range -inf; the row maxima
+  // (over the quad) of S scale (log2 units) to mx. sc stays unscaled: the
+  // exponentials fold the scale in (one FFMA an element).
   auto scores = [&](int stage, float (&mx)[2]) {
     const uint32_t parity = (stage >> 1) & 1;  // the tile's fill stage / 2
 #pragma unroll
@@ -220,20 +275,39 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
                      smem_desc(my_tile + atom * kAtomBlock + k * 32, 16, 1024));
     };
     tma::wait_parity(barrier_of(wg, wg), parity);  // this warpgroup's group: its latent half
+    stamp(SeesawTrace::kOwnGroup);
     wgmma_fence();
 #pragma unroll
     for (int i = 0; i < 4; ++i) score_atom(group_atom(wg, i));
     tma::wait_parity(barrier_of(wg, 1 - wg), parity);  // the other's: the other latent half and the rotary atom
+    stamp(SeesawTrace::kOtherGroup);
     wgmma_fence();
 #pragma unroll
     for (int i = 0; i < 5; ++i) score_atom(group_atom(1 - wg, i));
     wgmma_commit();
     wgmma_wait<0>();
+    stamp(SeesawTrace::kScores);
     fence_registers(sc);
-    scale_mask_max<8>(sc, range.begin + static_cast<int64_t>(stage) * kKeysPerStage + c2, key_end, scale, mx);
+    const int64_t valid = range.end - (range.begin + static_cast<int64_t>(stage) * kKeysPerStage);
+    if (valid < kKeysPerStage) {  // the range's last stage (or past it): mask
+      const int n = valid > 0 ? static_cast<int>(valid) : 0;
+#pragma unroll
+      for (int i = 0; i < 32; ++i)
+        if ((i / 4) * 8 + c2 + (i & 1) >= n) sc[i] = -INFINITY;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) m = fmaxf(m, fmaxf(sc[4 * j + 2 * h], sc[4 * j + 2 * h + 1]));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      mx[h] = m * scale;  // scale > 0: the maximum of the scaled row
+    }
   };
-  // P = exp2(S - base) into pa (bf16) and, to_shared, this tile's P atom;
-  // returns the rows' sums of this thread's share.
+  // P = exp2(S scale - base) into pa (bf16) and, to_shared, this tile's P
+  // atom; keep_fp32: into sc too (wg 0 rescales its P0 for wg 1 from it).
+  // Returns the rows' sums of this thread's share.
   auto store_p = [&](int j, uint32_t lo, uint32_t hi) {  // n8 tile j's two rows into this tile's P atom
     const int col = j * 8 + c2;
     const uint32_t in_piece = (col % 8) * 2;
@@ -242,14 +316,15 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(my_tile + kPOffset + tile_offset(row1, col / 8) + in_piece),
                  "r"(hi));
   };
-  auto probabilities = [&](const float (&b)[2], float (&sum)[2], bool to_shared) {
+  auto probabilities = [&](const float (&b)[2], float (&sum)[2], bool to_shared, bool keep_fp32) {
     sum[0] = sum[1] = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float p0 = exp2f(sc[4 * j] - b[0]), p1 = exp2f(sc[4 * j + 1] - b[0]);
-      const float p2 = exp2f(sc[4 * j + 2] - b[1]), p3 = exp2f(sc[4 * j + 3] - b[1]);
+      const float p0 = exp2f(fmaf(sc[4 * j], scale, -b[0])), p1 = exp2f(fmaf(sc[4 * j + 1], scale, -b[0]));
+      const float p2 = exp2f(fmaf(sc[4 * j + 2], scale, -b[1])), p3 = exp2f(fmaf(sc[4 * j + 3], scale, -b[1]));
       sum[0] += p0 + p1;
       sum[1] += p2 + p3;
+      if (keep_fp32) sc[4 * j] = p0, sc[4 * j + 1] = p1, sc[4 * j + 2] = p2, sc[4 * j + 3] = p3;
       // n8 tile j is half of K step j / 2: rows 0 / 8 in registers 0 / 1 (j even) or 2 / 3 (j odd).
       const uint32_t lo = pack_bf16(p0, p1), hi = pack_bf16(p2, p3);
       pa[4 * (j / 2) + 2 * (j % 2)] = lo;
@@ -258,12 +333,12 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     }
     if (to_shared) fence_proxy_async();
   };
-  // P = exp2(S - b) into this tile's P atom only (wg 0's P0 on wg 1's maxima).
-  auto store_rescaled = [&](const float (&b)[2]) {
+  // The probabilities kept in sc times g (per row) into this tile's P atom
+  // only (wg 0's P0 on wg 1's maxima: exp2(s scale - m0) exp2(m0 - m1)).
+  auto store_rescaled = [&](const float (&g)[2]) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      store_p(j, pack_bf16(exp2f(sc[4 * j] - b[0]), exp2f(sc[4 * j + 1] - b[0])),
-              pack_bf16(exp2f(sc[4 * j + 2] - b[1]), exp2f(sc[4 * j + 3] - b[1])));
+      store_p(j, pack_bf16(sc[4 * j] * g[0], sc[4 * j + 1] * g[0]), pack_bf16(sc[4 * j + 2] * g[1], sc[4 * j + 3] * g[1]));
     fence_proxy_async();
   };
   // Before this warpgroup's P V of stage `stage`: its values (atoms 4 wg ..
@@ -282,11 +357,15 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     fence_proxy_async();
     barrier_sync(kOwnSync + wg, 128);
   };
-  // This warpgroup's group of tile stage & 1 <- stage `stage`, once every
-  // thread's MMAs reading it are done (the caller waited for them).
+  // This warpgroup's group of tile stage & 1 <- stage `stage` (its pages
+  // from the stash), once every thread's MMAs reading it are done (the
+  // caller waited for them).
   auto refill = [&](int stage) {
     barrier_sync(kOwnSync + wg, 128);
-    if (wtid == 0) load_group(stage, wg);
+    if (wtid == 0) {
+      cp_async_wait<0>();  // the stash (issued at the pair's top)
+      load_group(stage, wg, [&](int j) { return cache_row(stashed_page[stash_of(stage, j)], box_key(stage, j)); });
+    }
   };
   // out += P V over a tile's 64 keys and this warpgroup's 256 dims: P from
   // registers (own stage) or from the tile's P atom (the other's). One group.
@@ -327,7 +406,9 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   for (int p = 0; p < pairs; ++p) {
     const bool refill_next = p + 1 < pairs;
     float mx[2], sum[2];
-    if (kPrefetch && wtid == 0) prefetch_stage(2 * p + 2 + wg);
+    trace_pair = p;
+    stamp(SeesawTrace::kPairStart);
+    if (wtid == 0 && refill_next) stash_pages(p);
     scores(2 * p + wg, mx);
     if (wg == 0) {
       float m0[2], b0[2];
@@ -338,33 +419,40 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       }
       publish_max(m0);
       barrier_arrive(kM0Ready, kThreads);
-      probabilities(b0, sum, false);
+      probabilities(b0, sum, false, true);
 #pragma unroll
       for (int h = 0; h < 2; ++h) run_sum[h] = run_sum[h] * exp2f(run_max[h] - b0[h]) + sum[h];
       scale_rows(out, exp2f(run_max[0] - b0[0]), exp2f(run_max[1] - b0[1]));
       zero_tail(2 * p);
       issue_pv_own(my_tile);
+      stamp(SeesawTrace::kOwnPvIssued);
       barrier_sync(kP1Ready, kThreads);  // wg 1's maxima m1 and P1
-      float m1[2], b1[2];
+      stamp(SeesawTrace::kExchange);
+      float m1[2], g[2];
       read_max(1, m1);
-      b1[0] = base_of(m1[0]), b1[1] = base_of(m1[1]);
-      store_rescaled(b1);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) g[h] = exp2f(m0[h] - base_of(m1[h]));  // in [0, 1]: m1 >= m0; 0 where m0 = -inf
+      store_rescaled(g);
       barrier_arrive(kP0Stored, kThreads);
       wgmma_wait<0>();
+      stamp(SeesawTrace::kOwnPvDone);
       fence_registers(out);
       fence_registers(pa);
-      if (refill_next) refill(2 * p + 2);  // tile 0's values 0-255: read
-      const float g0 = exp2f(m0[0] - b1[0]), g1 = exp2f(m0[1] - b1[1]);
-      run_sum[0] *= g0, run_sum[1] *= g1;
-      scale_rows(out, g0, g1);
+      run_sum[0] *= g[0], run_sum[1] *= g[1];
+      scale_rows(out, g[0], g[1]);
       zero_tail(2 * p + 1);
       issue_pv_other(other_tile);
+      // Tile 0's values 0-255 read (P0 V0_L above): refilled under P1 V1_L.
+      if (refill_next) refill(2 * p + 2);
+      stamp(SeesawTrace::kOtherPvIssued);
       wgmma_wait<0>();
+      stamp(SeesawTrace::kOtherPvDone);
       fence_registers(out);
       if (refill_next) refill(2 * p + 3);  // tile 1's values 0-255 and P1: read
       run_max[0] = m1[0], run_max[1] = m1[1];
     } else {
       barrier_sync(kM0Ready, kThreads);  // wg 0's maxima m0
+      stamp(SeesawTrace::kExchange);
       float m0[2], m1[2], b1[2];
       read_max(0, m0);
 #pragma unroll
@@ -372,7 +460,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
         m1[h] = fmaxf(m0[h], mx[h]);
         b1[h] = base_of(m1[h]);
       }
-      probabilities(b1, sum, true);
+      probabilities(b1, sum, true, false);
       publish_max(m1);
       barrier_arrive(kP1Ready, kThreads);
       const float f0 = exp2f(run_max[0] - b1[0]), f1 = exp2f(run_max[1] - b1[1]);
@@ -381,13 +469,17 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       scale_rows(out, f0, f1);
       zero_tail(2 * p + 1);
       issue_pv_own(my_tile);
+      stamp(SeesawTrace::kOwnPvIssued);
       zero_tail(2 * p);
       barrier_sync(kP0Stored, kThreads);  // wg 0's P0 on m1
       issue_pv_other(other_tile);
+      stamp(SeesawTrace::kOtherPvIssued);
       wgmma_wait<1>();
+      stamp(SeesawTrace::kOwnPvDone);
       fence_registers(pa);
       if (refill_next) refill(2 * p + 3);  // tile 1's values 256-511: read
       wgmma_wait<0>();
+      stamp(SeesawTrace::kOtherPvDone);
       fence_registers(out);
       if (refill_next) refill(2 * p + 2);  // tile 0's values 256-511 and P0: read
       run_max[0] = m1[0], run_max[1] = m1[1];
@@ -410,6 +502,40 @@ bool seesaw_decode_applies(const TcDecodeArgs& a) {
          a.num_pages * a.page_size <= INT32_MAX;
 }
 
+namespace {
+
+// The stamped kernel, where MOELINK_MLA_DECODE_SEESAW_TRACE asks and
+// `stream` is not capturing: runs it, waits for it and writes its stamps.
+// Returns whether it ran.
+bool run_traced(const TcDecodeArgs& a, void* workspace, dim3 grid, int inner_head_blocks, int box_rows,
+                const CUtensorMap& cache_map, cudaStream_t stream) {
+  static const char* prefix = std::getenv("MOELINK_MLA_DECODE_SEESAW_TRACE");
+  static std::atomic<int> traced{0};
+  if (prefix == nullptr || *prefix == '\0' || traced.load() >= 3) return false;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return false;
+  const size_t count = size_t{SeesawTrace::kBlocks} * SeesawTrace::kPairs * 2 * SeesawTrace::kEvents;
+  SeesawTrace trace{nullptr};
+  MOELINK_CUDA_CHECK(cudaMallocAsync(&trace.out, count * 8, stream));
+  MOELINK_CUDA_CHECK(cudaMemsetAsync(trace.out, 0, count * 8, stream));
+  seesaw_decode_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner_head_blocks, box_rows,
+                                                                      cache_map, trace);
+  MOELINK_CUDA_CHECK(cudaGetLastError());
+  std::vector<uint64_t> stamps(count);
+  MOELINK_CUDA_CHECK(cudaMemcpyAsync(stamps.data(), trace.out, count * 8, cudaMemcpyDeviceToHost, stream));
+  MOELINK_CUDA_CHECK(cudaFreeAsync(trace.out, stream));
+  MOELINK_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const std::string path = std::string(prefix) + "." + std::to_string(traced++) + ".bin";
+  FILE* f = std::fopen(path.c_str(), "wb");
+  const bool written = f != nullptr && std::fwrite(stamps.data(), 8, count, f) == count;
+  if (f != nullptr) std::fclose(f);
+  std::fprintf(stderr, "moelink: seesaw decode trace %s %s\n", path.c_str(), written ? "written" : "NOT written");
+  return true;
+}
+
+}  // namespace
+
 void launch_seesaw_decode(const TcDecodeArgs& a, void* workspace, dim3 grid, int inner_head_blocks,
                           cudaStream_t stream) {
   static std::once_flag attribute_set;
@@ -419,12 +545,12 @@ void launch_seesaw_decode(const TcDecodeArgs& a, void* workspace, dim3 grid, int
       MOELINK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               static_cast<int>(kSmemBytes)));
   });
-  static const bool prefetch = env_int("MOELINK_MLA_DECODE_SEESAW_PREFETCH", 0, 0, 1) == 1;
   const int box_rows = std::gcd(a.page_size, kKeysPerStage);
   const CUtensorMap cache_map =
       bf16_swizzled_row_map(a.cache, kRow, static_cast<uint64_t>(a.num_pages) * a.page_size, kRow * 2, box_rows);
-  auto kernel = prefetch ? seesaw_decode_kernel<true> : seesaw_decode_kernel<false>;
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner_head_blocks, box_rows, cache_map);
+  if (run_traced(a, workspace, grid, inner_head_blocks, box_rows, cache_map, stream)) return;
+  seesaw_decode_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner_head_blocks, box_rows,
+                                                                       cache_map, SeesawTrace{nullptr});
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -51,14 +51,4 @@ __device__ __forceinline__ void load_2d(uint32_t dst, const void* map, int32_t i
       : "memory");
 }
 
-// The box at (inner, outer) of a 2-D tensor map -> L2 only (a hint: no
-// barrier, nothing written to shared memory; a later load_2d of the box
-// then reads it from L2 rather than from memory).
-__device__ __forceinline__ void prefetch_2d_l2(const void* map, int32_t inner, int32_t outer) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(inner), "r"(outer)
-               : "memory");
-}
-
 }  // namespace moelink::detail::attention::tma
