@@ -14,7 +14,7 @@
 // tile 1), each warpgroup multiplies its own stage first:
 //   wg 0: S0 = Q K0; m0 = max(m, rowmax S0) -> shared; P0 = exp(S0 - m0);
 //         O_L *= exp(m - m0); O_L += P0 V0_L (P0 from registers); then,
-//         with wg 1's m1 and P1: P0 exp(m0 - m1) -> shared (P0 on wg 1's
+//         with wg 1's m1 and P1: exp(S0 - m1) -> shared (P0 on wg 1's
 //         maxima); O_L *= exp(m0 - m1); O_L += P1 V1_L;
 //   wg 1: S1 = Q K1; with wg 0's m0: m1 = max(m0, rowmax S1) -> shared;
 //         P1 = exp(S1 - m1) -> shared; O_R *= exp(m - m1); O_R += P1 V1_R
@@ -36,10 +36,7 @@
 // (atoms 4g .. 4g + 3, its P V's values), plus the rotary atom of the tile
 // the other warpgroup scores (that atom holds the other's P, which g reads
 // last). The scorer waits for the two groups one after the other, issuing
-// the first group's score MMAs while the second still lands. A refill's
-// page ids come from a stash its thread filled by cp.async at the pair's
-// top, so no block-table read stands between the last P V and the TMA
-// (SeesawTrace measured that read at about 800 cycles). Keys past the
+// the first group's score MMAs while the second still lands. Keys past the
 // split's end (the last stage's tail; a last odd stage entirely) are loaded
 // from the row's last pages and masked; before its P V of such a stage a
 // warpgroup zeros those rows of its values, as the cache there may hold
@@ -80,11 +77,7 @@ constexpr uint32_t kTile = (kRow / 64) * kAtomBlock;  // 64 rows x 576 dims: 72 
 constexpr uint32_t kPOffset = kRotaryAtom * kAtomBlock;
 constexpr uint32_t kRedBytes = 4 * kHeads * 4;  // the published maxima and the row sums
 constexpr uint32_t kBarrierBytes = 4 * 8;       // a transaction barrier per tile and load group
-constexpr int kMaxBoxes = kKeysPerStage / 8;     // a stage's TMA boxes (box_rows >= 8)
-// Each warpgroup's page ids of the boxes of the two stages it refills next: [wg][tile][box].
-constexpr uint32_t kRowStashBytes = 2 * 2 * kMaxBoxes * 4;
-constexpr size_t kSmemBytes =
-    3 * size_t(kTile) + kRedBytes + kBarrierBytes + kRowStashBytes + 1024;  // + alignment to 1024
+constexpr size_t kSmemBytes = 3 * size_t(kTile) + kRedBytes + kBarrierBytes + 1024;  // + alignment to 1024
 static_assert(kSmemBytes <= 227 * 1024, "past a Hopper block's shared memory");
 
 // Named barriers: m0 published (wg 0 arrives, wg 1 waits), m1 and P1 ready
@@ -158,8 +151,6 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   float* max_pub = reinterpret_cast<float*>(smem_raw + (base + 3 * kTile - raw));  // [2 warpgroups][64 heads]
   float* red_sum = max_pub + 2 * kHeads;                                           // [2 warpgroups][64 heads]
   const uint32_t barriers = base + 3 * kTile + kRedBytes;  // [tile][group], 8 bytes each
-  const uint32_t page_stash = barriers + kBarrierBytes;
-  const int32_t* stashed_page = reinterpret_cast<const int32_t*>(smem_raw + (page_stash - raw));
 
   // The grid as mla_decode_wgmma.cu's (inner_head_blocks > 0: a row's head blocks side by side).
   const int64_t r = inner_head_blocks > 0 ? blockIdx.x / inner_head_blocks : blockIdx.x;
@@ -182,58 +173,40 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   const KeyRange range = split_keys(static_cast<int64_t>(a.plan.position[r]) + 1, split, splits);
   const Partials part = partials_of(workspace, splits, a.Nd, a.heads, kLatent);
   if (range.begin >= range.end) return mark_empty_split(part, a.Nd, split, r, head0, kHeads, a.heads, tid);
+  const int64_t key_end[2] = {range.end, range.end};
   const int stages = static_cast<int>((range.end - range.begin + kKeysPerStage - 1) / kKeysPerStage);
   const int pairs = (stages + 1) / 2;
   const int32_t* block_row = a.block_table + static_cast<int64_t>(request) * a.block_stride;
   const uint32_t my_tile = tiles + wg * kTile, other_tile = tiles + (1 - wg) * kTile;
   auto barrier_of = [&](int tile, int group) { return barriers + (2 * tile + group) * 8; };
-  // Box j of stage `stage`: its first key (keys below 2^31: int32
-  // positions). Boxes of box_rows keys, each inside a page; boxes past the
-  // range's end repeat the range's last box (masked, their values zeroed
-  // before use).
-  auto box_key = [&](int stage, int j) {
-    const int64_t k = range.begin + static_cast<int64_t>(stage) * kKeysPerStage + j * box_rows;
-    return static_cast<int32_t>(min(k, (range.end - 1) / box_rows * box_rows));
+  // Key k's row of the cache (the tensor map's outer coordinate).
+  auto cache_row_of = [&](int64_t k) {
+    return static_cast<int32_t>(static_cast<int64_t>(block_row[k / a.page_size]) * a.page_size + k % a.page_size);
   };
-  // Key k's row of the cache (the tensor map's outer coordinate) on page `page`.
-  auto cache_row = [&](int32_t page, int32_t k) { return page * a.page_size + k % a.page_size; };
-  const int boxes = kKeysPerStage / box_rows;
-  // Group `group` of stage `stage`'s tile <- its keys, by TMA (one thread),
-  // box j from cache row row_of(j).
-  auto load_group = [&](int stage, int group, const auto& row_of) {
+
+  // Group `group` of stage `stage`'s tile <- its keys, by TMA (one thread):
+  // boxes of box_rows keys, each inside a page; boxes past the range's end
+  // repeat the range's last box (masked, their values zeroed before use).
+  auto load_group = [&](int stage, int group) {
     const int tile = stage & 1, atoms = group_atoms(tile, group);
     const uint32_t bar = barrier_of(tile, group), dst = tiles + tile * kTile;
     tma::arrive_expect_tx(bar, atoms * kAtomBlock);
-    for (int j = 0; j < boxes; ++j) {
-      const int32_t row = row_of(j);
+    const int64_t k0 = range.begin + static_cast<int64_t>(stage) * kKeysPerStage;
+    const int64_t last_box = (range.end - 1) / box_rows * box_rows;
+    for (int j = 0; j < kKeysPerStage / box_rows; ++j) {
+      const int32_t cache_row = cache_row_of(min(k0 + j * box_rows, last_box));
       for (int i = 0; i < atoms; ++i) {
         const int atom = group_atom(group, i);
-        tma::load_2d(dst + atom * kAtomBlock + j * box_rows * 128, &cache_map, atom * 64, row, bar);
+        tma::load_2d(dst + atom * kAtomBlock + j * box_rows * 128, &cache_map, atom * 64, cache_row, bar);
       }
     }
-  };
-  // The page ids of the boxes this warpgroup refills in pair p (stages 2p +
-  // 2 and 2p + 3) -> its stash, by cp.async (its first thread, at the
-  // pair's top). Read from the block table at the refill, they held the
-  // refill's TMA and the warpgroup's next MMAs a memory latency back (about
-  // 800 cycles a refill at 128 requests on an H100: SeesawTrace).
-  auto stash_of = [&](int stage, int j) { return (wg * 2 + (stage & 1)) * kMaxBoxes + j; };
-  auto stash_pages = [&](int p) {
-    for (int s = 2 * p + 2; s < 2 * p + 4; ++s)
-      for (int j = 0; j < boxes; ++j)
-        cp_async_4(page_stash + 4 * stash_of(s, j), block_row + box_key(s, j) / a.page_size);
-    cp_async_commit();
   };
   if (tid == 0) {
     for (int b = 0; b < 4; ++b) tma::barrier_init(barriers + b * 8, 1);
     tma::fence_barrier_init();
     tma::prefetch_map(&cache_map);
     for (int stage = 0; stage < 2; ++stage)  // stage 1 may lie past the range: masked
-      for (int group = 0; group < 2; ++group)
-        load_group(stage, group, [&](int j) {
-          const int32_t k = box_key(stage, j);
-          return cache_row(block_row[k / a.page_size], k);
-        });
+      for (int group = 0; group < 2; ++group) load_group(stage, group);
   }
 
   // The queries: 4 threads a head, heads past a.heads zeros.
@@ -263,9 +236,8 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   uint32_t pa[16];  // probabilities as wgmma's A fragments: K step k of 16 keys in pa[4 k .. 4 k + 3]
 
   // S = Q K^T over this warpgroup's tile (its own group's atoms first, while
-  // the other's may still land), keys past the range -inf; the row maxima
-  // (over the quad) of S scale (log2 units) to mx. sc stays unscaled: the
-  // exponentials fold the scale in (one FFMA an element).
+  // the other's may still land), masked and in log2 units; the row maxima
+  // (over the quad) to mx.
   auto scores = [&](int stage, float (&mx)[2]) {
     const uint32_t parity = (stage >> 1) & 1;  // the tile's fill stage / 2
 #pragma unroll
@@ -291,26 +263,10 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     wgmma_wait<0>();
     stamp(SeesawTrace::kScores);
     fence_registers(sc);
-    const int64_t valid = range.end - (range.begin + static_cast<int64_t>(stage) * kKeysPerStage);
-    if (valid < kKeysPerStage) {  // the range's last stage (or past it): mask
-      const int n = valid > 0 ? static_cast<int>(valid) : 0;
-#pragma unroll
-      for (int i = 0; i < 32; ++i)
-        if ((i / 4) * 8 + c2 + (i & 1) >= n) sc[i] = -INFINITY;
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float m = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) m = fmaxf(m, fmaxf(sc[4 * j + 2 * h], sc[4 * j + 2 * h + 1]));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      mx[h] = m * scale;  // scale > 0: the maximum of the scaled row
-    }
+    scale_mask_max<8>(sc, range.begin + static_cast<int64_t>(stage) * kKeysPerStage + c2, key_end, scale, mx);
   };
-  // P = exp2(S scale - base) into pa (bf16) and, to_shared, this tile's P
-  // atom; keep_fp32: into sc too (wg 0 rescales its P0 for wg 1 from it).
-  // Returns the rows' sums of this thread's share.
+  // P = exp2(S - base) into pa (bf16) and, to_shared, this tile's P atom;
+  // returns the rows' sums of this thread's share.
   auto store_p = [&](int j, uint32_t lo, uint32_t hi) {  // n8 tile j's two rows into this tile's P atom
     const int col = j * 8 + c2;
     const uint32_t in_piece = (col % 8) * 2;
@@ -319,15 +275,14 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(my_tile + kPOffset + tile_offset(row1, col / 8) + in_piece),
                  "r"(hi));
   };
-  auto probabilities = [&](const float (&b)[2], float (&sum)[2], bool to_shared, bool keep_fp32) {
+  auto probabilities = [&](const float (&b)[2], float (&sum)[2], bool to_shared) {
     sum[0] = sum[1] = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float p0 = exp2f(fmaf(sc[4 * j], scale, -b[0])), p1 = exp2f(fmaf(sc[4 * j + 1], scale, -b[0]));
-      const float p2 = exp2f(fmaf(sc[4 * j + 2], scale, -b[1])), p3 = exp2f(fmaf(sc[4 * j + 3], scale, -b[1]));
+      const float p0 = exp2f(sc[4 * j] - b[0]), p1 = exp2f(sc[4 * j + 1] - b[0]);
+      const float p2 = exp2f(sc[4 * j + 2] - b[1]), p3 = exp2f(sc[4 * j + 3] - b[1]);
       sum[0] += p0 + p1;
       sum[1] += p2 + p3;
-      if (keep_fp32) sc[4 * j] = p0, sc[4 * j + 1] = p1, sc[4 * j + 2] = p2, sc[4 * j + 3] = p3;
       // n8 tile j is half of K step j / 2: rows 0 / 8 in registers 0 / 1 (j even) or 2 / 3 (j odd).
       const uint32_t lo = pack_bf16(p0, p1), hi = pack_bf16(p2, p3);
       pa[4 * (j / 2) + 2 * (j % 2)] = lo;
@@ -336,12 +291,12 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     }
     if (to_shared) fence_proxy_async();
   };
-  // The probabilities kept in sc times g (per row) into this tile's P atom
-  // only (wg 0's P0 on wg 1's maxima: exp2(s scale - m0) exp2(m0 - m1)).
-  auto store_rescaled = [&](const float (&g)[2]) {
+  // P = exp2(S - b) into this tile's P atom only (wg 0's P0 on wg 1's maxima).
+  auto store_rescaled = [&](const float (&b)[2]) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      store_p(j, pack_bf16(sc[4 * j] * g[0], sc[4 * j + 1] * g[0]), pack_bf16(sc[4 * j + 2] * g[1], sc[4 * j + 3] * g[1]));
+      store_p(j, pack_bf16(exp2f(sc[4 * j] - b[0]), exp2f(sc[4 * j + 1] - b[0])),
+              pack_bf16(exp2f(sc[4 * j + 2] - b[1]), exp2f(sc[4 * j + 3] - b[1])));
     fence_proxy_async();
   };
   // Before this warpgroup's P V of stage `stage`: its values (atoms 4 wg ..
@@ -360,15 +315,11 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     fence_proxy_async();
     barrier_sync(kOwnSync + wg, 128);
   };
-  // This warpgroup's group of tile stage & 1 <- stage `stage` (its pages
-  // from the stash), once every thread's MMAs reading it are done (the
-  // caller waited for them).
+  // This warpgroup's group of tile stage & 1 <- stage `stage`, once every
+  // thread's MMAs reading it are done (the caller waited for them).
   auto refill = [&](int stage) {
     barrier_sync(kOwnSync + wg, 128);
-    if (wtid == 0) {
-      cp_async_wait<0>();  // the stash (issued at the pair's top)
-      load_group(stage, wg, [&](int j) { return cache_row(stashed_page[stash_of(stage, j)], box_key(stage, j)); });
-    }
+    if (wtid == 0) load_group(stage, wg);
   };
   // out += P V over a tile's 64 keys and this warpgroup's 256 dims: P from
   // registers (own stage) or from the tile's P atom (the other's). One group.
@@ -411,7 +362,6 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     float mx[2], sum[2];
     trace_pair = p;
     stamp(SeesawTrace::kPairStart);
-    if (wtid == 0 && refill_next) stash_pages(p);
     scores(2 * p + wg, mx);
     if (wg == 0) {
       float m0[2], b0[2];
@@ -422,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       }
       publish_max(m0);
       barrier_arrive(kM0Ready, kThreads);
-      probabilities(b0, sum, false, true);
+      probabilities(b0, sum, false);
 #pragma unroll
       for (int h = 0; h < 2; ++h) run_sum[h] = run_sum[h] * exp2f(run_max[h] - b0[h]) + sum[h];
       scale_rows(out, exp2f(run_max[0] - b0[0]), exp2f(run_max[1] - b0[1]));
@@ -431,22 +381,21 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       stamp(SeesawTrace::kOwnPvIssued);
       barrier_sync(kP1Ready, kThreads);  // wg 1's maxima m1 and P1
       stamp(SeesawTrace::kExchange);
-      float m1[2], g[2];
+      float m1[2], b1[2];
       read_max(1, m1);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) g[h] = exp2f(m0[h] - base_of(m1[h]));  // in [0, 1]: m1 >= m0; 0 where m0 = -inf
-      store_rescaled(g);
+      b1[0] = base_of(m1[0]), b1[1] = base_of(m1[1]);
+      store_rescaled(b1);
       barrier_arrive(kP0Stored, kThreads);
       wgmma_wait<0>();
       stamp(SeesawTrace::kOwnPvDone);
       fence_registers(out);
       fence_registers(pa);
-      run_sum[0] *= g[0], run_sum[1] *= g[1];
-      scale_rows(out, g[0], g[1]);
+      if (refill_next) refill(2 * p + 2);  // tile 0's values 0-255: read
+      const float g0 = exp2f(m0[0] - b1[0]), g1 = exp2f(m0[1] - b1[1]);
+      run_sum[0] *= g0, run_sum[1] *= g1;
+      scale_rows(out, g0, g1);
       zero_tail(2 * p + 1);
       issue_pv_other(other_tile);
-      // Tile 0's values 0-255 read (P0 V0_L above): refilled under P1 V1_L.
-      if (refill_next) refill(2 * p + 2);
       stamp(SeesawTrace::kOtherPvIssued);
       wgmma_wait<0>();
       stamp(SeesawTrace::kOtherPvDone);
@@ -463,7 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
         m1[h] = fmaxf(m0[h], mx[h]);
         b1[h] = base_of(m1[h]);
       }
-      probabilities(b1, sum, true, false);
+      probabilities(b1, sum, true);
       publish_max(m1);
       barrier_arrive(kP1Ready, kThreads);
       const float f0 = exp2f(run_max[0] - b1[0]), f1 = exp2f(run_max[1] - b1[1]);
