@@ -48,10 +48,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <string>
-#include <vector>
 #include <mutex>
 #include <numeric>
+#include <string>
+#include <vector>
 
 #include "attention/cuda/mla_decode_split.cuh"
 #include "attention/cuda/mla_decode_tc.h"
