@@ -69,18 +69,28 @@ struct MoEModelConfig {
 
 // How the layer overlaps communication with computation (seed article 002).
 enum class MoEOverlap {
-  kAuto,             // kMicroBatch from micro_batch_min_tokens tokens per rank, else kDispatchOverlap
+  kAuto,             // kMicroBatch where moe_auto_micro_batches and from micro_batch_min_tokens, else kDispatchOverlap
   kNone,             // shared expert, dispatch, experts, combine: one after the other
   kDispatchOverlap,  // the shared expert runs between dispatch's send and receive halves
   kMicroBatch,       // two micro-batches whose stages interleave: one's transfer under the other's compute
 };
 const char* moe_overlap_name(MoEOverlap m);  // "auto", "none", "dispatch-overlap", "micro-batch"
+// Whether kAuto micro-batches at all (from micro_batch_min_tokens) on this
+// backend and world: only where the exchange may cross nodes (kNVSHMEM,
+// kInternode, kInternodeCPU) and world_size > 1. On one node (kNVLink,
+// kCPU) there is little transfer to hide and each micro-batch reads every
+// expert's weights again: about 2x the MoE layer's time at 128 tokens
+// measured on one H200, and moelink-plan predicts mode dispatch a 1.4-1.7x
+// faster DeepSeek-V3 step than micro-batch at EP8 on one node at every
+// batch (docs/moe_layer.md).
+bool moe_auto_micro_batches(Backend backend, int world_size);
 
 struct MoELayerOptions {
   int64_t max_tokens = 0;  // T: tokens per rank one forward() may carry, 1..65536
   MoEOverlap overlap = MoEOverlap::kAuto;
-  // kAuto: micro-batches from this many tokens per rank on (the seed found
-  // them slower below 32).
+  // kAuto: micro-batches from this many tokens per rank on, where
+  // moe_auto_micro_batches (the seed found them slower below 32 across
+  // nodes).
   int64_t micro_batch_min_tokens = 32;
   // forward() through one captured CUDA graph per token bucket (1, 2, 4, ...,
   // T), replayed with new tokens and m; the first forward() of a bucket
@@ -171,7 +181,7 @@ class MoELayer {
   // with work of its own (a model's pipeline across attention and MoE, seed
   // article 002: one micro-batch's transfers under the other's compute).
   // Micro-batch `part` (0 or 1) runs on its own AllToAll, which the layer
-  // has with overlap micro-batch, or auto with world_size > 1 and
+  // has with overlap micro-batch, or auto where moe_auto_micro_batches and
   // max_tokens >= micro_batch_min_tokens; it has at most ceil(T / 2) rows
   // (part 0) or floor(T / 2) (part 1). out, x and bound_m as forward()'s:
   //   stage_begin(part, out, x, bound_m): quantize, route, dispatch send,

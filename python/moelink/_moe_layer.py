@@ -88,7 +88,7 @@ class MoELayer:
         and bound_m as forward()'s, at most ceil(T/2) rows (part 0) or
         floor(T/2) (part 1); keep them alive and untouched until
         stage_end(part). Needs the micro-batch AllToAlls (overlap
-        "micro-batch", or "auto" across ranks from micro_batch_min_tokens)."""
+        "micro-batch", or "auto" across nodes from micro_batch_min_tokens)."""
         self._impl.stage_begin(int(part), out, x, bound_m, self._stream(stream, x))
 
     def stage_middle(self, part: int, stream=None) -> None:

@@ -126,6 +126,15 @@ std::string MoEModelConfig::to_string() const {
   return os.str();
 }
 
+bool moe_auto_micro_batches(Backend backend, int world_size) {
+  // Across nodes a micro-batch's transfer hides under the other's compute;
+  // on one node the transfer is short and the second read of every expert's
+  // weights is not (docs/moe_layer.md).
+  const bool may_cross_nodes =
+      backend == Backend::kNVSHMEM || backend == Backend::kInternode || backend == Backend::kInternodeCPU;
+  return may_cross_nodes && world_size > 1;
+}
+
 const char* moe_overlap_name(MoEOverlap m) {
   switch (m) {
     case MoEOverlap::kAuto: return "auto";

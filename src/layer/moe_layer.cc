@@ -97,13 +97,12 @@ class MoELayerImpl {
                   k = model_.num_experts_per_tok;
 
     // The AllToAlls: one of T tokens unless the layer only ever micro-batches,
-    // two of ceil(T / 2) when it may. `auto` micro-batches only across ranks:
-    // on one rank there is no transfer to hide and each half reads every
-    // expert it touches again (about 2x the layer's time at 128 tokens on an
-    // H200: docs/moe_layer.md, bench/results/2026-12-02_nvidia-h200_layer_4828f55.json).
+    // two of ceil(T / 2) when it may. `auto` micro-batches only where the
+    // exchange may cross nodes (moe_auto_micro_batches).
     const bool full = options_.overlap != MoEOverlap::kMicroBatch;
     const bool micro = T >= 2 && (options_.overlap == MoEOverlap::kMicroBatch ||
-                                  (options_.overlap == MoEOverlap::kAuto && world_ > 1 &&
+                                  (options_.overlap == MoEOverlap::kAuto &&
+                                   moe_auto_micro_batches(options_.all_to_all.backend, world_) &&
                                    T >= options_.micro_batch_min_tokens));
     half_ = (T + 1) / 2;
     allocate_weights();
@@ -706,7 +705,8 @@ class MoELayerImpl {
                             "(MoELayerOptions.overlap = " + moe_overlap_name(options_.overlap) +
                             ", world size " + std::to_string(world_) + ", max_tokens " +
                             std::to_string(options_.max_tokens) + "): create it with overlap micro-batch, "
-                            "or auto with world size > 1 and max_tokens >= micro_batch_min_tokens");
+                            "or auto on a backend whose exchange may cross nodes (nvshmem, internode) with "
+                            "world size > 1 and max_tokens >= micro_batch_min_tokens");
   }
   void expect_stage(const char* call, int part, int next) const {
     check_part(call, part);

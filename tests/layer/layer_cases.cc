@@ -138,11 +138,12 @@ std::vector<LayerCase> layer_cases(Backend backend) {
       cases.push_back(c);
     }
   {
-    LayerCase c;  // auto makes the micro-batch AllToAlls on 2 ranks
+    LayerCase c;  // the stages on another model, at more tokens than micro_batch_min_tokens
     c.name = "MixtralLike_W2_Stages";
     c.model = mixtral_like_model();
     c.backend = backend;
-    c.max_tokens = 40;  // >= micro_batch_min_tokens
+    c.overlap = MoEOverlap::kMicroBatch;
+    c.max_tokens = 40;
     c.stages = true;
     c.rounds = 3;
     cases.push_back(c);

@@ -288,9 +288,10 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
-// `auto`: dispatch-overlap below micro_batch_min_tokens, micro-batch from it
-// on, but never on one rank (nothing to hide; each half rereads the experts).
-TEST(MoELayerOverlap, AutoMicroBatchesOnlyAcrossRanks) {
+// `auto` micro-batches only where the exchange may cross nodes, and there
+// from micro_batch_min_tokens: on one node (the cpu backend here, like
+// nvlink) it stays dispatch-overlap at any size and world.
+TEST(MoELayerOverlap, AutoStaysDispatchOverlapOnOneNode) {
   for (int world : {1, 2}) {
     run_ranks(world, [&](int, moelink::Bootstrap& boot) {
       moelink::MoELayerOptions o;
@@ -298,11 +299,22 @@ TEST(MoELayerOverlap, AutoMicroBatchesOnlyAcrossRanks) {
       o.micro_batch_min_tokens = 16;
       o.all_to_all.backend = Backend::kCPU;
       auto layer = moelink::MoELayer::create(deepseek_like_model(), o, boot);
-      RANK_CHECK(layer->overlap_for(15) == MoEOverlap::kDispatchOverlap) << "world " << world;
-      const MoEOverlap at_min = world > 1 ? MoEOverlap::kMicroBatch : MoEOverlap::kDispatchOverlap;
-      RANK_CHECK(layer->overlap_for(16) == at_min) << "world " << world;
-      RANK_CHECK(layer->overlap_for(64) == at_min) << "world " << world;
+      for (int64_t tokens : {1, 15, 16, 64})
+        RANK_CHECK(layer->overlap_for(tokens) == MoEOverlap::kDispatchOverlap)
+            << "world " << world << ", " << tokens << " tokens";
     }, 60);
+  }
+}
+
+TEST(MoELayerOverlap, AutoMicroBatchesOnlyWhereTheExchangeMayCrossNodes) {
+  for (Backend b : {Backend::kNVLink, Backend::kCPU}) {
+    EXPECT_FALSE(moelink::moe_auto_micro_batches(b, 1));
+    EXPECT_FALSE(moelink::moe_auto_micro_batches(b, 8));
+  }
+  for (Backend b : {Backend::kNVSHMEM, Backend::kInternode, Backend::kInternodeCPU}) {
+    EXPECT_FALSE(moelink::moe_auto_micro_batches(b, 1)) << static_cast<int>(b);
+    EXPECT_TRUE(moelink::moe_auto_micro_batches(b, 2)) << static_cast<int>(b);
+    EXPECT_TRUE(moelink::moe_auto_micro_batches(b, 16)) << static_cast<int>(b);
   }
 }
 
