@@ -188,7 +188,9 @@ def test_two_expert_parallel_ranks_equal_one(tmp_path):
            [(b[:5], [0, 5], [5], [[1]], 0), ([], [0], [], np.zeros((0, 1)), 0)]]
     one = [[(a[:11] + b[:5], [0, 11, 16], [11, 5], [[0], [1]], 0),
             (a[11:], [0, 1], [12], [[0]], 1)]]
-    r2 = _run_world(str(tmp_path), two)
+    # The two ranks in two micro-batches across attention and MoE (by name:
+    # auto micro-batches only across nodes), the one rank in auto.
+    r2 = _run_world(str(tmp_path), two, "micro-batch")
     r1 = _run_world(str(tmp_path), one)
     (tok1, logits1), (tok1_next, logits1_next) = r1[0][:2]  # one rank: a and b together, then a
     (tok_a, logits_a), (tok_a_next, logits_a_next) = r2[0][:2]  # rank 0: a, then a
@@ -211,8 +213,8 @@ def test_two_expert_parallel_ranks_equal_one(tmp_path):
         if top2[1] - top2[0] > 0.3 * np.sqrt(np.mean(logit ** 2)):
             assert got_tok == [want_tok]
     assert tok_none == [] and logits_none.shape == (0, fields["vocab_size"])
-    # auto micro-batches across ranks from max_tokens 32 on: the two ranks ran
-    # each step as two micro-batches across attention and MoE, one rank none.
+    # The two ranks ran each step as two micro-batches, the one rank (auto on
+    # the cpu backend: one node) none.
     assert r2[0][-1] == r2[1][-1] == 2 and r1[0][-1] == 0
 
 
