@@ -361,14 +361,17 @@ if has seesaw; then
     echo "seesaw tests: exit $rc (124: the 300 s timeout; the log's last RUN names the test)"; status=1
   fi
 fi
+seesaw_trace() {  # name: the seesaw kernel's stamps at 128 requests of 128 heads -> $OUT/name.txt (env passes through)
+  local clock
+  clock=$(nvidia-smi --query-gpu=clocks.sm --format=csv,noheader,nounits | head -1)
+  MOELINK_MLA_DECODE_SEESAW_TRACE="$OUT/$1" PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" \
+    $py tools/bench/attention_bench.py --machine "$machine" --heads 128 --batch 128 --q-len 1 --kv 5000 --iters 3 \
+    --json "$OUT/$1-bench.json" 2>&1 | grep -E "^heads|trace" || status=1
+  $py tools/bench/seesaw_trace_report.py "$OUT/$1" --clock-mhz "${clock:-1980}" | tee "$OUT/$1.txt" || status=1
+}
 if has seesaw-trace; then
   echo "== the seesaw decode kernel's phases (SeesawTrace)"
-  clock=$(nvidia-smi --query-gpu=clocks.sm --format=csv,noheader,nounits | head -1)
-  MOELINK_MLA_DECODE_SEESAW_TRACE="$OUT/seesaw-trace" PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" \
-    $py tools/bench/attention_bench.py --machine "$machine" --heads 128 --batch 128 --q-len 1 --kv 5000 --iters 3 \
-    --json "$OUT/seesaw-trace-bench.json" 2>&1 | grep -E "^heads|trace" || status=1
-  $py tools/bench/seesaw_trace_report.py "$OUT/seesaw-trace" --clock-mhz "${clock:-1980}" | tee "$OUT/seesaw-trace.txt" ||
-    status=1
+  seesaw_trace seesaw-trace
 fi
 if has seesaw-stash; then
   echo "== the seesaw decode kernel's stash candidate (MOELINK_MLA_DECODE_SEESAW_STASH=1): tests, A/B, phases"
@@ -385,11 +388,7 @@ if has seesaw-stash; then
           --iters 20 --json "$OUT/decode-stash$k-r$round.json" 2>&1 | grep 'heads 128' | sed "s/^/stash $k: /" || status=1
       done
     done
-    MOELINK_MLA_DECODE_SEESAW_STASH=1 MOELINK_MLA_DECODE_SEESAW_TRACE="$OUT/seesaw-stash-trace" \
-      PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" \
-      $py tools/bench/attention_bench.py --machine "$machine" --heads 128 --batch 128 --q-len 1 --kv 5000 --iters 3 \
-      --json "$OUT/seesaw-stash-trace-bench.json" 2>&1 | grep -E "^heads|trace" || status=1
-    $py tools/bench/seesaw_trace_report.py "$OUT/seesaw-stash-trace" | tee "$OUT/seesaw-stash-trace.txt" || status=1
+    MOELINK_MLA_DECODE_SEESAW_STASH=1 seesaw_trace seesaw-stash-trace
   else
     echo "seesaw stash tests: exit $rc (124: the 300 s timeout)"; status=1
   fi

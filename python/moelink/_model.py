@@ -86,7 +86,8 @@ class Model:
         """Steps whose MoE layers ran as two micro-batches interleaved across
         attention and MoE (moelink::Model::two_batch_steps): with overlap
         "micro-batch" (or "auto" on a backend whose exchange may cross
-        nodes, across ranks, from micro_batch_min_tokens max_tokens) and the step's q_start on the host."""
+        nodes, across ranks, from micro_batch_min_tokens max_tokens) and the
+        step's q_start on the host."""
         return self._impl.two_batch_steps
 
     def kv_cache_region(self):
