@@ -46,15 +46,7 @@
 #   interleaved rounds (decode-seesaw{0,1}-r{1,2}.json).
 #   seesaw-trace (not in the default): the seesaw kernel's phases at 128
 #   requests of 128 heads, kv 5000 (MOELINK_MLA_DECODE_SEESAW_TRACE, then
-#   tools/bench/seesaw_trace_report.py; seesaw-trace.txt;
-#   MOELINK_MLA_DECODE_SEESAW_STASH passes through).
-#   seesaw-stash (not in the default): the A/B candidate
-#   MOELINK_MLA_DECODE_SEESAW_STASH=1 (refills' page ids stashed ahead;
-#   docs/attention.md): the decode tests under it (seesaw-stash-tests.log,
-#   300 s at most), then attention_bench.py at 128 heads, batch 32 / 64 /
-#   128, q_len 1 and 2, kv 5000, without and with, three interleaved
-#   rounds (decode-stash{0,1}-r{1,2,3}.json), and its phases
-#   (seesaw-stash-trace.txt).
+#   tools/bench/seesaw_trace_report.py; seesaw-trace.txt).
 #   head-gemm (not in the default): MLAOptions.head_gemm bf16 (cuBLAS)
 #   against fp8 (the grouped GEMM): the attention tests *HeadGemm* (both
 #   against the reference on the CUDA and CPU paths, a bad value refused,
@@ -104,14 +96,14 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 steps=${*:-build test python sanitize bench internode experts}
 known="build test python sanitize bench internode experts layer model model-sanitize serve serve-batch128
-  serve-vs-bare serve-switch serve-rate pd-gpu attention seesaw seesaw-trace seesaw-stash head-gemm split-k vllm wheel fabric"
+  serve-vs-bare serve-switch serve-rate pd-gpu attention seesaw seesaw-trace head-gemm split-k vllm wheel fabric"
 for s in $steps; do  # a misspelt step would otherwise run nothing and pass
   [[ " $(echo $known) " == *" $s "* ]] || { echo "gpu_check.sh: unknown step '$s' (steps: $(echo $known))" >&2; exit 2; }
 done
 bdir=${MOELINK_BUILD_DIR:-build-gpu}
 source "$root/tools/device_env.sh"
 python_build=OFF
-{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has serve-vs-bare || has serve-switch || has serve-rate || has pd-gpu || has attention || has seesaw || has seesaw-trace || has seesaw-stash || has head-gemm || has split-k || has vllm; } && python_build=ON
+{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has serve-vs-bare || has serve-switch || has serve-rate || has pd-gpu || has attention || has seesaw || has seesaw-trace || has head-gemm || has split-k || has vllm; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
@@ -372,26 +364,6 @@ seesaw_trace() {  # name: the seesaw kernel's stamps at 128 requests of 128 head
 if has seesaw-trace; then
   echo "== the seesaw decode kernel's phases (SeesawTrace)"
   seesaw_trace seesaw-trace
-fi
-if has seesaw-stash; then
-  echo "== the seesaw decode kernel's stash candidate (MOELINK_MLA_DECODE_SEESAW_STASH=1): tests, A/B, phases"
-  MOELINK_MLA_DECODE_SEESAW=1 MOELINK_MLA_DECODE_SEESAW_STASH=1 timeout 300 $bdir/tests/moelink_attention_tests \
-    --gtest_filter='*Own*:*Cuda*Decode*:*Graph*' >"$OUT/seesaw-stash-tests.log" 2>&1
-  rc=$?
-  grep -E "^\[ +(FAILED|PASSED) |tests? ran|Failure" "$OUT/seesaw-stash-tests.log" | tail -20
-  if [[ $rc == 0 ]]; then
-    for round in 1 2 3; do
-      order="0 1"; (( round == 2 )) && order="1 0"
-      for k in $order; do
-        MOELINK_MLA_DECODE_SEESAW_STASH=$k PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" \
-          $py tools/bench/attention_bench.py --machine "$machine" --heads 128 --batch 32,64,128 --q-len 1,2 --kv 5000 \
-          --iters 20 --json "$OUT/decode-stash$k-r$round.json" 2>&1 | grep 'heads 128' | sed "s/^/stash $k: /" || status=1
-      done
-    done
-    MOELINK_MLA_DECODE_SEESAW_STASH=1 seesaw_trace seesaw-stash-trace
-  else
-    echo "seesaw stash tests: exit $rc (124: the 300 s timeout)"; status=1
-  fi
 fi
 if has head-gemm; then
   echo "== MLA head GEMMs: bf16 (cuBLAS) against fp8 (grouped GEMM)"

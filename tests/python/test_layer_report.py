@@ -99,3 +99,36 @@ def test_report_rejects_a_file_that_is_not_layer_bench_output(tmp_path, monkeypa
     with pytest.raises(SystemExit) as e:
         layer_report.main()
     assert "layer_report" in str(e.value)
+
+
+def test_exclusive_times_count_each_busy_instant_once():
+    """benchlib.exclusive_us, which stages_us and the profiles' exclusive
+    times come from: a kernel launched early under programmatic dependent
+    launch (SiLU below) gets only its time past its predecessor's end; a
+    kernel under a longer one on another stream gets nothing; gaps are no
+    one's. Random spans: the shares add up to the union's length."""
+    import random
+
+    import benchlib
+    spans = [(0.0, 100.0, GEMM), (5.0, 102.0, SILU), (102.0, 150.0, GEMM), (110.0, 120.0, SHARED[0]),
+             (160.0, 170.0, CSEND)]
+    assert benchlib.exclusive_us(spans) == [100.0, 2.0, 48.0, 0.0, 10.0]
+    p = benchlib.span_profile(spans, iters=2)
+    assert p["busy_us"] == pytest.approx(80.0) and p["sum_of_kernels_us"] == pytest.approx(132.5)
+    by = {k["name"]: k for k in p["kernels"]}
+    assert by[GEMM[:160]]["exclusive_us"] == pytest.approx(74.0) and by[GEMM[:160]]["calls"] == 1.0
+    assert by[SILU[:160]]["us"] == pytest.approx(48.5) and by[SILU[:160]]["exclusive_us"] == pytest.approx(1.0)
+    assert [k["name"] for k in p["kernels"]][0] == GEMM[:160]  # largest exclusive first
+    rng = random.Random()
+    for _ in range(50):
+        n = rng.randint(0, 12)
+        sp = sorted((t0, t0 + rng.uniform(0, 30), "k%d" % rng.randint(0, 3))
+                    for t0 in (rng.uniform(0, 100) for _ in range(n)))
+        union, end = 0.0, float("-inf")
+        for t0, t1, _ in sp:  # the union's length, computed apart
+            if t1 > end:
+                union += t1 - max(t0, end)
+                end = t1
+        x = benchlib.exclusive_us(sp)
+        assert all(v >= 0 for v in x) and sum(x) == pytest.approx(union)
+        assert all(v <= t1 - t0 + 1e-9 for v, (t0, t1, _) in zip(x, sp))

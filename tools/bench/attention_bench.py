@@ -43,8 +43,9 @@ the record's `qkv_a` rows.
 of every step (the record's `head_gemm`).
 
 With --step-kernels: each case's whole step (forward()) kernel by kernel,
-the largest first, in its row (`<kernel>_step_kernels`): where the step's
-time outside the attention kernel goes.
+the largest exclusive time first (each busy instant counted once:
+benchlib.exclusive_us), in its row (`<kernel>_step_kernels`): where the
+step's time outside the attention kernel goes.
 
 With --bmm M1,M2,...: the absorbed decode's W_UK / W_UV batched GEMMs as
 MLAAttention runs them against torch.bmm in bf16 (the record's `bmm` rows).
@@ -69,7 +70,7 @@ import time
 import torch
 
 import moelink
-from benchlib import copy_gbs, header, write_json
+from benchlib import copy_gbs, gpu_spans, header, span_profile, write_json
 
 # Kernel names per decode kernel: moelink's tensor-core kernels (warpgroup
 # MMAs at latent 512 and more than 32 heads on Hopper, else mma.sync) and
@@ -137,21 +138,15 @@ def kernel_us(fn, iters, names):
 
 
 def step_kernels(fn, iters, top=12):
-    """The GPU kernels of fn() by their time per call, largest first: the
-    `top` largest as [name, us] and the sum of all (where a step's time goes)."""
+    """The GPU kernels of fn() by name, largest exclusive time per call first
+    (benchlib.span_profile: the step's kernels run under programmatic
+    dependent launch, and a kernel's span includes its wait for the one
+    before): the `top` largest as [name, exclusive us, span us], the busy
+    time and the sum of the spans (where a step's time goes)."""
     fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    rows = []
-    for evt in prof.key_averages():
-        t = event_device_us(evt)
-        if t > 0:
-            rows.append([evt.key[:120], t / iters])
-    rows.sort(key=lambda r: -r[1])
-    return {"top": rows[:top], "sum_us": sum(r[1] for r in rows), "kernels": len(rows)}
+    p = span_profile(gpu_spans(fn, iters), iters)
+    return {"top": [[k["name"][:120], k["exclusive_us"], k["us"]] for k in p["kernels"][:top]],
+            "busy_us": p["busy_us"], "sum_us": p["sum_of_kernels_us"], "kernels": len(p["kernels"])}
 
 
 def bf16_tflops(iters, n=8192):
@@ -438,8 +433,9 @@ def main():
                           file=sys.stderr)
                     for k in KERNELS if a.step_kernels else ():
                         sk = row[f"{k}_step_kernels"]
-                        print(f"  {k} step: {sk['kernels']} kernels, {sk['sum_us']:.1f} us GPU; " +
-                              "; ".join(f"{n[:60]} {t:.1f}" for n, t in sk["top"]), file=sys.stderr)
+                        print(f"  {k} step: {sk['kernels']} kernels, busy {sk['busy_us']:.1f} us "
+                              f"(spans {sk['sum_us']:.1f}); exclusive: " +
+                              "; ".join(f"{n[:60]} {t:.1f}" for n, t, _ in sk["top"]), file=sys.stderr)
                 cache = None  # freed before the next case's
     rec["results"] = rows
     if a.qkv_a:

@@ -66,6 +66,55 @@ def copy_gbs(iters):
     return 2 * n / (us * 1e-6) / 1e9
 
 
+def gpu_spans(fn, iters):
+    """fn()'s GPU work over `iters` calls, from torch.profiler (CUPTI sees
+    every kernel and copy of the process, inside CUDA graphs too): a list of
+    (start us, end us, name), by start."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def exclusive_us(spans):
+    """Each span's share of the busy time (the union of the spans), in the
+    order given (by start): the part of it past every earlier span's end.
+    Every busy instant counts once, for the kernel that started first among
+    those running: a kernel launched early under programmatic dependent
+    launch waits for its predecessor, and that wait is the predecessor's
+    work, not its own (its span's length would count it twice). A kernel on
+    another stream under a longer one counts nothing: the exclusive times
+    add up to the busy time, not to the work of each stream."""
+    out, end = [], float("-inf")
+    for t0, t1, _ in spans:
+        out.append(max(0.0, t1 - max(t0, end)))
+        end = max(end, t1)
+    return out
+
+
+def span_profile(spans, iters):
+    """GPU work per call from gpu_spans(): sum_of_kernels_us (the spans'
+    lengths), busy_us (their union) and kernels[] by name, each with its
+    calls, us (its spans' lengths) and exclusive_us (its share of busy_us,
+    exclusive_us()), largest exclusive first."""
+    excl = exclusive_us(spans)
+    by_name = {}
+    for (t0, t1, name), x in zip(spans, excl):
+        k = by_name.setdefault(name, [0, 0.0, 0.0])
+        k[0] += 1
+        k[1] += t1 - t0
+        k[2] += x
+    kernels = sorted(({"name": n[:160], "calls": c / iters, "us": t / iters, "exclusive_us": x / iters}
+                      for n, (c, t, x) in by_name.items()), key=lambda k: -k["exclusive_us"])
+    return {"sum_of_kernels_us": sum(t1 - t0 for t0, t1, _ in spans) / iters,
+            "busy_us": sum(excl) / iters, "kernels": kernels}
+
+
 def write_json(rec, path):
     """`path` "-": standard output."""
     out = json.dumps(rec, indent=1)

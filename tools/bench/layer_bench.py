@@ -9,8 +9,12 @@ For each batch (tokens per rank), overlap mode and eager / CUDA-graph run:
                      receive, shared expert, GEMM1, SiLU-mul, GEMM2, combine
                      send / receive; "other_us" a graph's row staging): the
                      kernels torch.profiler saw, assigned to stages by
-                     layer_report.stage_of_kernels (not for micro-batch,
-                     whose stages interleave);
+                     layer_report.stage_of_kernels, each for its exclusive
+                     time (benchlib.exclusive_us: a kernel launched early
+                     under programmatic dependent launch waits for the one
+                     before; that wait is not its stage's), so the stages
+                     add up to busy_us (not for micro-batch, whose stages
+                     interleave);
   stage_marks_us     eager only: the time between the layer's own stage marks
                      (a layer built with profile=True), median over --iters
                      forwards; it includes the host's launch gaps;
@@ -18,7 +22,8 @@ For each batch (tokens per rank), overlap mode and eager / CUDA-graph run:
                      from torch.profiler (CUPTI sees every kernel of the
                      process, inside CUDA graphs too): the "no gaps" bound
                      the wall time is held to; busy_us the union of their
-                     intervals; kernels[] the same by kernel name;
+                     intervals; kernels[] the same by kernel name (us:
+                     their spans, exclusive_us: their share of busy_us);
   floor_us           the HBM floor: every byte the layer must move (the
                      router's weight, the shared expert, every expert some
                      token of this routing goes to, the scales, x in and out)
@@ -53,7 +58,7 @@ import time
 import torch
 
 import moelink
-from benchlib import copy_gbs, free_port, median_event_us
+from benchlib import copy_gbs, exclusive_us, free_port, gpu_spans, median_event_us, span_profile
 from layer_report import STAGES, stage_of_kernels
 
 
@@ -74,35 +79,19 @@ def block_fp8(shape, std):
 
 
 def kernel_profile(fn, iters, by_stage):
-    """GPU work per call of fn() from torch.profiler: the sum of kernel and
-    copy durations, the union of their intervals, the sum by name and, with
-    by_stage, by layer stage (stage_of_kernels)."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    """GPU work per call of fn() (benchlib.span_profile) and, with by_stage,
+    by layer stage (stage_of_kernels), each kernel counted for its exclusive
+    time (benchlib.exclusive_us: the layer's kernels run under programmatic
+    dependent launch, and a kernel's span includes its wait for the one
+    before)."""
+    spans = gpu_spans(fn, iters)
     if not spans:
         return None
-    busy, end, by_name = 0.0, float("-inf"), {}
-    for t0, t1, name in spans:
-        if t1 > end:
-            busy += t1 - max(t0, end)
-            end = t1
-        k = by_name.setdefault(name, [0, 0.0])
-        k[0] += 1
-        k[1] += t1 - t0
-    kernels = sorted(({"name": n[:160], "calls": c / iters, "us": t / iters}
-                      for n, (c, t) in by_name.items()), key=lambda k: -k["us"])
-    out = {"sum_of_kernels_us": sum(t1 - t0 for t0, t1, _ in spans) / iters,
-           "busy_us": busy / iters, "kernels": kernels}
+    out = span_profile(spans, iters)
     if by_stage:
         stages = dict.fromkeys(STAGES + ("other_us",), 0.0)
-        for (t0, t1, _), st in zip(spans, stage_of_kernels([n for _, _, n in spans])):
-            stages[st] += (t1 - t0) / iters
+        for x, st in zip(exclusive_us(spans), stage_of_kernels([n for _, _, n in spans])):
+            stages[st] += x / iters
         out["stages_us"] = stages
     return out
 

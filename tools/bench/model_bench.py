@@ -45,8 +45,10 @@ q_len (1, or 2: a draft row verified, ModelOptions' speculative step):
                    accepted drafts, --acceptance of them at q_len 2) per
                    graph_us;
   kernels          with --profile-batches: the graphed step's kernels from
-                   torch.profiler (sum_of_kernels_us, busy_us, by kind and
-                   by name), the "no gaps" bound graph_us is held to;
+                   torch.profiler (sum_of_kernels_us, busy_us: the "no
+                   gaps" bound graph_us is held to; by name, us and
+                   exclusive_us, and by kind, exclusive: each busy instant
+                   counted once, benchlib.exclusive_us);
   floor_us         a MoE layer's floor: every weight and KV byte it reads at
                    the device-copy bandwidth this process measures, or its
                    FLOPs at the measured dense fp8 peak, whichever is larger
@@ -247,6 +249,7 @@ def time_model(a, timer, model, fields, ppr, full, cells):
 
 # Kernel kinds of a step, by name (first match wins).
 KERNEL_KINDS = [
+    ("gemm", ("experts::(anonymous namespace)::split_reduce",)),  # the GEMMs' split-K sum, not the decode's
     ("attention", ("decode_attention", "mla", "MLA", "prefill_", "merge_heads", "split_reduce", "split_heads",
                    "gather_kv")),
     ("rope+append", ("rope_q", "append_kv")),
@@ -272,9 +275,9 @@ def profile_kernels(fn, iters):
     if k is None:
         return None
     by_kind = {}
-    for e in k["kernels"]:
+    for e in k["kernels"]:  # exclusive times: they add up to busy_us (benchlib.exclusive_us)
         kind = kernel_kind(e["name"])
-        by_kind[kind] = by_kind.get(kind, 0.0) + e["us"]
+        by_kind[kind] = by_kind.get(kind, 0.0) + e["exclusive_us"]
     k["by_kind_us"] = by_kind
     k["kernels"] = k["kernels"][:30]
     return k
@@ -385,7 +388,7 @@ def print_table(shape_rec):
     print(f"\n{shape_rec['shape']}: per-layer times from models of {shape_rec['models_layers']} layers "
           "(graph_us differences); us")
     print(f"{'B':>5} {'q':>2} {'graph':>9} {'eager':>9} {'dense':>8} {'moe':>8} {'rest':>8} {'floor':>8} "
-          f"{'moe/fl':>6} {'plan moe':>8} {'kern sum':>9} {'tok/s full':>11}")
+          f"{'moe/fl':>6} {'plan moe':>8} {'busy':>9} {'tok/s full':>11}")
     for r in shape_rec["results"]:
         lu, p, k = r["layer_us"], r.get("plan_us") or {}, r.get("kernels") or {}
 
@@ -393,7 +396,16 @@ def print_table(shape_rec):
             return format(v, f"{w}.{d}f") if isinstance(v, (int, float)) else " " * (w - 1) + "-"
         print(f"{r['batch']:5d} {r['q_len']:2d} {f(r['graph_us'], 9)} {f(r.get('eager_us'), 9)} {f(lu['dense'])} "
               f"{f(lu['moe'])} {f(lu['rest'])} {f(r.get('moe_floor_us'))} {f(r.get('moe_over_floor'), 6, 2)} "
-              f"{f(p.get('moe'))} {f(k.get('sum_of_kernels_us'), 9)} {f(r['tokens_per_s_full_depth'], 11, 0)}")
+              f"{f(p.get('moe'))} {f(k.get('busy_us'), 9)} {f(r['tokens_per_s_full_depth'], 11, 0)}")
+    for r in shape_rec["results"]:
+        k = r.get("kernels")
+        if not k:
+            continue
+        print(f"  B {r['batch']} q {r['q_len']} graphed step: busy {k['busy_us']:.0f} us (graph / busy "
+              f"{r['graph_us'] / k['busy_us']:.3f}); by kind " +
+              ", ".join(f"{n} {v:.0f}" for n, v in sorted(k["by_kind_us"].items(), key=lambda i: -i[1])))
+        print("    largest (exclusive us / calls): " +
+              "; ".join(f"{e['name'][:70]} {e['exclusive_us']:.0f}/{e['calls']:g}" for e in k["kernels"][:12]))
 
 
 LAYER_GROUPS = [("dense layers", "#8d6e63"), ("MoE layers", "#ef6c00"), ("embed, head, sampling", "#9e9e9e")]

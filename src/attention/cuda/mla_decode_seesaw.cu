@@ -77,11 +77,7 @@ constexpr uint32_t kTile = (kRow / 64) * kAtomBlock;  // 64 rows x 576 dims: 72 
 constexpr uint32_t kPOffset = kRotaryAtom * kAtomBlock;
 constexpr uint32_t kRedBytes = 4 * kHeads * 4;  // the published maxima and the row sums
 constexpr uint32_t kBarrierBytes = 4 * 8;       // a transaction barrier per tile and load group
-constexpr int kMaxBoxes = kKeysPerStage / 8;     // a stage's TMA boxes (box_rows >= 8)
-// kStash: each warpgroup's page ids of the boxes of the two stages it refills next, [wg][tile][box].
-constexpr uint32_t kPageStashBytes = 2 * 2 * kMaxBoxes * 4;
-constexpr size_t kSmemBytes =
-    3 * size_t(kTile) + kRedBytes + kBarrierBytes + kPageStashBytes + 1024;  // + alignment to 1024
+constexpr size_t kSmemBytes = 3 * size_t(kTile) + kRedBytes + kBarrierBytes + 1024;  // + alignment to 1024
 static_assert(kSmemBytes <= 227 * 1024, "past a Hopper block's shared memory");
 
 // Named barriers: m0 published (wg 0 arrives, wg 1 waits), m1 and P1 ready
@@ -140,16 +136,7 @@ struct SeesawTrace {
 
 // box_rows: the tensor map's box height, gcd(page_size, 64) (a box never
 // crosses a page). kTrace: SeesawTrace's clock stamps (tuning only).
-// kStash (an A/B candidate, MOELINK_MLA_DECODE_SEESAW_STASH=1, built on
-// what SeesawTrace showed; docs/attention.md): the refills take their page
-// ids from a stash each warpgroup's first thread fills by cp.async at the
-// pair's top, rather than reading the block table (a memory latency,
-// about 800 cycles, that held the TMA and the warpgroup's next MMAs);
-// warpgroup 0 refills tile 0 after issuing its second P V; a stage is
-// masked only where the range ends in or before it; the scale folds into
-// the exponentials (one FFMA an element); warpgroup 0 rescales the P0 it
-// kept in fp32 by a multiply instead of 32 more exponentials.
-template <bool kTrace, bool kStash>
+template <bool kTrace>
 __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs a, void* workspace,
                                                                     int inner_head_blocks, int box_rows,
                                                                     const __grid_constant__ CUtensorMap cache_map,
@@ -164,7 +151,6 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   float* max_pub = reinterpret_cast<float*>(smem_raw + (base + 3 * kTile - raw));  // [2 warpgroups][64 heads]
   float* red_sum = max_pub + 2 * kHeads;                                           // [2 warpgroups][64 heads]
   const uint32_t barriers = base + 3 * kTile + kRedBytes;  // [tile][group], 8 bytes each
-  const uint32_t page_stash = barriers + kBarrierBytes;      // kStash
 
   // The grid as mla_decode_wgmma.cu's (inner_head_blocks > 0: a row's head blocks side by side).
   const int64_t r = inner_head_blocks > 0 ? blockIdx.x / inner_head_blocks : blockIdx.x;
@@ -193,35 +179,22 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   const int32_t* block_row = a.block_table + static_cast<int64_t>(request) * a.block_stride;
   const uint32_t my_tile = tiles + wg * kTile, other_tile = tiles + (1 - wg) * kTile;
   auto barrier_of = [&](int tile, int group) { return barriers + (2 * tile + group) * 8; };
-  auto table_page = [&](int, int64_t k) { return block_row[k / a.page_size]; };
-  // kStash: the stash's slot of box j of stage `stage`, and its filling
-  // for the stages this warpgroup refills in pair p (2p + 2 and 2p + 3).
-  auto stash_slot = [&](int stage, int j) { return (wg * 2 + (stage & 1)) * kMaxBoxes + j; };
-  auto stash_pages = [&](int p) {
-    const int64_t last_box = (range.end - 1) / box_rows * box_rows;
-    for (int stage = 2 * p + 2; stage < 2 * p + 4; ++stage)
-      for (int j = 0; j < kKeysPerStage / box_rows; ++j) {
-        const int64_t k = min(range.begin + static_cast<int64_t>(stage) * kKeysPerStage + j * box_rows, last_box);
-        cp_async_4(page_stash + 4 * stash_slot(stage, j), block_row + k / a.page_size);
-      }
-    cp_async_commit();
+  // Key k's row of the cache (the tensor map's outer coordinate).
+  auto cache_row_of = [&](int64_t k) {
+    return static_cast<int32_t>(static_cast<int64_t>(block_row[k / a.page_size]) * a.page_size + k % a.page_size);
   };
 
   // Group `group` of stage `stage`'s tile <- its keys, by TMA (one thread):
   // boxes of box_rows keys, each inside a page; boxes past the range's end
   // repeat the range's last box (masked, their values zeroed before use).
-  // Box j's first key k lies on page `page_of(j, k)` (by default the block
-  // table's entry).
-  auto load_group = [&](int stage, int group, const auto& page_of) {
+  auto load_group = [&](int stage, int group) {
     const int tile = stage & 1, atoms = group_atoms(tile, group);
     const uint32_t bar = barrier_of(tile, group), dst = tiles + tile * kTile;
     tma::arrive_expect_tx(bar, atoms * kAtomBlock);
     const int64_t k0 = range.begin + static_cast<int64_t>(stage) * kKeysPerStage;
     const int64_t last_box = (range.end - 1) / box_rows * box_rows;
     for (int j = 0; j < kKeysPerStage / box_rows; ++j) {
-      const int64_t k = min(k0 + j * box_rows, last_box);
-      const int32_t cache_row =
-          static_cast<int32_t>(static_cast<int64_t>(page_of(j, k)) * a.page_size + k % a.page_size);
+      const int32_t cache_row = cache_row_of(min(k0 + j * box_rows, last_box));
       for (int i = 0; i < atoms; ++i) {
         const int atom = group_atom(group, i);
         tma::load_2d(dst + atom * kAtomBlock + j * box_rows * 128, &cache_map, atom * 64, cache_row, bar);
@@ -233,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     tma::fence_barrier_init();
     tma::prefetch_map(&cache_map);
     for (int stage = 0; stage < 2; ++stage)  // stage 1 may lie past the range: masked
-      for (int group = 0; group < 2; ++group) load_group(stage, group, table_page);
+      for (int group = 0; group < 2; ++group) load_group(stage, group);
   }
 
   // The queries: 4 threads a head, heads past a.heads zeros.
@@ -290,28 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     wgmma_wait<0>();
     stamp(SeesawTrace::kScores);
     fence_registers(sc);
-    if constexpr (kStash) {
-      // sc stays unscaled (the exponentials fold the scale in); mx = the
-      // scaled rows' maxima (scale > 0).
-      const int64_t valid = range.end - (range.begin + static_cast<int64_t>(stage) * kKeysPerStage);
-      if (valid < kKeysPerStage) {  // the range ends in (or before) this stage
-        const int n = valid > 0 ? static_cast<int>(valid) : 0;
-#pragma unroll
-        for (int i = 0; i < 32; ++i)
-          if ((i / 4) * 8 + c2 + (i & 1) >= n) sc[i] = -INFINITY;
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float m = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) m = fmaxf(m, fmaxf(sc[4 * j + 2 * h], sc[4 * j + 2 * h + 1]));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        mx[h] = m * scale;
-      }
-    } else {
-      scale_mask_max<8>(sc, range.begin + static_cast<int64_t>(stage) * kKeysPerStage + c2, key_end, scale, mx);
-    }
+    scale_mask_max<8>(sc, range.begin + static_cast<int64_t>(stage) * kKeysPerStage + c2, key_end, scale, mx);
   };
   // P = exp2(S - base) into pa (bf16) and, to_shared, this tile's P atom;
   // returns the rows' sums of this thread's share.
@@ -323,21 +275,14 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(my_tile + kPOffset + tile_offset(row1, col / 8) + in_piece),
                  "r"(hi));
   };
-  // kStash: from unscaled scores; keep_fp32: the probabilities back into
-  // sc (wg 0 rescales its P0 for wg 1 from them).
-  auto exponential = [&](float s, float b) {
-    if constexpr (kStash) return exp2f(fmaf(s, scale, -b));
-    return exp2f(s - b);
-  };
-  auto probabilities = [&](const float (&b)[2], float (&sum)[2], bool to_shared, bool keep_fp32 = false) {
+  auto probabilities = [&](const float (&b)[2], float (&sum)[2], bool to_shared) {
     sum[0] = sum[1] = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float p0 = exponential(sc[4 * j], b[0]), p1 = exponential(sc[4 * j + 1], b[0]);
-      const float p2 = exponential(sc[4 * j + 2], b[1]), p3 = exponential(sc[4 * j + 3], b[1]);
+      const float p0 = exp2f(sc[4 * j] - b[0]), p1 = exp2f(sc[4 * j + 1] - b[0]);
+      const float p2 = exp2f(sc[4 * j + 2] - b[1]), p3 = exp2f(sc[4 * j + 3] - b[1]);
       sum[0] += p0 + p1;
       sum[1] += p2 + p3;
-      if (kStash && keep_fp32) sc[4 * j] = p0, sc[4 * j + 1] = p1, sc[4 * j + 2] = p2, sc[4 * j + 3] = p3;
       // n8 tile j is half of K step j / 2: rows 0 / 8 in registers 0 / 1 (j even) or 2 / 3 (j odd).
       const uint32_t lo = pack_bf16(p0, p1), hi = pack_bf16(p2, p3);
       pa[4 * (j / 2) + 2 * (j % 2)] = lo;
@@ -352,13 +297,6 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     for (int j = 0; j < 8; ++j)
       store_p(j, pack_bf16(exp2f(sc[4 * j] - b[0]), exp2f(sc[4 * j + 1] - b[0])),
               pack_bf16(exp2f(sc[4 * j + 2] - b[1]), exp2f(sc[4 * j + 3] - b[1])));
-    fence_proxy_async();
-  };
-  // kStash: the probabilities kept in sc times g (a row's exp2(m0 - m1)).
-  auto store_multiplied = [&](const float (&g)[2]) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      store_p(j, pack_bf16(sc[4 * j] * g[0], sc[4 * j + 1] * g[0]), pack_bf16(sc[4 * j + 2] * g[1], sc[4 * j + 3] * g[1]));
     fence_proxy_async();
   };
   // Before this warpgroup's P V of stage `stage`: its values (atoms 4 wg ..
@@ -381,15 +319,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
   // thread's MMAs reading it are done (the caller waited for them).
   auto refill = [&](int stage) {
     barrier_sync(kOwnSync + wg, 128);
-    if (wtid == 0) {
-      if constexpr (kStash) {
-        cp_async_wait<0>();  // the pair's stash (issued at its top)
-        const int32_t* stashed = reinterpret_cast<const int32_t*>(smem_raw + (page_stash - raw));
-        load_group(stage, wg, [&](int j, int64_t) { return stashed[stash_slot(stage, j)]; });
-      } else {
-        load_group(stage, wg, table_page);
-      }
-    }
+    if (wtid == 0) load_group(stage, wg);
   };
   // out += P V over a tile's 64 keys and this warpgroup's 256 dims: P from
   // registers (own stage) or from the tile's P atom (the other's). One group.
@@ -432,7 +362,6 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
     float mx[2], sum[2];
     trace_pair = p;
     stamp(SeesawTrace::kPairStart);
-    if (kStash && wtid == 0 && refill_next) stash_pages(p);
     scores(2 * p + wg, mx);
     if (wg == 0) {
       float m0[2], b0[2];
@@ -443,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       }
       publish_max(m0);
       barrier_arrive(kM0Ready, kThreads);
-      probabilities(b0, sum, false, true);
+      probabilities(b0, sum, false);
 #pragma unroll
       for (int h = 0; h < 2; ++h) run_sum[h] = run_sum[h] * exp2f(run_max[h] - b0[h]) + sum[h];
       scale_rows(out, exp2f(run_max[0] - b0[0]), exp2f(run_max[1] - b0[1]));
@@ -455,25 +384,18 @@ __global__ void __launch_bounds__(kThreads, 1) seesaw_decode_kernel(TcDecodeArgs
       float m1[2], b1[2];
       read_max(1, m1);
       b1[0] = base_of(m1[0]), b1[1] = base_of(m1[1]);
-      if constexpr (kStash) {
-        // In [0, 1] (m1 >= m0); 0 where m0 = -inf (nothing accumulated yet).
-        const float g[2] = {exp2f(m0[0] - b1[0]), exp2f(m0[1] - b1[1])};
-        store_multiplied(g);
-      } else {
-        store_rescaled(b1);
-      }
+      store_rescaled(b1);
       barrier_arrive(kP0Stored, kThreads);
       wgmma_wait<0>();
       stamp(SeesawTrace::kOwnPvDone);
       fence_registers(out);
       fence_registers(pa);
-      if (!kStash && refill_next) refill(2 * p + 2);  // tile 0's values 0-255: read
+      if (refill_next) refill(2 * p + 2);  // tile 0's values 0-255: read
       const float g0 = exp2f(m0[0] - b1[0]), g1 = exp2f(m0[1] - b1[1]);
       run_sum[0] *= g0, run_sum[1] *= g1;
       scale_rows(out, g0, g1);
       zero_tail(2 * p + 1);
       issue_pv_other(other_tile);
-      if (kStash && refill_next) refill(2 * p + 2);  // the same, under P1 V1_L
       stamp(SeesawTrace::kOtherPvIssued);
       wgmma_wait<0>();
       stamp(SeesawTrace::kOtherPvDone);
@@ -538,7 +460,7 @@ namespace {
 // `stream` is not capturing: runs it, waits for it and writes its stamps.
 // Returns whether it ran.
 bool run_traced(const TcDecodeArgs& a, void* workspace, dim3 grid, int inner_head_blocks, int box_rows,
-                const CUtensorMap& cache_map, bool stash, cudaStream_t stream) {
+                const CUtensorMap& cache_map, cudaStream_t stream) {
   static const char* prefix = std::getenv("MOELINK_MLA_DECODE_SEESAW_TRACE");
   static std::atomic<int> traced{0};
   if (prefix == nullptr || *prefix == '\0' || traced.load() >= 3) return false;
@@ -549,8 +471,8 @@ bool run_traced(const TcDecodeArgs& a, void* workspace, dim3 grid, int inner_hea
   SeesawTrace trace{nullptr};
   MOELINK_CUDA_CHECK(cudaMallocAsync(&trace.out, count * 8, stream));
   MOELINK_CUDA_CHECK(cudaMemsetAsync(trace.out, 0, count * 8, stream));
-  auto kernel = stash ? seesaw_decode_kernel<true, true> : seesaw_decode_kernel<true, false>;
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner_head_blocks, box_rows, cache_map, trace);
+  seesaw_decode_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner_head_blocks, box_rows,
+                                                                      cache_map, trace);
   MOELINK_CUDA_CHECK(cudaGetLastError());
   std::vector<uint64_t> stamps(count);
   MOELINK_CUDA_CHECK(cudaMemcpyAsync(stamps.data(), trace.out, count * 8, cudaMemcpyDeviceToHost, stream));
@@ -570,21 +492,17 @@ void launch_seesaw_decode(const TcDecodeArgs& a, void* workspace, dim3 grid, int
                           cudaStream_t stream) {
   static std::once_flag attribute_set;
   std::call_once(attribute_set, [] {
-    for (const void* kernel : {reinterpret_cast<const void*>(seesaw_decode_kernel<false, false>),
-                               reinterpret_cast<const void*>(seesaw_decode_kernel<false, true>),
-                               reinterpret_cast<const void*>(seesaw_decode_kernel<true, false>),
-                               reinterpret_cast<const void*>(seesaw_decode_kernel<true, true>)})
+    for (const void* kernel : {reinterpret_cast<const void*>(seesaw_decode_kernel<false>),
+                               reinterpret_cast<const void*>(seesaw_decode_kernel<true>)})
       MOELINK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               static_cast<int>(kSmemBytes)));
   });
   const int box_rows = std::gcd(a.page_size, kKeysPerStage);
   const CUtensorMap cache_map =
       bf16_swizzled_row_map(a.cache, kRow, static_cast<uint64_t>(a.num_pages) * a.page_size, kRow * 2, box_rows);
-  static const bool stash = env_int("MOELINK_MLA_DECODE_SEESAW_STASH", 0, 0, 1) == 1;
-  if (run_traced(a, workspace, grid, inner_head_blocks, box_rows, cache_map, stash, stream)) return;
-  auto kernel = stash ? seesaw_decode_kernel<false, true> : seesaw_decode_kernel<false, false>;
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner_head_blocks, box_rows, cache_map,
-                                                 SeesawTrace{nullptr});
+  if (run_traced(a, workspace, grid, inner_head_blocks, box_rows, cache_map, stream)) return;
+  seesaw_decode_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(a, workspace, inner_head_blocks, box_rows,
+                                                                       cache_map, SeesawTrace{nullptr});
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
