@@ -31,20 +31,33 @@ struct RopeParams {
 };
 RopeParams rope_params(const MLAConfig& c);
 
-// Rotates one token's Dr rotary values in place by position `pos`:
-// pairs (2i, 2i + 1) when interleaved, else (i, i + Dr/2), each by the
-// angle pos * inv_freq[i]; cos and sin carry the attention factor. The host
-// loops and the kernels share it.
+// Pair i of `dims` rotary values (of Dr / 2): the indices of its two
+// values, pairs (2i, 2i + 1) when interleaved, else (i, i + dims / 2).
+MOELINK_HD void rope_pair(int i, int dims, bool interleaved, int* a, int* b) {
+  *a = interleaved ? 2 * i : i;
+  *b = interleaved ? 2 * i + 1 : i + dims / 2;
+}
+
+// Rotates pair i's values (x, y) by the angle pos * inv_freq[i]; cos and
+// sin carry the attention factor.
+MOELINK_HD void rope_rotate_pair(float* x, float* y, int i, int32_t pos, const float* inv_freq,
+                                 float attention_factor) {
+  const float angle = static_cast<float>(pos) * inv_freq[i];
+  const float c = cosf(angle) * attention_factor, s = sinf(angle) * attention_factor;
+  const float x0 = *x, y0 = *y;
+  *x = x0 * c - y0 * s;
+  *y = y0 * c + x0 * s;
+}
+
+// Rotates one token's Dr rotary values in place by position `pos`, pair by
+// pair (rope_pair, rope_rotate_pair). The host loops and the kernels share
+// it; the query's kernel rotates the pairs on threads of their own.
 MOELINK_HD void rope_rotate(float* v, int dims, int32_t pos, const float* inv_freq,
                             float attention_factor, bool interleaved) {
-  const int half = dims / 2;
-  for (int i = 0; i < half; ++i) {
-    const float angle = static_cast<float>(pos) * inv_freq[i];
-    const float c = cosf(angle) * attention_factor, s = sinf(angle) * attention_factor;
-    const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
-    const float x = v[a], y = v[b];
-    v[a] = x * c - y * s;
-    v[b] = y * c + x * s;
+  for (int i = 0; i < dims / 2; ++i) {
+    int a, b;
+    rope_pair(i, dims, interleaved, &a, &b);
+    rope_rotate_pair(&v[a], &v[b], i, pos, inv_freq, attention_factor);
   }
 }
 

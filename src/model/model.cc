@@ -647,7 +647,8 @@ class ModelImpl {
                        Tensor::contiguous(m.w13.as(), DType::kFloat8E4M3, {1, 2 * I, D}),
                        Tensor::contiguous(m.w13_scale.as(), DType::kFloat32, {1, 2 * I / 128, D / 128}),
                        Tensor::contiguous(m.w2.as(), DType::kFloat8E4M3, {1, D, I}),
-                       Tensor::contiguous(m.w2_scale.as(), DType::kFloat32, {1, D / 128, I / 128}), stream);
+                       Tensor::contiguous(m.w2_scale.as(), DType::kFloat32, {1, D / 128, I / 128}), stream,
+                       rows);  // the step's rows pick the GEMMs' tiles (the config's max_tokens took 2x at 1 row)
   }
 
   // Attention (its input norm inside), h += it, post-attention norm, the

@@ -37,6 +37,77 @@ __global__ void residual_rms_norm_kernel(const uint16_t* in, int64_t in_stride, 
     out[c] = f32_to_bf16_bits(bf16_bits_to_f32(s_row[c]) * inv * weight[c]);
 }
 
+
+// The same rule with the row held in registers: each thread loads its
+// columns as 16-byte vectors of 8 bf16 (at most kVecs of them) before
+// storing anything, so a row costs two or three rounds of memory latency
+// instead of one per 256 columns (the scalar kernel's loads cannot pass its
+// own stores: `in` may alias `sum_out`). For cols a multiple of 8, at most
+// 8 x kVecs x blockDim, every row and pointer 16-byte aligned.
+constexpr int kNormThreads = 256, kNormVecs = 4;
+
+struct Bf16x8 {
+  uint4 bits;
+  __device__ float at(int i) const {
+    const uint32_t w = (&bits.x)[i / 2];
+    return bf16_bits_to_f32(static_cast<uint16_t>(i % 2 ? w >> 16 : w & 0xffff));
+  }
+  __device__ void set(int i, float v) {
+    uint32_t& w = (&bits.x)[i / 2];
+    const uint32_t b = f32_to_bf16_bits(v);
+    w = i % 2 ? (w & 0xffffu) | (b << 16) : (w & 0xffff0000u) | b;
+  }
+};
+
+template <int kVecs>
+__global__ void residual_rms_norm_vec_kernel(const uint16_t* in, int64_t in_stride, const uint16_t* add,
+                                             int64_t add_stride, uint16_t* sum_out, int64_t sum_stride,
+                                             uint16_t* normed, int64_t normed_stride, int64_t cols,
+                                             const float* weight, float eps, const int32_t* rows) {
+  const int64_t r = blockIdx.x;
+  if (r >= *rows) return;
+  const int64_t vecs = cols / 8;
+  Bf16x8 v[kVecs], a[kVecs];
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    const int64_t j = threadIdx.x + int64_t{k} * blockDim.x;
+    if (j >= vecs) continue;
+    v[k].bits = reinterpret_cast<const uint4*>(in + r * in_stride)[j];
+    if (add != nullptr) a[k].bits = reinterpret_cast<const uint4*>(add + r * add_stride)[j];
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    const int64_t j = threadIdx.x + int64_t{k} * blockDim.x;
+    if (j >= vecs) continue;
+    if (add != nullptr) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[k].set(i, v[k].at(i) + a[k].at(i));  // rounded to bf16, as stored
+      reinterpret_cast<uint4*>(sum_out + r * sum_stride)[j] = v[k].bits;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss += v[k].at(i) * v[k].at(i);
+  }
+  if (weight == nullptr) return;
+  __shared__ float shared[32];
+  ss = block_reduce(ss, Sum{}, shared);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(cols) + eps);
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    const int64_t j = threadIdx.x + int64_t{k} * blockDim.x;
+    if (j >= vecs) continue;
+    const float4 w0 = reinterpret_cast<const float4*>(weight)[2 * j],
+                 w1 = reinterpret_cast<const float4*>(weight)[2 * j + 1];
+    const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    Bf16x8 o;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o.set(i, v[k].at(i) * inv * w[i]);
+    reinterpret_cast<uint4*>(normed + r * normed_stride)[j] = o.bits;
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 }  // namespace
 
 void launch_residual_rms_norm(const uint16_t* in, int64_t in_stride, const uint16_t* add, int64_t add_stride,
@@ -44,6 +115,16 @@ void launch_residual_rms_norm(const uint16_t* in, int64_t in_stride, const uint1
                               int64_t cols, const float* weight, float eps, const int32_t* rows, int64_t max_rows,
                               cudaStream_t stream) {
   if (max_rows == 0) return;
+  const bool vec = cols % 8 == 0 && cols <= int64_t{8} * kNormVecs * kNormThreads && in_stride % 8 == 0 &&
+                   aligned16(in) && (add == nullptr || (add_stride % 8 == 0 && aligned16(add))) &&
+                   (add == nullptr || (sum_stride % 8 == 0 && aligned16(sum_out))) &&
+                   (weight == nullptr || (normed_stride % 8 == 0 && aligned16(normed) && aligned16(weight)));
+  if (vec) {
+    residual_rms_norm_vec_kernel<kNormVecs><<<static_cast<unsigned>(max_rows), kNormThreads, 0, stream>>>(
+        in, in_stride, add, add_stride, sum_out, sum_stride, normed, normed_stride, cols, weight, eps, rows);
+    MOELINK_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   residual_rms_norm_kernel<<<static_cast<unsigned>(max_rows), 256, 0, stream>>>(
       in, in_stride, add, add_stride, sum_out, sum_stride, normed, normed_stride, cols, weight, eps, rows);
   MOELINK_CUDA_CHECK(cudaGetLastError());

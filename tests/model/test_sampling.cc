@@ -3,15 +3,18 @@
 // smaller index, top_p's smallest set, temperature, the counter-based draw)
 // must pick the same token; bad parameters reported the same way. And
 // draft_rules.h's plan / accept / MTP inputs on both, against a batch
-// worked out by hand. And the device memory the CUDA ops grow (lm_head's
-// buffers) staying valid for the graphs captured on it.
+// worked out by hand. The residual add and RMSNorm kernel against the host
+// loop. And the device memory the CUDA ops grow (lm_head's buffers)
+// staying valid for the graphs captured on it.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "core/float_convert.h"
 #include "experts/expert_cases.h"  // fresh_seed
 #include "model/model_ops.h"
 #include "rank_harness.h"  // probe_gpu_count, run_ranks, RANK_CHECK
@@ -171,6 +174,68 @@ TEST(SamplingCuda, PicksTheHostLoopsToken) {
   run_ranks(1, [&](int, moelink::Bootstrap&) { check_sampling(seed); }, 120);
 }
 
+
+// ModelOps::add_rms_norm (the residual stream's add and norm, and through
+// the same kernel the attention's norms) on the GPU against the host loop
+// (core/rms_norm.h): the rounded sums bit for bit, the normed rows within
+// one bf16 ulp (the sum of squares is reduced in another order); rows past
+// the device-read bound untouched. Widths through the vector kernel
+// (7168, 1536, 512: DeepSeek-V3's) and the scalar one (516: not a multiple
+// of 8; 8200: past the registers' 8192).
+void check_add_rms_norm(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto cpu = moelink::detail::model::make_cpu_model_ops();
+  auto cuda = moelink::detail::model::make_cuda_model_ops();
+  const std::unique_ptr<MemoryOps> gpu = gpu_memory_if(true);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  const int64_t M = 19;
+  for (int64_t cols : {7168, 1536, 512, 516, 8200}) {
+    for (int32_t bound : {0, 1, 3, 17}) {
+      for (int mode = 0; mode < 3; ++mode) {  // 0: add and norm, 1: the norm alone, 2: the add alone
+        SCOPED_TRACE("cols " + std::to_string(cols) + " rows " + std::to_string(bound) + " mode " +
+                     std::to_string(mode));
+        std::vector<uint16_t> h(M * cols), x(M * cols), poison(M * cols, 0x7fc1);
+        for (auto& v : h) v = moelink::detail::f32_to_bf16(nd(rng));
+        for (auto& v : x) v = moelink::detail::f32_to_bf16(nd(rng));
+        std::vector<float> w(cols);
+        for (auto& v : w) v = 1.0f + 0.25f * nd(rng);
+        std::vector<int32_t> rows{bound};
+        auto run = [&](ModelOps& ops, MemoryOps* mem, std::vector<uint16_t>& h_out, std::vector<uint16_t>& n_out) {
+          Staging st(mem);
+          std::vector<uint16_t> hh = h, xx = x, nn = poison;
+          std::vector<float> ww = w;
+          uint16_t *dh = st.put(hh), *dn = st.put(nn);
+          const Tensor th = Tensor::contiguous(dh, DType::kBFloat16, {M, cols});
+          const Tensor tx = mode == 1 ? Tensor{} : Tensor::contiguous(st.put(xx), DType::kBFloat16, {M, cols});
+          const Tensor tn = mode == 2 ? Tensor{} : Tensor::contiguous(dn, DType::kBFloat16, {M, cols});
+          ops.add_rms_norm(th, tx, tn, mode == 2 ? nullptr : st.put(ww), 1e-6f, st.put(rows), nullptr);
+          st.get(hh, dh);
+          st.get(nn, dn);
+          h_out = hh;
+          n_out = nn;
+        };
+        std::vector<uint16_t> want_h, want_n, got_h, got_n;
+        run(*cpu, nullptr, want_h, want_n);
+        run(*cuda, gpu.get(), got_h, got_n);
+        RANK_CHECK(got_h == want_h) << "the residual stream (sums bit for bit, rows past the bound as they were)";
+        int64_t off = 0;
+        for (int64_t i = 0; i < M * cols; ++i) {
+          const int d = std::abs(static_cast<int>(got_n[i]) - static_cast<int>(want_n[i]));
+          if (i / cols >= bound || mode == 2) off += got_n[i] != 0x7fc1;  // untouched
+          else off += d > 1;  // same sign: bf16 bit patterns one apart are one ulp apart
+        }
+        RANK_CHECK(off == 0) << off << " normed values off (beyond one ulp, or written past the bound)";
+      }
+    }
+  }
+}
+
+TEST(ModelOpsCuda, AddRmsNormMatchesTheHostLoop) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  run_ranks(1, [&](int, moelink::Bootstrap&) { check_add_rms_norm(seed); }, 120);
+}
 
 #if defined(MOELINK_WITH_CUDA)
 // GrowingDeviceBuffer (the model's lm_head, the expert GEMMs' split-K

@@ -28,34 +28,58 @@ __device__ __forceinline__ uint16_t bf16(float v) { return f32_to_bf16_bits(v); 
 
 // ------------------------------------------------------------------ plan
 
-// One block: the rows' requests and positions; the first failing request
-// (in order, as the host loop finds it) is the one recorded.
-__global__ void plan_step_kernel(const int32_t* q_start, const int32_t* kv_len,
-                                 const int32_t* block_table, int64_t block_stride, int num_requests,
-                                 int num_decode, int64_t n, StepBounds bounds, int local_heads,
-                                 RowPlan plan, StepErrorRecord* error) {
+// One block of kPlanThreads: the rows' requests and positions; the first
+// failing entry or request (in order, as the host loop finds it) is the one
+// recorded. In parallel: q_start's entries a thread each, a request's
+// pages a warp each (one thread walking them all took ~40 us at 128
+// requests of 5000 tokens, in every layer); the recording itself runs the
+// host loop's check on the first failure alone.
+constexpr int kPlanThreads = 1024;
+__global__ void __launch_bounds__(kPlanThreads)
+    plan_step_kernel(const int32_t* q_start, const int32_t* kv_len, const int32_t* block_table,
+                     int64_t block_stride, int num_requests, int num_decode, int64_t n, StepBounds bounds,
+                     int local_heads, RowPlan plan, StepErrorRecord* error) {
   __shared__ int64_t rows;
-  __shared__ int first_bad;
+  __shared__ int first_bad_entry, first_bad;
   for (int64_t r = threadIdx.x; r < n; r += blockDim.x) plan.request[r] = -1, plan.position[r] = 0;
+  if (threadIdx.x == 0) first_bad_entry = first_bad = INT_MAX;
+  __syncthreads();
+  for (int j = threadIdx.x; j <= num_requests; j += blockDim.x) {
+    int64_t value, limit;
+    if (q_start_entry(q_start, j, num_decode, n, &value, &limit) != StepError::kOk) atomicMin(&first_bad_entry, j);
+  }
+  __syncthreads();
   if (threadIdx.x == 0) {
-    rows = step_rows(q_start, num_requests, num_decode, n, error);
+    int64_t value = 0, limit = 0;
+    const int j = first_bad_entry;
+    const StepError code = j == INT_MAX ? StepError::kOk : q_start_entry(q_start, j, num_decode, n, &value, &limit);
+    if (code != StepError::kOk) record_step_error(error, code, q_start_entry_request(code, j), 0, value, limit);
+    rows = code == StepError::kOk ? q_start[num_requests] : 0;
     *plan.rows = static_cast<int32_t>(rows);
-    first_bad = INT_MAX;
   }
   __syncthreads();
   const int32_t decode_rows = rows > 0 ? q_start[num_decode] : 0;
   for (int h = threadIdx.x; h < local_heads; h += blockDim.x) plan.decode_rows[h] = decode_rows;
   if (rows == 0) return;
-  for (int i = threadIdx.x; i < num_requests; i += blockDim.x) {
-    StepErrorRecord local{};
-    if (!request_ok(i, q_start, kv_len, block_table + i * block_stride, bounds, &local)) {
-      atomicMin(&first_bad, i);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int i = warp; i < num_requests; i += warps) {  // uniform in the warp
+    StepErrorRecord unused{};
+    bool ok = request_length_ok(i, q_start, kv_len, bounds, &unused);
+    if (ok) {
+      const int32_t* block_row = block_table + i * block_stride;
+      const int64_t pages = request_pages(kv_len[i], bounds);
+      bool bad = false;
+      for (int64_t p = lane; p < pages; p += 32) bad |= !page_id_ok(block_row[p], bounds);
+      ok = !__any_sync(0xffffffffu, bad);
+    }
+    if (!ok) {
+      if (lane == 0) atomicMin(&first_bad, i);
       continue;
     }
-    const int32_t q_len = q_start[i + 1] - q_start[i];
-    for (int32_t j = 0; j < q_len; ++j) {
-      plan.request[q_start[i] + j] = i;
-      plan.position[q_start[i] + j] = kv_len[i] - q_len + j;
+    const int32_t q0 = q_start[i], q_len = q_start[i + 1] - q0;
+    for (int32_t j = lane; j < q_len; j += 32) {
+      plan.request[q0 + j] = i;
+      plan.position[q0 + j] = kv_len[i] - q_len + j;
     }
   }
   __syncthreads();
@@ -74,13 +98,29 @@ __device__ void rope_bf16(uint16_t* p, int dims, int32_t pos, const RopeArgs& ro
   for (int d = 0; d < dims; ++d) p[d] = bf16(v[d]);
 }
 
+// Grid-stride kernels over the step's rows, read on the device: a fixed
+// grid, whatever the rows the buffers could hold (a grid of max rows x heads
+// blocks, most of them returning at once, took 20 us a call at one row).
+constexpr unsigned kStrideBlocks = 512, kStrideThreads = 256;
+
+// One thread a (row, head, rotary pair) of the query rows the plan keeps.
 __global__ void rope_q_kernel(uint16_t* q, int64_t q_stride, int heads, int head_dim, int rope_dims,
-                              RowPlan plan, RopeArgs rope) {
-  const int64_t r = blockIdx.x;
-  if (r >= *plan.rows || plan.request[r] < 0) return;
-  for (int h = threadIdx.x; h < heads; h += blockDim.x)
-    rope_bf16(q + r * q_stride + static_cast<int64_t>(h) * head_dim + (head_dim - rope_dims), rope_dims,
-              plan.position[r], rope);
+                              RowPlan plan, int64_t max_rows, RopeArgs rope) {
+  const int half = rope_dims / 2;
+  const int64_t per_row = int64_t{heads} * half, items = min(static_cast<int64_t>(*plan.rows), max_rows) * per_row;
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < items;
+       t += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = t / per_row;
+    if (plan.request[r] < 0) continue;
+    const int h = static_cast<int>(t % per_row / half), i = static_cast<int>(t % half);
+    int a, b;
+    rope_pair(i, rope_dims, rope.interleaved, &a, &b);
+    uint16_t* p = q + r * q_stride + static_cast<int64_t>(h) * head_dim + (head_dim - rope_dims);
+    float x = f32(p[a]), y = f32(p[b]);
+    rope_rotate_pair(&x, &y, i, plan.position[r], rope.inv_freq, rope.attention_factor);
+    p[a] = bf16(x);
+    p[b] = bf16(y);
+  }
 }
 
 __global__ void append_kv_kernel(uint16_t* cache, int page_size, const uint16_t* latent,
@@ -100,23 +140,46 @@ __global__ void append_kv_kernel(uint16_t* cache, int page_size, const uint16_t*
   if (threadIdx.x == 0) rope_bf16(row + R, Dr, pos, rope);
 }
 
-__global__ void split_heads_kernel(uint16_t* dst, int64_t Nd, int64_t width, const uint16_t* src,
-                                   int64_t src_stride, int64_t head_stride, int64_t offset,
-                                   const int32_t* rows) {
-  const int64_t r = blockIdx.x, h = blockIdx.y;
-  if (r >= *rows) return;
-  const uint16_t* s = src + r * src_stride + h * head_stride + offset;
-  uint16_t* d = dst + (h * Nd + r) * width;
-  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) d[c] = s[c];
+// Rows r < min(*rows, max_rows) of `heads` blocks of `width` values each, element (r, h, c)
+// at r * row + h * head + c on either side, in units of Unit (16-byte
+// vectors of 8 bf16 where everything is aligned to them, else single
+// values); four units in flight a thread.
+struct HeadRows {
+  int64_t row, head;  // strides, in units
+};
+template <class Unit>
+__global__ void copy_head_rows_kernel(Unit* dst, HeadRows d, const Unit* src, HeadRows s, int heads,
+                                      int64_t width, const int32_t* rows, int64_t max_rows) {
+  const int64_t per_row = heads * width, items = min(static_cast<int64_t>(*rows), max_rows) * per_row,
+                stride = int64_t{gridDim.x} * blockDim.x;
+  auto at = [&](int64_t t, const HeadRows& o) {
+    return t / per_row * o.row + t % per_row / width * o.head + t % width;
+  };
+  for (int64_t t0 = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t0 < items; t0 += 4 * stride) {
+    Unit v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (t0 + k * stride < items) v[k] = src[at(t0 + k * stride, s)];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (t0 + k * stride < items) dst[at(t0 + k * stride, d)] = v[k];
+  }
 }
 
-__global__ void merge_heads_kernel(uint16_t* dst, int64_t dst_stride, const uint16_t* src, int64_t Nd,
-                                   int64_t width, const int32_t* rows) {
-  const int64_t r = blockIdx.x, h = blockIdx.y;
-  if (r >= *rows) return;
-  const uint16_t* s = src + (h * Nd + r) * width;
-  uint16_t* d = dst + r * dst_stride + h * width;
-  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) d[c] = s[c];
+void launch_copy_head_rows(uint16_t* dst, HeadRows d, const uint16_t* src, HeadRows s, int heads, int64_t width,
+                           const int32_t* rows, int64_t max_rows, cudaStream_t stream) {
+  auto fits = [](const void* p, const HeadRows& o) {
+    return reinterpret_cast<uintptr_t>(p) % 16 == 0 && o.row % 8 == 0 && o.head % 8 == 0;
+  };
+  if (width % 8 == 0 && fits(dst, d) && fits(src, s)) {
+    copy_head_rows_kernel<<<kStrideBlocks, kStrideThreads, 0, stream>>>(
+        reinterpret_cast<uint4*>(dst), HeadRows{d.row / 8, d.head / 8}, reinterpret_cast<const uint4*>(src),
+        HeadRows{s.row / 8, s.head / 8}, heads, width / 8, rows, max_rows);
+  } else {
+    copy_head_rows_kernel<<<kStrideBlocks, kStrideThreads, 0, stream>>>(dst, d, src, s, heads, width, rows,
+                                                                         max_rows);
+  }
+  MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
 // ------------------------------------------------------------------ online softmax
@@ -309,7 +372,7 @@ unsigned grid_rows(int64_t rows) { return static_cast<unsigned>(rows > 0 ? rows 
 
 void launch_plan_step(const MLABatch& b, int64_t n, const StepBounds& bounds, int local_heads,
                       const RowPlan& plan, StepErrorRecord* error, cudaStream_t stream) {
-  plan_step_kernel<<<1, 256, 0, stream>>>(
+  plan_step_kernel<<<1, kPlanThreads, 0, stream>>>(
       static_cast<const int32_t*>(b.q_start.data), static_cast<const int32_t*>(b.kv_len.data),
       static_cast<const int32_t*>(b.block_table.data), b.block_table.stride[0], b.num_requests,
       b.num_decode, n, bounds, local_heads, plan, error);
@@ -319,7 +382,8 @@ void launch_plan_step(const MLABatch& b, int64_t n, const StepBounds& bounds, in
 void launch_rope_q(uint16_t* q, int64_t q_stride, int heads, int head_dim, int rope_dims,
                    const RowPlan& plan, int64_t max_rows, const RopeArgs& rope, cudaStream_t stream) {
   if (max_rows == 0) return;
-  rope_q_kernel<<<grid_rows(max_rows), 128, 0, stream>>>(q, q_stride, heads, head_dim, rope_dims, plan, rope);
+  rope_q_kernel<<<kStrideBlocks, kStrideThreads, 0, stream>>>(q, q_stride, heads, head_dim, rope_dims, plan,
+                                                               max_rows, rope);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -338,16 +402,14 @@ void launch_split_heads(uint16_t* dst, int64_t Nd, int64_t width, const uint16_t
                         int64_t src_stride, int heads, int64_t head_stride, int64_t offset,
                         const int32_t* rows, cudaStream_t stream) {
   if (Nd == 0 || heads == 0) return;
-  split_heads_kernel<<<dim3(grid_rows(Nd), heads), 128, 0, stream>>>(dst, Nd, width, src, src_stride,
-                                                                     head_stride, offset, rows);
-  MOELINK_CUDA_CHECK(cudaGetLastError());
+  launch_copy_head_rows(dst, {width, Nd * width}, src + offset, {src_stride, head_stride}, heads, width, rows, Nd,
+                        stream);
 }
 
 void launch_merge_heads(uint16_t* dst, int64_t dst_stride, const uint16_t* src, int64_t Nd,
                         int64_t width, int heads, const int32_t* rows, cudaStream_t stream) {
   if (Nd == 0 || heads == 0) return;
-  merge_heads_kernel<<<dim3(grid_rows(Nd), heads), 128, 0, stream>>>(dst, dst_stride, src, Nd, width, rows);
-  MOELINK_CUDA_CHECK(cudaGetLastError());
+  launch_copy_head_rows(dst, {dst_stride, width}, src, {width, Nd * width}, heads, width, rows, Nd, stream);
 }
 
 void launch_decode_attention(uint16_t* out_latent, const uint16_t* q_latent, int64_t Nd, int R,
