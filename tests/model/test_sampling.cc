@@ -209,6 +209,11 @@ void check_add_rms_norm(uint64_t seed) {
           const Tensor tx = mode == 1 ? Tensor{} : Tensor::contiguous(st.put(xx), DType::kBFloat16, {M, cols});
           const Tensor tn = mode == 2 ? Tensor{} : Tensor::contiguous(dn, DType::kBFloat16, {M, cols});
           ops.add_rms_norm(th, tx, tn, mode == 2 ? nullptr : st.put(ww), 1e-6f, st.put(rows), nullptr);
+#if defined(MOELINK_WITH_CUDA)
+          // The op ran on the legacy stream; the staging copies run on a
+          // non-blocking one, which does not wait for it.
+          if (mem != nullptr) CUDA_OK(cudaDeviceSynchronize());
+#endif
           st.get(hh, dh);
           st.get(nn, dn);
           h_out = hh;
