@@ -2,6 +2,7 @@
 // prefill attention here are plain warp-per-key online-softmax kernels: the
 // contract's correctness on the GPU, the reference the faster kernels
 // (FlashInfer's MLA, moelink's own decode kernel) are checked against.
+#include <algorithm>
 #include <climits>
 #include <cstring>
 #include <string>
@@ -98,10 +99,12 @@ __device__ void rope_bf16(uint16_t* p, int dims, int32_t pos, const RopeArgs& ro
   for (int d = 0; d < dims; ++d) p[d] = bf16(v[d]);
 }
 
-// Grid-stride kernels over the step's rows, read on the device: a fixed
-// grid, whatever the rows the buffers could hold (a grid of max rows x heads
-// blocks, most of them returning at once, took 20 us a call at one row).
+// Grid-stride kernels over the step's rows, read on the device: the head
+// copies on a fixed grid, whatever the rows their buffers could hold (a grid
+// of max rows x heads blocks, most of them returning at once, took 20 us a
+// call at one row); RoPE on one sized by the rows of q, capped.
 constexpr unsigned kStrideBlocks = 512, kStrideThreads = 256;
+constexpr int64_t kRopeMaxBlocks = 4096;
 
 // One thread a (row, head, rotary pair) of the query rows the plan keeps.
 __global__ void rope_q_kernel(uint16_t* q, int64_t q_stride, int heads, int head_dim, int rope_dims,
@@ -382,8 +385,13 @@ void launch_plan_step(const MLABatch& b, int64_t n, const StepBounds& bounds, in
 void launch_rope_q(uint16_t* q, int64_t q_stride, int heads, int head_dim, int rope_dims,
                    const RowPlan& plan, int64_t max_rows, const RopeArgs& rope, cudaStream_t stream) {
   if (max_rows == 0) return;
-  rope_q_kernel<<<kStrideBlocks, kStrideThreads, 0, stream>>>(q, q_stride, heads, head_dim, rope_dims, plan,
-                                                               max_rows, rope);
+  // A thread a pair of the rows q holds, up to kRopeMaxBlocks (a prefill
+  // chunk of 4096 rows: 16 pairs a thread).
+  const int64_t threads = max_rows * heads * (rope_dims / 2);
+  const unsigned blocks = static_cast<unsigned>(
+      std::min<int64_t>(std::max<int64_t>((threads + kStrideThreads - 1) / kStrideThreads, 1), kRopeMaxBlocks));
+  rope_q_kernel<<<blocks, kStrideThreads, 0, stream>>>(q, q_stride, heads, head_dim, rope_dims, plan, max_rows,
+                                                       rope);
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
