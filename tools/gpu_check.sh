@@ -8,10 +8,11 @@
 #   torch._scaled_grouped_mm, the copy bandwidth and the dense fp8 peak
 #   (MOELINK_EXPERTS_BENCH_ARGS adds arguments).
 #   layer (not in the default): tools/bench/layer_bench.py, the MoE layer
-#   stage by stage (MOELINK_LAYER_BENCH_ARGS adds arguments).
+#   stage by stage (MOELINK_LAYER_BENCH_ARGS adds arguments), then one EP8
+#   rank's stand-in (--experts 32, mode none: layer-ep8-rank.json).
 #   model (not in the default): tools/bench/model_bench.py, the full-width
 #   model's decode step beside moelink-plan's prediction on this GPU's
-#   profile, calibrated by the layer step's layer.json where that ran first
+#   profile, calibrated by the layer step's files where that ran first
 #   (MOELINK_MODEL_BENCH_ARGS adds arguments).
 #   model-sanitize (not in the default): compute-sanitizer memcheck over a
 #   short model_bench.py run (the ep8 model of one layer, every batch, q_len
@@ -270,6 +271,12 @@ if has layer; then
   echo "${cmd[*]}"
   PYTHONPATH="$root/$bdir/python${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 | tee "$OUT/layer-bench.log" | tail -40 ||
     status=1
+  # One EP8 rank's stand-in (32 of the 256 experts): calibrates moelink-plan's EP8 layout in the model step.
+  cmd=($py tools/bench/layer_bench.py --machine "$machine" --experts 32 --modes none
+       --batches 1,2,4,8,16,32,64,128,256 --json "$OUT/layer-ep8-rank.json")
+  echo "${cmd[*]}"
+  PYTHONPATH="$root/$bdir/python${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 | tee "$OUT/layer-ep8-rank.log" |
+    tail -12 || status=1
 fi
 if has model; then
   echo "== the model's decode step: tools/bench/model_bench.py"
@@ -277,6 +284,7 @@ if has model; then
        --json "$OUT/model.json" --svg "$OUT/model.svg" ${MOELINK_MODEL_BENCH_ARGS:-})
   # The layer step's run, where it ran first, calibrates moelink-plan (where it applies: one rank).
   [[ -f $OUT/layer.json ]] && cmd+=(--plan-calibrate "$OUT/layer.json")
+  [[ -f $OUT/layer-ep8-rank.json ]] && cmd+=(--plan-calibrate "$OUT/layer-ep8-rank.json")
   echo "${cmd[*]}"
   PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
     tee "$OUT/model-bench.log" | tail -40 || status=1

@@ -157,6 +157,17 @@ std::string Calibration::mismatch(int ep, long hidden, int num_experts) const {
   return "";
 }
 
+int Calibration::stand_in_ep(long hidden, int num_experts) const {
+  if (format != Format::kLayerBench || world_size != 1 || hidden != hidden_dim || experts <= 0 ||
+      num_experts <= experts || num_experts % experts != 0)
+    return 0;
+  return num_experts / experts;
+}
+
+bool Calibration::rank_measured(const std::string& name) {
+  return name == "moe_gate_up" || name == "moe_act_quant" || name == "moe_down" || name == "shared_expert";
+}
+
 bool Calibration::measures(const std::string& name) const {
   return !samples.empty() && std::all_of(samples.begin(), samples.end(), [&](const BenchSample& s) {
     auto it = s.us.find(name);
@@ -191,12 +202,12 @@ std::string Calibration::measured_name(const std::string& kernel) {
   return kernel.rfind("shared_", 0) == 0 ? "shared_expert" : kernel;
 }
 
-void Calibration::apply(std::vector<Kernel>& kernels, double tokens) const {
+void Calibration::apply(std::vector<Kernel>& kernels, double tokens, bool rank_only) const {
   std::map<std::string, double> modelled;  // per measured name, before any is replaced
   for (const auto& k : kernels) modelled[measured_name(k.name)] += k.time_us;
   for (auto& k : kernels) {
     const std::string name = measured_name(k.name);
-    if (!measures(name)) continue;
+    if (!measures(name) || (rank_only && !rank_measured(name))) continue;
     k.time_us = us(name, tokens) * k.time_us / modelled[name];
     k.measured = true;
   }

@@ -201,7 +201,10 @@ std::string format_skipped(const std::vector<SkippedLayout>& skipped) {
 
 std::vector<CalibrationRow> compare_calibration(const PlanInput& base, const Calibration& c) {
   std::vector<CalibrationRow> rows;
-  const Layout l{c.world_size, c.world_size, 1, base.layout.gpus_per_node};
+  // A stand-in for one EP rank is compared with that rank, on what it measures.
+  const int stand_in = c.stand_in_ep(long(base.model.hidden), int(base.model.num_experts));
+  const int ep = stand_in > 0 ? stand_in : c.world_size;
+  const Layout l{ep, ep, 1, base.layout.gpus_per_node};
   const int q = base.work.query_len();
   for (const auto& smp : c.samples) {
     // The bench runs `tokens` tokens per rank: batch x query length = tokens at TP1.
@@ -218,7 +221,7 @@ std::vector<CalibrationRow> compare_calibration(const PlanInput& base, const Cal
     model.push_back({"combine", combine_cost(base.model, base.gpu, base.net, l, s).total_us()});
     CalibrationRow sum{smp.tokens, smp.mode, "sum", 0, 0};
     for (const auto& [name, us] : model) {
-      if (!c.measures(name)) continue;
+      if (!c.measures(name) || (stand_in > 0 && !Calibration::rank_measured(name))) continue;
       rows.push_back({smp.tokens, smp.mode, name, us, smp.us.at(name)});
       sum.model_us += us;
       sum.measured_us += smp.us.at(name);
@@ -228,14 +231,15 @@ std::vector<CalibrationRow> compare_calibration(const PlanInput& base, const Cal
   return rows;
 }
 
-std::string format_calibration(const std::vector<CalibrationRow>& rows, const Calibration& c) {
+std::string format_calibration(const std::vector<CalibrationRow>& rows, const Calibration& c, int ep) {
+  if (ep <= 0) ep = c.world_size;
   const bool layer = c.format == Calibration::Format::kLayerBench;
   std::string s = fmt("Calibration from %s (%s, %s, %s; %d rank%s, hidden %ld", c.source.c_str(),
                       layer ? "layer_bench.py" : "moelink-bench", c.machine.c_str(), c.date.c_str(), c.world_size,
                       c.world_size == 1 ? "" : "s", c.hidden_dim);
   if (layer) s += fmt(", %d routed experts", c.experts);
-  s += fmt("):\nmodel vs measured%s at EP%d DP%d TP1, us\n", layer ? " MoE-layer stages" : " p50", c.world_size,
-           c.world_size);
+  s += fmt("):\nmodel vs measured%s at EP%d DP%d TP1%s, us\n", layer ? " MoE-layer stages" : " p50", ep, ep,
+           ep != c.world_size ? " (one rank: the file stands in for it)" : "");
   s += fmt("  %11s %-16s %-14s %9s %9s %10s\n", "tokens/rank", layer ? "mode" : "", "kernel", "model",
            "measured", "meas/model");
   double last = -1;

@@ -12,12 +12,22 @@ LayerTiming layer_timing(const PlanInput& in, double batch, int query_len, bool 
   const double b = mb ? batch / 2 : batch;
   t.kernels = layer_compute_kernels(in.model, in.gpu, in.layout, b, query_len, in.work.kv_len, moe);
   const LayerShape s = layer_shape(in.model, in.layout, b, query_len);
-  // Measured times where a --calibrate file describes this layout, in tokens
-  // per rank (per micro-batch under kMicroBatch); only the MoE layer is measured.
+  // Measured times where a --calibrate file describes this layout, or
+  // stands in for one of its EP ranks (its experts' kernels only), in
+  // tokens per rank (per micro-batch under kMicroBatch), in the files'
+  // order; only the MoE layer is measured.
   std::vector<const Calibration*> cals;
-  for (const Calibration* cal : in.calibrations)
-    if (moe && cal->applies(in.layout.ep, long(in.model.hidden), int(in.model.num_experts))) cals.push_back(cal);
-  for (const Calibration* cal : cals) cal->apply(t.kernels, s.tokens_moe);
+  const long hidden = long(in.model.hidden);
+  const int experts = int(in.model.num_experts);
+  for (const Calibration* cal : in.calibrations) {
+    if (!moe) continue;
+    if (cal->applies(in.layout.ep, hidden, experts)) {
+      cal->apply(t.kernels, s.tokens_moe);
+      cals.push_back(cal);
+    } else if (in.layout.ep > 1 && cal->stand_in_ep(hidden, experts) == in.layout.ep) {
+      cal->apply(t.kernels, s.tokens_moe, true);
+    }
+  }
   const double copies = mb ? 2 : 1;
   double stage[6] = {0, 0, 0, 0, 0, 0};
   double compute = 0;

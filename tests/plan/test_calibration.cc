@@ -295,6 +295,62 @@ TEST(PlanCalibration, BothFormatsTogetherLaterWins) {
   EXPECT_GT(layer.us("dispatch", 128), 9);  // 3 stages x 3 us at 1 token, more at 128
 }
 
+// layer_bench.py --experts 32: one process of 32 of DeepSeek-V3's 256
+// experts stands in for one EP8 rank: its experts' and shared expert's
+// kernels calibrate that rank; the router, dispatch and combine stay
+// modelled; other EP sizes and EP1 are left alone.
+TEST(PlanCalibration, LayerBenchStandsInForOneEpRank) {
+  const std::string text =
+      R"x({"tool": "tools/bench/layer_bench.py", "world_size": 1, "model": {"hidden_size": 7168,
+          "n_routed_experts": 32, "num_experts_per_tok": 8, "model_n_routed_experts": 256}, "results": [)x" +
+      layer_result(16, 10, 300) + "," + layer_result(128, 20, 700) + "]}";
+  const Calibration c = Calibration::from_json_text(text, "rank.json");
+  EXPECT_EQ(c.stand_in_ep(7168, 256), 8);
+  EXPECT_EQ(c.stand_in_ep(7168, 32), 0);   // the same experts: a plain EP1 file
+  EXPECT_EQ(c.stand_in_ep(7168, 384), 12);
+  EXPECT_EQ(c.stand_in_ep(7168, 100), 0);  // not a whole number of ranks
+  EXPECT_EQ(c.stand_in_ep(4096, 256), 0);  // another hidden size
+  for (const char* k : {"moe_gate_up", "moe_act_quant", "moe_down", "shared_expert"})
+    EXPECT_TRUE(Calibration::rank_measured(k)) << k;
+  for (const char* k : {"router", "dispatch", "combine", "attention"})
+    EXPECT_FALSE(Calibration::rank_measured(k)) << k;
+
+  // EP8 at 128 tokens per rank (batch 64, one draft token).
+  PlanInput in = input("deepseek-v3", "h200", "nvlink", {8, 8, 1, 8}, 64, OverlapMode::kNone);
+  in.work.draft_tokens = 1;
+  const StepResult model = simulate_step(in);
+  in.calibrations = {&c};
+  const StepResult meas = simulate_step(in);
+  const LayerTiming& t = meas.moe_layer;
+  EXPECT_DOUBLE_EQ(kernel(t, "moe_gate_up").time_us, 700);
+  EXPECT_DOUBLE_EQ(kernel(t, "moe_down").time_us, 20);
+  EXPECT_DOUBLE_EQ(kernel(t, "moe_act_quant").time_us, 20);
+  EXPECT_NEAR(kernel(t, "shared_gate_up").time_us + kernel(t, "shared_act").time_us +
+                  kernel(t, "shared_down").time_us,
+              20, 1e-9);
+  for (const char* k : {"moe_gate_up", "moe_act_quant", "moe_down", "shared_gate_up"})
+    EXPECT_TRUE(kernel(t, k).measured) << k;
+  EXPECT_FALSE(kernel(t, "router").measured);
+  EXPECT_DOUBLE_EQ(kernel(t, "router").time_us, kernel(model.moe_layer, "router").time_us);
+  EXPECT_FALSE(t.dispatch.measured);
+  EXPECT_FALSE(t.combine.measured);
+  EXPECT_DOUBLE_EQ(t.dispatch.total_us(), model.moe_layer.dispatch.total_us());
+  // Another EP size, and EP1 (whose layer has all 256 experts), stay modelled.
+  for (const Layout l : {Layout{4, 4, 1, 8}, Layout{1, 1, 1, 8}}) {
+    PlanInput other = in;
+    other.layout = l;
+    for (const auto& k : simulate_step(other).moe_layer.kernels) EXPECT_FALSE(k.measured) << l.str() << " " << k.name;
+  }
+  // The comparison table is the EP8 rank's, on what the file measures.
+  const auto rows = compare_calibration(in, c);
+  ASSERT_EQ(rows.size(), 2u * 5);  // shared_expert, gate_up, act_quant, down, sum per batch
+  EXPECT_EQ(rows[1].kernel, "moe_gate_up");
+  EXPECT_EQ(rows[5 + 1].tokens, 128);
+  EXPECT_NEAR(rows[5 + 1].model_us, kernel(model.moe_layer, "moe_gate_up").time_us, 1e-9);
+  const std::string table = format_calibration(rows, c, 8);
+  EXPECT_NE(table.find("at EP8 DP8 TP1 (one rank: the file stands in for it)"), std::string::npos) << table;
+}
+
 TEST(PlanCalibration, LayerBenchComparisonTable) {
   Calibration c = Calibration::from_file(kLayerFile);
   PlanInput in = ep1_input();

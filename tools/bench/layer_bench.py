@@ -44,6 +44,12 @@ is HBM only (each rank's touched local experts); the NVLink transfer is on
 top. Ranks sharing a GPU check the script, not the layer's speed.
 
     python3 tools/bench/layer_bench.py --world 2 --batches 8,32,64,128 --json w2.json
+
+--experts N (e.g. 32 of DeepSeek-V3's 256): the layer with N routed experts
+on one process, every token routed among them: a stand-in for one rank of
+EP E / N, whose experts each receive what an EP rank's expert receives on
+average (the router and the exchange are not the rank's: moelink-plan
+--calibrate takes such a file for that rank's experts and shared expert).
 """
 import argparse
 import datetime
@@ -99,6 +105,10 @@ def kernel_profile(fn, iters, by_stage):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="deepseek-v3")
+    p.add_argument("--experts", type=int, default=0,
+                   help="routed experts of the layer (default: the model's); E / EP of them on one process "
+                        "stand in for one rank of EP (each receives what an EP rank's expert does on average; "
+                        "moelink-plan --calibrate takes such a file for that rank's experts)")
     p.add_argument("--batches", default="1,2,4,8,16,32,64,128,4096")
     p.add_argument("--modes", default="none,dispatch-overlap,micro-batch")
     p.add_argument("--iters", type=int, default=20, help="timed forwards per cell (medians)")
@@ -118,6 +128,12 @@ def main():
     torch.cuda.set_device(rank % torch.cuda.device_count())
     boot = moelink.TcpBootstrap(rank, a.world, "127.0.0.1", a.port or free_port(), 60.0)
     cfg = moelink.model_config(a.model)
+    model_experts = cfg.n_routed_experts
+    if a.experts:
+        if not cfg.num_experts_per_tok <= a.experts <= model_experts:
+            p.error(f"--experts = {a.experts} must be in [{cfg.num_experts_per_tok} (top-k), "
+                    f"{model_experts} (the model's)]")
+        cfg.n_routed_experts = a.experts
     E, H, I, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     if E % a.world:
         p.error(f"--world = {a.world} must divide the model's {E} routed experts")
@@ -144,7 +160,7 @@ def main():
            "world_size": a.world,
            "model": {"name": cfg.name, "preset": a.model, "hidden_size": H, "moe_intermediate_size": I,
                      "n_routed_experts": E, "num_experts_per_tok": k,
-                     "n_shared_experts": cfg.n_shared_experts},
+                     "n_shared_experts": cfg.n_shared_experts, "model_n_routed_experts": model_experts},
            "copy_gbs": bw, "results": []}
     expert_bytes = 3 * I * H + 3 * (I // 128) * (H // 128) * 4  # fp8 w13 + w2 and their scales
     shared_bytes = 3 * Is * H + 3 * (Is // 128) * (H // 128) * 4

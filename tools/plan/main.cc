@@ -278,6 +278,12 @@ int run_sweep(const Options& o, const PlanInput& in, const std::vector<GpuProfil
 std::string calibration_note(const PlanInput& in, const Calibration& cal) {
   const std::string why = cal.mismatch(in.layout.ep, long(in.model.hidden), int(in.model.num_experts));
   if (why.empty()) return "";
+  if (in.layout.ep > 1 && cal.stand_in_ep(long(in.model.hidden), int(in.model.num_experts)) == in.layout.ep)
+    return "--calibrate " + cal.source + " stands in for one rank of " + in.layout.str() + " of " +
+           in.model.name + " (" + std::to_string(cal.experts) + " of its " +
+           std::to_string(in.model.num_experts) +
+           " routed experts on one GPU): its experts' and shared expert's kernels are measured; the router, "
+           "dispatch and combine stay modelled\n";
   return "--calibrate " + cal.source + " does not apply to " + in.layout.str() + " of " + in.model.name + ": " +
          why + "; the model's times are used\n";
 }
@@ -302,7 +308,9 @@ int run_plan(const Options& o, const PlanInput& in) {
       continue;
     }
     if (!note.empty()) std::printf("\nnote: %s", note.c_str());
-    std::printf("\n%s", format_calibration(compare_calibration(in, *cal), *cal).c_str());
+    std::printf("\n%s", format_calibration(compare_calibration(in, *cal), *cal,
+                                            cal->stand_in_ep(long(in.model.hidden), int(in.model.num_experts)))
+                             .c_str());
   }
   if (!o.svg_dir.empty()) {
     std::vector<std::pair<std::string, LayerTiming>> bars;

@@ -32,6 +32,15 @@ class Calibration {
   // same routed-expert count (its GEMMs depend on it).
   std::string mismatch(int ep, long hidden, int experts) const;
   bool applies(int ep, long hidden, int experts) const { return mismatch(ep, hidden, experts).empty(); }
+  // A layer bench run on one GPU with E / ep of a model's E routed experts
+  // (layer_bench.py --experts) stands in for one rank of EP ep: every token
+  // routed among its experts, each of them receives what an EP rank's
+  // expert receives on average. The ep it stands in for (> 1), else 0. It
+  // calibrates that rank's routed and shared experts' kernels
+  // (rank_measured), not the router (its GEMM is the whole model's E wide)
+  // nor dispatch and combine (local copies in that run).
+  int stand_in_ep(long hidden, int experts) const;
+  static bool rank_measured(const std::string& name);
 
   // Whether every sample has a positive time for `name` (a model without
   // shared experts, say, leaves "shared_expert" unmeasured).
@@ -46,9 +55,9 @@ class Calibration {
   // shared_* kernels, else its own name.
   static std::string measured_name(const std::string& kernel);
   // Replaces the times of the measured kernels at `tokens` per rank and marks
-  // them. A measured group (the shared expert) is split in proportion to the
-  // modelled times of its kernels.
-  void apply(std::vector<Kernel>& kernels, double tokens) const;
+  // them (rank_only: only those a stand-in measures). A measured group (the
+  // shared expert) is split in proportion to the modelled times of its kernels.
+  void apply(std::vector<Kernel>& kernels, double tokens, bool rank_only = false) const;
   // Replaces the total of a dispatch or combine; send and receive kernels
   // keep their modelled time, the rest is transfer (what overlap can hide).
   void apply(CommCost& c, const std::string& name, double tokens) const;

@@ -33,6 +33,7 @@ struct CalibrationRow {
 };
 std::vector<CalibrationRow> compare_calibration(const PlanInput& base, const Calibration& c);
 // The rows as a table with the ratio measured / modelled.
-std::string format_calibration(const std::vector<CalibrationRow>& rows, const Calibration& c);
+// ep: the EP a stand-in file (Calibration::stand_in_ep) was compared at; 0: the file's world size.
+std::string format_calibration(const std::vector<CalibrationRow>& rows, const Calibration& c, int ep = 0);
 
 }  // namespace moelink::plan
