@@ -1,6 +1,7 @@
 // The kernel behind rms_norm.h.
 #include "nvlink/bf16_bits.cuh"
 #include "nvlink/cuda_check.h"
+#include "nvlink/device_utils.cuh"  // load_16, Vec8
 #include "nvlink/reductions.cuh"
 #include "nvlink/rms_norm.h"
 
@@ -39,25 +40,13 @@ __global__ void residual_rms_norm_kernel(const uint16_t* in, int64_t in_stride, 
 
 
 // The same rule with the row held in registers: each thread loads its
-// columns as 16-byte vectors of 8 bf16 (at most kVecs of them) before
+// columns as 16-byte vectors of 8 bf16 (at most kVecs of them, Vec8) before
 // storing anything, so a row costs two or three rounds of memory latency
 // instead of one per 256 columns (the scalar kernel's loads cannot pass its
 // own stores: `in` may alias `sum_out`). For cols a multiple of 8, at most
 // 8 x kVecs x blockDim, every row and pointer 16-byte aligned.
 constexpr int kNormThreads = 256, kNormVecs = 4;
-
-struct Bf16x8 {
-  uint4 bits;
-  __device__ float at(int i) const {
-    const uint32_t w = (&bits.x)[i / 2];
-    return bf16_bits_to_f32(static_cast<uint16_t>(i % 2 ? w >> 16 : w & 0xffff));
-  }
-  __device__ void set(int i, float v) {
-    uint32_t& w = (&bits.x)[i / 2];
-    const uint32_t b = f32_to_bf16_bits(v);
-    w = i % 2 ? (w & 0xffffu) | (b << 16) : (w & 0xffff0000u) | b;
-  }
-};
+using Bf16x8 = Vec8<__nv_bfloat16>;
 
 template <int kVecs>
 __global__ void residual_rms_norm_vec_kernel(const uint16_t* in, int64_t in_stride, const uint16_t* add,
@@ -67,26 +56,30 @@ __global__ void residual_rms_norm_vec_kernel(const uint16_t* in, int64_t in_stri
   const int64_t r = blockIdx.x;
   if (r >= *rows) return;
   const int64_t vecs = cols / 8;
-  Bf16x8 v[kVecs], a[kVecs];
+  uint4 in_raw[kVecs], add_raw[kVecs];  // every load issued before any is used
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     const int64_t j = threadIdx.x + int64_t{k} * blockDim.x;
     if (j >= vecs) continue;
-    v[k].bits = reinterpret_cast<const uint4*>(in + r * in_stride)[j];
-    if (add != nullptr) a[k].bits = reinterpret_cast<const uint4*>(add + r * add_stride)[j];
+    in_raw[k] = load_16(in + r * in_stride + 8 * j);
+    if (add != nullptr) add_raw[k] = load_16(add + r * add_stride + 8 * j);
   }
+  float v[kVecs][8];
   float ss = 0.0f;
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     const int64_t j = threadIdx.x + int64_t{k} * blockDim.x;
     if (j >= vecs) continue;
+    Bf16x8::from_raw(&in_raw[k], v[k]);
     if (add != nullptr) {
+      float x[8];
+      Bf16x8::from_raw(&add_raw[k], x);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) v[k].set(i, v[k].at(i) + a[k].at(i));  // rounded to bf16, as stored
-      reinterpret_cast<uint4*>(sum_out + r * sum_stride)[j] = v[k].bits;
+      for (int i = 0; i < 8; ++i) v[k][i] = bf16_bits_to_f32(f32_to_bf16_bits(v[k][i] + x[i]));  // as stored
+      Bf16x8::store(sum_out + r * sum_stride + 8 * j, v[k]);
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) ss += v[k].at(i) * v[k].at(i);
+    for (int i = 0; i < 8; ++i) ss += v[k][i] * v[k][i];
   }
   if (weight == nullptr) return;
   __shared__ float shared[32];
@@ -96,13 +89,11 @@ __global__ void residual_rms_norm_vec_kernel(const uint16_t* in, int64_t in_stri
   for (int k = 0; k < kVecs; ++k) {
     const int64_t j = threadIdx.x + int64_t{k} * blockDim.x;
     if (j >= vecs) continue;
-    const float4 w0 = reinterpret_cast<const float4*>(weight)[2 * j],
-                 w1 = reinterpret_cast<const float4*>(weight)[2 * j + 1];
-    const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-    Bf16x8 o;
+    float w[8];
+    Vec8<float>::load(weight + 8 * j, w);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) o.set(i, v[k].at(i) * inv * w[i]);
-    reinterpret_cast<uint4*>(normed + r * normed_stride)[j] = o.bits;
+    for (int i = 0; i < 8; ++i) w[i] *= v[k][i] * inv;
+    Bf16x8::store(normed + r * normed_stride + 8 * j, w);
   }
 }
 

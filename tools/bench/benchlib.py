@@ -97,12 +97,14 @@ def exclusive_us(spans):
     return out
 
 
-def span_profile(spans, iters):
+def span_profile(spans, iters, excl=None):
     """GPU work per call from gpu_spans(): sum_of_kernels_us (the spans'
     lengths), busy_us (their union) and kernels[] by name, each with its
     calls, us (its spans' lengths) and exclusive_us (its share of busy_us,
-    exclusive_us()), largest exclusive first."""
-    excl = exclusive_us(spans)
+    exclusive_us(); `excl` where the caller has it already), largest
+    exclusive first."""
+    if excl is None:
+        excl = exclusive_us(spans)
     by_name = {}
     for (t0, t1, name), x in zip(spans, excl):
         k = by_name.setdefault(name, [0, 0.0, 0.0])

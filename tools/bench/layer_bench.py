@@ -93,10 +93,11 @@ def kernel_profile(fn, iters, by_stage):
     spans = gpu_spans(fn, iters)
     if not spans:
         return None
-    out = span_profile(spans, iters)
+    excl = exclusive_us(spans)
+    out = span_profile(spans, iters, excl)
     if by_stage:
         stages = dict.fromkeys(STAGES + ("other_us",), 0.0)
-        for x, st in zip(exclusive_us(spans), stage_of_kernels([n for _, _, n in spans])):
+        for x, st in zip(excl, stage_of_kernels([n for _, _, n in spans])):
             stages[st] += x / iters
         out["stages_us"] = stages
     return out
