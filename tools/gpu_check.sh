@@ -9,7 +9,9 @@
 #   (MOELINK_EXPERTS_BENCH_ARGS adds arguments).
 #   layer (not in the default): tools/bench/layer_bench.py, the MoE layer
 #   stage by stage (MOELINK_LAYER_BENCH_ARGS adds arguments), then one EP8
-#   rank's stand-in (--experts 32, mode none: layer-ep8-rank.json).
+#   rank's stand-in (--experts 32, mode none: layer-ep8-rank.json), then
+#   the attention step (attention_bench.py --step-kernels, 128 heads, kv
+#   5000, batch 1 to 128, q_len 1 and 2: attention-steps.json).
 #   model (not in the default): tools/bench/model_bench.py, the full-width
 #   model's decode step beside moelink-plan's prediction on this GPU's
 #   profile, calibrated by the layer step's files where that ran first
@@ -277,6 +279,12 @@ if has layer; then
   echo "${cmd[*]}"
   PYTHONPATH="$root/$bdir/python${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 | tee "$OUT/layer-ep8-rank.log" |
     tail -12 || status=1
+  # The attention step of every layer (128 heads, the model step's kv 5000): calibrates moelink-plan's attention.
+  cmd=($py tools/bench/attention_bench.py --machine "$machine" --heads 128 --batch 1,2,4,8,16,32,64,128
+       --q-len 1,2 --kv 5000 --step-kernels --json "$OUT/attention-steps.json")
+  echo "${cmd[*]}"
+  PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
+    tee "$OUT/attention-steps.log" | grep -E "^heads" || status=1
 fi
 if has model; then
   echo "== the model's decode step: tools/bench/model_bench.py"
@@ -285,6 +293,7 @@ if has model; then
   # The layer step's run, where it ran first, calibrates moelink-plan (where it applies: one rank).
   [[ -f $OUT/layer.json ]] && cmd+=(--plan-calibrate "$OUT/layer.json")
   [[ -f $OUT/layer-ep8-rank.json ]] && cmd+=(--plan-calibrate "$OUT/layer-ep8-rank.json")
+  [[ -f $OUT/attention-steps.json ]] && cmd+=(--plan-calibrate "$OUT/attention-steps.json")
   echo "${cmd[*]}"
   PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 |
     tee "$OUT/model-bench.log" | tail -40 || status=1

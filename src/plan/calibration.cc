@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "moelink/plan/model.h"
@@ -12,6 +14,8 @@ namespace {
 using nlohmann::json;
 
 constexpr const char* kLayerBenchTool = "tools/bench/layer_bench.py";
+constexpr const char* kAttentionBenchTool = "tools/bench/attention_bench.py";
+constexpr const char* kAttentionStep = "attention_step";
 
 // The stages of layer_bench.py (MoEStageTimes) summed into what they
 // calibrate. The planner has no kernel that quantizes the layer's input (its
@@ -38,12 +42,81 @@ bool is_layer_bench(const json& j) {
   return false;
 }
 
-// An integer field of the layer bench's "model" object (Hugging Face names).
-long model_field(const json& model, const std::string& field, const std::string& err) {
+// An integer field of a bench's model object (Hugging Face names): the
+// layer bench's "model", the attention bench's "fields".
+long model_field(const json& model, const std::string& object, const std::string& field, const std::string& err) {
   if (model.is_object() && model.contains(field) && model[field].is_number_integer() &&
       model[field].get<long>() > 0)
     return model[field].get<long>();
-  throw PlanError(err + "no positive integer model." + field + " (\"model\" names the benchmarked model's shape)");
+  throw PlanError(err + "no positive integer " + object + "." + field + " (\"" + object +
+                  "\" names the benchmarked model's shape)");
+}
+
+// attention_bench.py --step-kernels: per case, the whole step's busy GPU
+// time with the decode kernel the model runs by default (FlashInfer's where
+// the run had it, else moelink's).
+void parse_attention_bench(const json& j, Calibration& c) {
+  const std::string err = "attention bench results '" + c.source + "': ";
+  c.format = Calibration::Format::kAttentionBench;
+  c.world_size = 1;
+  const json fields = j.value("fields", json());
+  c.hidden_dim = model_field(fields, "fields", "hidden_size", err);
+  c.kv_lora_rank = int(model_field(fields, "fields", "kv_lora_rank", err));
+  if (!j.contains("results") || !j["results"].is_array())
+    throw PlanError(err + "no \"results\" array");
+  std::map<std::tuple<int, int, int, double>, BenchSample> cases;
+  const json& results = j["results"];
+  for (size_t i = 0; i < results.size(); ++i) {
+    const json& r = results[i];
+    const std::string at = "results[" + std::to_string(i) + "]";
+    if (!r.is_object()) throw PlanError(err + at + " is not an object");
+    BenchSample s;
+    for (const char* kernel : {"flashinfer", "moelink"}) {
+      const json k = r.value(std::string(kernel) + "_step_kernels", json());
+      if (k.is_object() && k.contains("busy_us") && k["busy_us"].is_number() && k["busy_us"].get<double>() > 0) {
+        s.mode = kernel;
+        s.us[kAttentionStep] = k["busy_us"].get<double>();
+        break;
+      }
+    }
+    if (s.mode.empty()) continue;  // a run without --step-kernels, or the case had neither kernel
+    auto positive = [&](const char* field) {
+      if (!r.contains(field) || !r[field].is_number_integer() || r[field].get<long>() <= 0)
+        throw PlanError(err + at + "." + field + ": missing or not a positive integer");
+      return r[field].get<int>();
+    };
+    s.heads = positive("heads");
+    s.query_len = positive("q_len");
+    s.kv_len = positive("kv_len");
+    s.tokens = positive("batch");
+    cases[{s.heads, s.query_len, s.kv_len, s.tokens}] = s;  // a repeated case: the later one
+  }
+  if (cases.empty())
+    throw PlanError(err + "no result with flashinfer_step_kernels or moelink_step_kernels busy_us "
+                    "(attention_bench.py --step-kernels writes them)");
+  for (auto& [key, s] : cases) c.samples.push_back(s);
+}
+
+// Log-log interpolation of (x, y) points sorted by x; clamped below the
+// range, extrapolated linearly above it (the last segment's slope, never
+// decreasing).
+double interpolate(const std::vector<std::pair<double, double>>& v, double x) {
+  if (v.size() == 1 || x <= v.front().first) return v.front().second;
+  if (x >= v.back().first) {
+    const auto& a = v[v.size() - 2];
+    const auto& b = v.back();
+    const double slope = (b.second - a.second) / (b.first - a.first);
+    return b.second + std::max(0.0, slope) * (x - b.first);
+  }
+  for (size_t i = 1; i < v.size(); ++i) {
+    if (x <= v[i].first) {
+      const auto& a = v[i - 1];
+      const auto& b = v[i];
+      const double f = std::log(x / a.first) / std::log(b.first / a.first);
+      return std::exp(std::log(a.second) + f * (std::log(b.second) - std::log(a.second)));
+    }
+  }
+  return v.back().second;
 }
 
 void parse_moelink_bench(const json& j, Calibration& c) {
@@ -76,8 +149,8 @@ void parse_layer_bench(const json& j, Calibration& c) {
   c.format = Calibration::Format::kLayerBench;
   c.world_size = j.value("world_size", 1);  // layer_bench.py runs one process
   const json model = j.value("model", json());
-  c.hidden_dim = model_field(model, "hidden_size", err);
-  c.experts = int(model_field(model, "n_routed_experts", err));
+  c.hidden_dim = model_field(model, "model", "hidden_size", err);
+  c.experts = int(model_field(model, "model", "n_routed_experts", err));
   if (model.is_object()) c.topk = model.value("num_experts_per_tok", 0);
   if (!j.contains("results") || !j["results"].is_array() || j["results"].empty())
     throw PlanError(err + "no \"results\" (an array of the measured batches)");
@@ -135,7 +208,9 @@ Calibration Calibration::from_json_text(const std::string& text, const std::stri
   c.source = source;
   c.machine = j.value("machine", std::string());
   c.date = j.value("date", std::string());
-  if (is_layer_bench(j))
+  if (j.contains("tool") && j["tool"] == kAttentionBenchTool)
+    parse_attention_bench(j, c);
+  else if (is_layer_bench(j))
     parse_layer_bench(j, c);
   else
     parse_moelink_bench(j, c);
@@ -147,6 +222,8 @@ Calibration Calibration::from_json_text(const std::string& text, const std::stri
 Calibration Calibration::from_file(const std::string& path) { return from_json_text(read_text_file(path), path); }
 
 std::string Calibration::mismatch(int ep, long hidden, int num_experts) const {
+  if (format == Format::kAttentionBench)
+    return "an attention bench file calibrates the attention step, not the MoE layer's kernels";
   if (ep != world_size)
     return "measured on " + std::to_string(world_size) + " rank(s), the layout has EP " + std::to_string(ep);
   if (hidden != hidden_dim)
@@ -176,26 +253,62 @@ bool Calibration::measures(const std::string& name) const {
 }
 
 double Calibration::us(const std::string& name, double tokens) const {
-  if (!measures(name)) throw PlanError("bench results '" + source + "': no measured " + name);
-  auto val = [&](const BenchSample& s) { return s.us.at(name); };
-  const auto& v = samples;
-  if (v.size() == 1 || tokens <= v.front().tokens) return val(v.front());
-  if (tokens >= v.back().tokens) {
-    // Beyond the range: the per-token cost of the last segment, linearly.
-    const auto& a = v[v.size() - 2];
-    const auto& b = v.back();
-    const double slope = (val(b) - val(a)) / (b.tokens - a.tokens);
-    return val(b) + std::max(0.0, slope) * (tokens - b.tokens);
+  if (format == Format::kAttentionBench || !measures(name))
+    throw PlanError("bench results '" + source + "': no measured " + name);
+  std::vector<std::pair<double, double>> v;
+  for (const auto& s : samples) v.push_back({s.tokens, s.us.at(name)});
+  return interpolate(v, tokens);
+}
+
+std::string Calibration::attention_mismatch(long hidden, int latent, int local_heads, int query_len,
+                                            int kv_len) const {
+  if (format != Format::kAttentionBench) return "not an attention bench file";
+  if (hidden != hidden_dim)
+    return "measured at hidden size " + std::to_string(hidden_dim) + ", the model's is " + std::to_string(hidden);
+  if (latent != kv_lora_rank)
+    return "measured at kv_lora_rank " + std::to_string(kv_lora_rank) + ", the model's is " +
+           std::to_string(latent) + (latent == 0 ? " (no MLA)" : "");
+  std::set<std::string> cases;
+  for (const auto& s : samples) {
+    if (s.heads == local_heads && s.query_len == query_len && s.kv_len == kv_len) return "";
+    cases.insert(std::to_string(s.heads) + " heads q_len " + std::to_string(s.query_len) + " kv " +
+                 std::to_string(s.kv_len));
   }
-  for (size_t i = 1; i < v.size(); ++i) {
-    if (tokens <= v[i].tokens) {
-      const auto& a = v[i - 1];
-      const auto& b = v[i];
-      const double f = std::log(tokens / a.tokens) / std::log(b.tokens / a.tokens);
-      return std::exp(std::log(val(a)) + f * (std::log(val(b)) - std::log(val(a))));
-    }
+  std::string list;
+  for (const auto& c : cases) list += (list.empty() ? "" : ", ") + c;
+  return "no case at " + std::to_string(local_heads) + " heads per GPU, q_len " + std::to_string(query_len) +
+         ", kv " + std::to_string(kv_len) + " (measured: " + list + ")";
+}
+
+double Calibration::attention_us(int local_heads, int query_len, int kv_len, double batch) const {
+  std::vector<std::pair<double, double>> v;  // samples are sorted by tokens (requests)
+  for (const auto& s : samples)
+    if (s.heads == local_heads && s.query_len == query_len && s.kv_len == kv_len)
+      v.push_back({s.tokens, s.us.at(kAttentionStep)});
+  if (v.empty())
+    throw PlanError("attention bench results '" + source + "': no case at " + std::to_string(local_heads) +
+                    " heads, q_len " + std::to_string(query_len) + ", kv " + std::to_string(kv_len));
+  return interpolate(v, batch);
+}
+
+bool Calibration::attention_step_kernel(const std::string& name) {
+  static const std::set<std::string> step{"input_norm", "qkv_a_proj", "q_kv_a_norm", "q_b_proj", "k_b_absorb",
+                                          "rope_append_kv", "attention", "v_b_proj", "o_proj"};
+  return step.count(name) != 0;
+}
+
+void Calibration::apply_attention(std::vector<Kernel>& kernels, int local_heads, int query_len, int kv_len,
+                                  double batch) const {
+  double modelled = 0;
+  for (const auto& k : kernels)
+    if (attention_step_kernel(k.name)) modelled += k.time_us;
+  if (modelled <= 0) return;
+  const double measured = attention_us(local_heads, query_len, kv_len, batch);
+  for (auto& k : kernels) {
+    if (!attention_step_kernel(k.name)) continue;
+    k.time_us = measured * k.time_us / modelled;
+    k.measured = true;
   }
-  return val(v.back());
 }
 
 std::string Calibration::measured_name(const std::string& kernel) {

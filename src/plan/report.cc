@@ -199,7 +199,27 @@ std::string format_skipped(const std::vector<SkippedLayout>& skipped) {
   return s;
 }
 
+namespace {
+// The attention bench's cases at the plan's heads per GPU, query length and
+// context: the modelled attention step beside the measured one, a row a
+// measured batch (requests).
+std::vector<CalibrationRow> compare_attention(const PlanInput& base, const Calibration& c) {
+  std::vector<CalibrationRow> rows;
+  const int heads = int(base.model.num_heads / base.layout.tp), q = base.work.query_len();
+  const int kv = base.work.kv_len;
+  for (const auto& smp : c.samples) {
+    if (smp.heads != heads || smp.query_len != q || smp.kv_len != kv) continue;
+    double model = 0;
+    for (const auto& k : layer_compute_kernels(base.model, base.gpu, base.layout, smp.tokens, q, kv, true))
+      if (Calibration::attention_step_kernel(k.name)) model += k.time_us;
+    rows.push_back({smp.tokens, smp.mode, "attention_step", model, smp.us.at("attention_step")});
+  }
+  return rows;
+}
+}  // namespace
+
 std::vector<CalibrationRow> compare_calibration(const PlanInput& base, const Calibration& c) {
+  if (c.format == Calibration::Format::kAttentionBench) return compare_attention(base, c);
   std::vector<CalibrationRow> rows;
   // A stand-in for one EP rank is compared with that rank, on what it measures.
   const int stand_in = c.stand_in_ep(long(base.model.hidden), int(base.model.num_experts));
@@ -232,6 +252,19 @@ std::vector<CalibrationRow> compare_calibration(const PlanInput& base, const Cal
 }
 
 std::string format_calibration(const std::vector<CalibrationRow>& rows, const Calibration& c, int ep) {
+  if (c.format == Calibration::Format::kAttentionBench) {
+    std::string s = fmt("Calibration from %s (attention_bench.py, %s, %s; hidden %ld, kv_lora_rank %d):\n"
+                        "model vs measured attention step at the plan's heads per GPU, q_len and kv, us\n",
+                        c.source.c_str(), c.machine.c_str(), c.date.c_str(), c.hidden_dim, c.kv_lora_rank);
+    s += fmt("  %8s %-12s %-14s %9s %9s %10s\n", "requests", "decode", "kernel", "model", "measured", "meas/model");
+    for (const auto& r : rows)
+      s += fmt("  %8.0f %-12s %-14s %9.1f %9.1f %10.2f\n", r.tokens, r.mode.c_str(), r.kernel.c_str(), r.model_us,
+               r.measured_us, r.measured_us / r.model_us);
+    s += "  attention_step = input_norm + qkv_a_proj + q_kv_a_norm + q_b_proj + k_b_absorb + rope_append_kv +\n"
+         "  attention + v_b_proj + o_proj (the bench's whole forward, busy GPU time; split in the modelled\n"
+         "  proportions); it calibrates the dense and the MoE layers alike\n";
+    return s;
+  }
   if (ep <= 0) ep = c.world_size;
   const bool layer = c.format == Calibration::Format::kLayerBench;
   std::string s = fmt("Calibration from %s (%s, %s, %s; %d rank%s, hidden %ld", c.source.c_str(),

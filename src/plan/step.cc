@@ -15,11 +15,19 @@ LayerTiming layer_timing(const PlanInput& in, double batch, int query_len, bool 
   // Measured times where a --calibrate file describes this layout, or
   // stands in for one of its EP ranks (its experts' kernels only), in
   // tokens per rank (per micro-batch under kMicroBatch), in the files'
-  // order; only the MoE layer is measured.
+  // order; an attention bench file measures the attention step of both
+  // layer kinds (in requests), the others the MoE layer's kernels.
   std::vector<const Calibration*> cals;
   const long hidden = long(in.model.hidden);
   const int experts = int(in.model.num_experts);
+  const int local_heads = int(in.model.num_heads / in.layout.tp);
   for (const Calibration* cal : in.calibrations) {
+    if (cal->format == Calibration::Format::kAttentionBench) {
+      if (cal->attention_mismatch(hidden, int(in.model.kv_lora_rank), local_heads, query_len, in.work.kv_len)
+              .empty())
+        cal->apply_attention(t.kernels, local_heads, query_len, in.work.kv_len, b);
+      continue;
+    }
     if (!moe) continue;
     if (cal->applies(in.layout.ep, hidden, experts)) {
       cal->apply(t.kernels, s.tokens_moe);

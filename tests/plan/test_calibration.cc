@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -409,4 +410,165 @@ TEST(PlanCalibration, CliTakesEitherFormatOrBoth) {
   EXPECT_EQ(r.rc, 2);
   EXPECT_NE(r.out.find("--calibrate: bench results '"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("h200.json"), std::string::npos) << r.out;
+}
+
+namespace {
+// A hand-written tools/bench/attention_bench.py --step-kernels record:
+// DeepSeek-V3's attention at 128 and 16 heads, kv 5000, busy us per case.
+std::string attention_row(int heads, int batch, int q_len, int kv, double flashinfer_busy, double moelink_busy) {
+  nlohmann::json r{{"heads", heads}, {"batch", batch}, {"q_len", q_len}, {"kv_len", kv}};
+  if (flashinfer_busy > 0) r["flashinfer_step_kernels"] = {{"busy_us", flashinfer_busy}, {"kernels", 12}};
+  if (moelink_busy > 0) r["moelink_step_kernels"] = {{"busy_us", moelink_busy}, {"kernels", 14}};
+  return r.dump();
+}
+
+std::string attention_file(const std::string& rows, const std::string& fields =
+                                                         R"({"hidden_size": 7168, "kv_lora_rank": 512})") {
+  return R"({"tool": "tools/bench/attention_bench.py", "machine": "hand-written", "date": "2026-12-07",
+             "fields": )" +
+         fields + R"(, "results": [)" + rows + "]}";
+}
+
+const std::string kAttentionRows =
+    attention_row(128, 1, 1, 5000, 170, 260) + "," + attention_row(128, 32, 1, 5000, 260, 0) + "," +
+    attention_row(128, 128, 1, 5000, 515, 700) + "," + attention_row(128, 1, 2, 5000, 175, 0) + "," +
+    attention_row(128, 128, 2, 5000, 830, 0) + "," + attention_row(16, 8, 1, 5000, 0, 60) + "," +
+    attention_row(16, 64, 1, 5000, 0, 90) + "," +
+    R"({"heads": 128, "batch": 8, "q_len": 1, "kv_len": 1024, "moelink_us": 30.0})";  // no --step-kernels
+
+double attention_step_us(const LayerTiming& t) {
+  double us = 0;
+  for (const auto& k : t.kernels)
+    if (Calibration::attention_step_kernel(k.name)) us += k.time_us;
+  return us;
+}
+}  // namespace
+
+TEST(PlanCalibration, ParsesAttentionBench) {
+  const Calibration c = Calibration::from_json_text(attention_file(kAttentionRows), "attn.json");
+  EXPECT_EQ(c.format, Calibration::Format::kAttentionBench);
+  EXPECT_EQ(c.hidden_dim, 7168);
+  EXPECT_EQ(c.kv_lora_rank, 512);
+  ASSERT_EQ(c.samples.size(), 7u);  // the row without step kernels is left out
+  // FlashInfer's step where the case has it (the model's default decode), else moelink's.
+  EXPECT_EQ(c.attention_us(128, 1, 5000, 128), 515);
+  EXPECT_EQ(c.attention_us(16, 1, 5000, 64), 90);
+  for (const auto& s : c.samples) EXPECT_EQ(s.mode, s.heads == 16 ? "moelink" : "flashinfer");
+  // Log-log in requests between measured batches, clamped below, linear above.
+  const double f = std::log(8.0 / 1) / std::log(32.0 / 1);
+  EXPECT_NEAR(c.attention_us(128, 1, 5000, 8), std::exp(std::log(170.0) + f * (std::log(260.0) - std::log(170.0))),
+              1e-9);
+  EXPECT_EQ(c.attention_us(16, 1, 5000, 1), 60);
+  EXPECT_NEAR(c.attention_us(128, 1, 5000, 256), 515 + (515 - 260) / 96.0 * 128, 1e-9);
+  EXPECT_EQ(c.attention_mismatch(7168, 512, 128, 2, 5000), "");
+  EXPECT_NE(c.attention_mismatch(7168, 512, 64, 1, 5000).find("no case at 64 heads per GPU, q_len 1, kv 5000 "
+                                                              "(measured: 128 heads q_len 1 kv 5000, "),
+            std::string::npos)
+      << c.attention_mismatch(7168, 512, 64, 1, 5000);
+  EXPECT_NE(c.attention_mismatch(4096, 512, 128, 1, 5000).find("hidden size 7168"), std::string::npos);
+  EXPECT_NE(c.attention_mismatch(7168, 0, 128, 1, 5000).find("(no MLA)"), std::string::npos);
+  // It never describes the MoE layer's kernels nor stands in for a rank.
+  EXPECT_FALSE(c.applies(1, 7168, 256));
+  EXPECT_EQ(c.stand_in_ep(7168, 256), 0);
+  EXPECT_FALSE(c.measures("router"));
+}
+
+TEST(PlanCalibration, AttentionBenchCalibratesBothLayerKinds) {
+  const Calibration c = Calibration::from_json_text(attention_file(kAttentionRows), "attn.json");
+  // EP8, 128 requests of q_len 1 (a measured case) and of q_len 2.
+  for (const int q : {1, 2}) {
+    PlanInput in = input("deepseek-v3", "h100", "nvlink", {8, 8, 1, 8}, 128, OverlapMode::kDispatchOverlap);
+    in.work.draft_tokens = q - 1;
+    const StepResult model = simulate_step(in);
+    in.calibrations = {&c};
+    const StepResult meas = simulate_step(in);
+    const double measured = q == 1 ? 515 : 830;
+    for (const auto* pair : {&model.moe_layer, &model.dense_layer}) {
+      const LayerTiming& m = *pair;
+      const LayerTiming& t = pair == &model.moe_layer ? meas.moe_layer : meas.dense_layer;
+      EXPECT_NEAR(attention_step_us(t), measured, 1e-9) << q;
+      for (size_t i = 0; i < t.kernels.size(); ++i) {
+        const Kernel& k = t.kernels[i];
+        ASSERT_EQ(k.name, m.kernels[i].name);
+        if (Calibration::attention_step_kernel(k.name)) {
+          EXPECT_TRUE(k.measured) << k.name;  // split in the modelled proportions
+          EXPECT_NEAR(k.time_us / measured, m.kernels[i].time_us / attention_step_us(m), 1e-9) << k.name;
+        } else {
+          EXPECT_FALSE(k.measured) << k.name;  // the norms after it, the MLP, the experts: modelled
+          EXPECT_DOUBLE_EQ(k.time_us, m.kernels[i].time_us) << k.name;
+        }
+      }
+      EXPECT_NEAR(t.total_us - m.total_us, measured - attention_step_us(m), 1e-6);
+    }
+    // With a draft token, the MTP draft layer (q_len 1) is calibrated too.
+    if (q == 2) EXPECT_NE(meas.draft_us, model.draft_us);
+  }
+  // TP 8: 16 heads per GPU, from the 16-head cases (between 8 and 64 requests).
+  PlanInput in = input("deepseek-v3", "h100", "nvlink", {8, 1, 8, 8}, 32, OverlapMode::kDispatchOverlap);
+  in.work.draft_tokens = 0;
+  in.calibrations = {&c};
+  EXPECT_NEAR(attention_step_us(simulate_step(in).moe_layer), c.attention_us(16, 1, 5000, 32), 1e-9);
+  // Micro-batched, a layer's attention runs on half the requests.
+  in = input("deepseek-v3", "h100", "nvlink", {8, 8, 1, 8}, 64, OverlapMode::kMicroBatch);
+  in.work.draft_tokens = 0;
+  in.calibrations = {&c};
+  EXPECT_NEAR(attention_step_us(simulate_step(in).moe_layer), c.attention_us(128, 1, 5000, 32), 1e-9);
+}
+
+TEST(PlanCalibration, AttentionBenchLeavesOtherCasesModelled) {
+  const Calibration c = Calibration::from_json_text(attention_file(kAttentionRows), "attn.json");
+  auto unchanged = [&](PlanInput in) {
+    const StepResult model = simulate_step(in);
+    in.calibrations = {&c};
+    const StepResult meas = simulate_step(in);
+    for (const auto& k : meas.moe_layer.kernels) EXPECT_FALSE(k.measured) << in.model.name << " " << k.name;
+    EXPECT_DOUBLE_EQ(meas.step_us, model.step_us) << in.model.name << " " << in.layout.str();
+  };
+  PlanInput in = input("deepseek-v3", "h100", "nvlink", {8, 8, 1, 8}, 32, OverlapMode::kNone);
+  in.work.kv_len = 1024;  // no case at that context
+  unchanged(in);
+  in = input("deepseek-v3", "h100", "nvlink", {4, 2, 2, 8}, 32, OverlapMode::kNone);  // 64 heads a GPU
+  unchanged(in);
+  in = input("qwen3-235b-a22b", "h100", "nvlink", {8, 8, 1, 8}, 32, OverlapMode::kNone);  // GQA
+  unchanged(in);
+}
+
+TEST(PlanCalibration, AttentionBenchErrorsNameFileAndField) {
+  EXPECT_NE(parse_error(attention_file(kAttentionRows, R"({"kv_lora_rank": 512})"))
+                .find("attention bench results 'f.json': no positive integer fields.hidden_size"),
+            std::string::npos);
+  EXPECT_NE(parse_error(attention_file(R"({"heads": 128, "batch": 1, "q_len": 1, "kv_len": 5000})"))
+                .find("no result with flashinfer_step_kernels or moelink_step_kernels busy_us "
+                      "(attention_bench.py --step-kernels writes them)"),
+            std::string::npos);
+  EXPECT_NE(parse_error(attention_file(attention_row(128, 0, 1, 5000, 10, 0)))
+                .find("results[0].batch: missing or not a positive integer"),
+            std::string::npos);
+  EXPECT_NE(parse_error(attention_file("[]")).find("results[0] is not an object"), std::string::npos);
+}
+
+TEST(PlanCalibration, AttentionBenchOnTheCommandLine) {
+  const auto dir = scratch_dir("attention-calibration");
+  const std::string path = (dir / "attn.json").string();
+  {
+    std::ofstream f(path);
+    f << attention_file(kAttentionRows);
+  }
+  const std::string base = "--ep 8 --batch 128 --mtp 0 --kv-len 5000 --gpu h100 --ignore-memory --overlap dispatch ";
+  CliRun r = run(base + "--calibrate " + path);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("attention_bench.py, hand-written"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("attention_step"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("does not apply"), std::string::npos) << r.out;
+  const size_t at = r.out.find("\n  attention ");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  EXPECT_NE(r.out.substr(at, r.out.find('\n', at + 1) - at).find("[measured]"), std::string::npos) << r.out;
+  // Another context: said on stderr with the JSON on stdout, nothing measured.
+  r = run_split("--ep 8 --batch 128 --mtp 0 --kv-len 2000 --gpu h100 --ignore-memory --json - --calibrate " + path);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.err.find("does not apply to the attention of EP8 DP8 TP1 of DeepSeek-V3: no case at 128 heads "
+                       "per GPU, q_len 1, kv 2000"),
+            std::string::npos)
+      << r.err;
+  for (const auto& k : nlohmann::json::parse(r.out)["moe_layer"]["kernels"]) EXPECT_EQ(k["measured"], false);
 }

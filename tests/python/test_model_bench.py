@@ -95,6 +95,7 @@ def test_model_bench_runs_on_the_cpu_path(tmp_path):
             assert r["graph_us"] > 0 and r["tokens_per_s"] > 0 and r["step_us_full_depth"] > 0
             assert set(r["layer_us"]) == {"dense", "moe", "rest"}
             assert r["graph_replays"] == r["eager_steps"] == 0  # the CPU path has no graphs
+            assert set(r["host_us_per_layer"]) == {"dense", "moe"}
     assert "B" in res.stdout and "world1" in res.stdout  # the tables
     svg = (tmp_path / "bench.svg").read_text()
     assert svg.count("ep8 B ") == 4 and svg.count("world1 B ") == 4 and "MoE layers: " in svg
@@ -166,3 +167,38 @@ def test_plan_prediction_names_the_gpus_profile_and_the_calibration_files(tmp_pa
         cmd, env = _bench(tmp_path, "--plan", str(fake), *extra)
         bad = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
         assert bad.returncode != 0 and message in bad.stderr, bad.stderr
+
+
+def test_moe_layer_floors_by_hand():
+    """The MoE layer's floors on DeepSeek-V3's widths at one EP8 rank's
+    shape (32 experts, top 8), 128 requests of q_len 2 on kv 5000, against
+    the bytes and FLOPs counted here term by term; the serial floor (its
+    kernels one after another) is never below the issue's floor."""
+    sys.path.insert(0, os.path.join(ROOT, "tools", "bench"))
+    from model_bench import moe_layer_floor_us, moe_layer_serial_floor_us
+    from moelink.serve.tiny_model import DEEPSEEK_V3
+    f = dict(DEEPSEEK_V3, n_routed_experts=32)
+    b, q, kv, bw_gbs, fp8, bf16 = 128, 2, 5000, 3000.0, 1400.0, 700.0
+    n = b * q
+    attn_w = 7168 * (1536 + 512 + 64) + 1536 * 128 * 192 + 512 * 128 * 256 + 128 * 128 * 7168
+    touched = 32 * (1 - (1 - 8 / 32) ** n)  # all 32, to 1e-30
+    weight_bytes = attn_w + (touched + 1) * 3 * 7168 * 2048 + 32 * 7168 * 2
+    kv_bytes = b * (kv + q) * 576 * 2
+    weight_flops = 2 * n * (attn_w + 9 * 3 * 7168 * 2048)
+    attn_flops = 2 * n * 128 * (kv + q) * (512 + 576)
+    floor, nbytes, flops = moe_layer_floor_us(f, b, q, kv, bw_gbs, fp8)
+    assert nbytes == pytest.approx(weight_bytes + kv_bytes) and flops == pytest.approx(weight_flops + attn_flops)
+    assert floor == pytest.approx((weight_bytes + kv_bytes) / (bw_gbs * 1e3))  # bytes-bound here
+    serial = moe_layer_serial_floor_us(f, b, q, kv, bw_gbs, fp8, bf16)
+    # Attention FLOP-bound at the bf16 peak, the weights bytes-bound.
+    assert serial == pytest.approx(attn_flops / (bf16 * 1e6) + weight_bytes / (bw_gbs * 1e3))
+    assert serial > floor
+    # One request of q_len 1 on a bf16 peak that leaves its attention
+    # bytes-bound too (241.8 FLOPs a cache byte at 128 heads, under 800 /
+    # 3 = 267): the serial floor is then the same bytes as the floor.
+    floor1, _, _ = moe_layer_floor_us(f, 1, 1, kv, bw_gbs, fp8)
+    assert moe_layer_serial_floor_us(f, 1, 1, kv, bw_gbs, fp8, 800.0) == pytest.approx(floor1)
+    # ... and FLOP-bound at 700 (233 FLOPs a byte): above the floor by the difference.
+    kv1, af1 = (kv + 1) * 576 * 2, 2 * 128 * (kv + 1) * (512 + 576)
+    assert moe_layer_serial_floor_us(f, 1, 1, kv, bw_gbs, fp8, 700.0) == pytest.approx(
+        floor1 - kv1 / (bw_gbs * 1e3) + af1 / (700.0 * 1e6))

@@ -70,7 +70,7 @@ import time
 import torch
 
 import moelink
-from benchlib import copy_gbs, gpu_spans, header, span_profile, write_json
+from benchlib import bf16_tflops, copy_gbs, gpu_spans, header, span_profile, write_json
 
 # Kernel names per decode kernel: moelink's tensor-core kernels (warpgroup
 # MMAs at latent 512 and more than 32 heads on Hopper, else mma.sync) and
@@ -147,13 +147,6 @@ def step_kernels(fn, iters, top=12):
     p = span_profile(gpu_spans(fn, iters), iters)
     return {"top": [[k["name"][:120], k["exclusive_us"], k["us"]] for k in p["kernels"][:top]],
             "busy_us": p["busy_us"], "sum_us": p["sum_of_kernels_us"], "kernels": len(p["kernels"])}
-
-
-def bf16_tflops(iters, n=8192):
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    us = events_us(lambda: torch.matmul(a, b), iters)
-    return 2 * n ** 3 / (us * 1e-6) / 1e12
 
 
 def load_flashmla(directory):
@@ -376,6 +369,10 @@ def main():
     # bytes per second of a device copy), the FLOPs at the bf16 peak.
     bw, peak = rec["copy_gbs"] * 1e9, rec["bf16_tflops"] * 1e12
     cfg = moelink.mla_config("deepseek-v3")
+    # The widths moelink-plan --calibrate checks a model against.
+    rec["fields"] = {k: getattr(cfg, k) for k in ("hidden_size", "num_attention_heads", "q_lora_rank",
+                                                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                                  "v_head_dim")}
     weights = random_weights(cfg)
     max_b, max_q, max_kv = max(batches), max(q_lens), max(kvs)
     rows = []

@@ -66,6 +66,15 @@ def copy_gbs(iters):
     return 2 * n / (us * 1e-6) / 1e9
 
 
+def bf16_tflops(iters, n=8192):
+    """Dense bf16 matmul peak (torch.matmul n x n x n), TFLOP/s."""
+    import torch
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    us = median_event_us(lambda: torch.matmul(a, b), iters)
+    return 2 * n ** 3 / (us * 1e-6) / 1e12
+
+
 def gpu_spans(fn, iters):
     """fn()'s GPU work over `iters` calls, from torch.profiler (CUPTI sees
     every kernel and copy of the process, inside CUDA graphs too): a list of

@@ -53,7 +53,13 @@ q_len (1, or 2: a draft row verified, ModelOptions' speculative step):
                    the device-copy bandwidth this process measures, or its
                    FLOPs at the measured dense fp8 peak, whichever is larger
                    (the routed experts counted as expected under uniform
-                   routing);
+                   routing); serial_floor_us: the same layer's kernels
+                   one after another, each at its own floor (the attention
+                   kernel's bf16 math at the measured bf16 peak, the fp8
+                   weights' GEMMs at the fp8 peak; moe_layer_serial_floor_us):
+                   the least a layer whose kernels do not overlap can take;
+  host_us_per_layer  the host's share of graph_us that one more dense or
+                   MoE layer adds (FlashInfer's replan, the batch's checks);
   plan_us          with --plan: moelink-plan's prediction of the same layer
                    kinds for this layout (EP8 or EP1, TP1, the batch, kv,
                    q_len) on the GPU's profile (--plan-gpu; by default the
@@ -283,8 +289,12 @@ def profile_kernels(fn, iters):
     return k
 
 
-def moe_layer_floor_us(fields, b, q, kv, copy_gbs, fp8_tflops):
-    """A MoE decoder layer's floor (docstring above), us."""
+def moe_layer_bytes_flops(fields, b, q, kv):
+    """A MoE decoder layer's reads and FLOPs, split into its attention
+    kernel's (the bf16 latent cache; scores over 576 dims, output over 512)
+    and its fp8 weights' (the projections, the router, the shared and the
+    expected touched routed experts): (weight_bytes, weight_flops,
+    kv_bytes, attention_flops)."""
     D, H, Rq, R, Im = (fields[k] for k in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
                                            "moe_intermediate_size"))
     E, k = fields["n_routed_experts"], fields["num_experts_per_tok"]
@@ -292,11 +302,29 @@ def moe_layer_floor_us(fields, b, q, kv, copy_gbs, fp8_tflops):
     attn_w = D * (Rq + R + 64) + Rq * H * 192 + R * H * 256 + H * 128 * D  # fp8 bytes = parameters
     expert_w = 3 * D * Im
     touched = E * (1 - (1 - k / E) ** n)
-    kv_bytes = b * (kv + q) * (R + 64) * 2
     weight_bytes = attn_w + (touched + fields["n_shared_experts"]) * expert_w + E * D * 2
-    flops = 2 * n * (attn_w + (k + fields["n_shared_experts"]) * expert_w) + 2 * n * H * (kv + q) * (2 * R + 64)
-    bytes_ = weight_bytes + kv_bytes
+    weight_flops = 2 * n * (attn_w + (k + fields["n_shared_experts"]) * expert_w)
+    kv_bytes = b * (kv + q) * (R + 64) * 2
+    attention_flops = 2 * n * H * (kv + q) * (2 * R + 64)
+    return weight_bytes, weight_flops, kv_bytes, attention_flops
+
+
+def moe_layer_floor_us(fields, b, q, kv, copy_gbs, fp8_tflops):
+    """A MoE decoder layer's floor (docstring above), us: (floor, bytes, FLOPs)."""
+    wb, wf, kvb, af = moe_layer_bytes_flops(fields, b, q, kv)
+    bytes_, flops = wb + kvb, wf + af
     return max(bytes_ / (copy_gbs * 1e9) * 1e6, flops / (fp8_tflops * 1e12) * 1e6), bytes_, flops
+
+
+def moe_layer_serial_floor_us(fields, b, q, kv, copy_gbs, fp8_tflops, bf16_tflops):
+    """The same layer with its kernels one after another, each at its own
+    floor: the attention kernel at the larger of its cache bytes at the copy
+    bandwidth and its FLOPs at the bf16 peak (its math is bf16), plus the
+    weights' GEMMs at the larger of their bytes and their FLOPs at the fp8
+    peak, us. No layer whose kernels do not overlap can run below it."""
+    wb, wf, kvb, af = moe_layer_bytes_flops(fields, b, q, kv)
+    bw = copy_gbs * 1e9
+    return (max(kvb / bw, af / (bf16_tflops * 1e12)) + max(wb / bw, wf / (fp8_tflops * 1e12))) * 1e6
 
 
 # moelink-plan's GPU profiles, by the name torch gives the device.
@@ -351,6 +379,11 @@ def run_shape(a, timer, shape, rec):
         moe = (full["graph_us"] - tk) / a.moe_layers
         r = {"batch": b, "q_len": q, **full,
              "layer_us": {"dense": dense, "moe": moe, "rest": t1 - dense},
+             # The host's share of graph_us a layer (FlashInfer's replan
+             # and the batch's checks run once a layer).
+             "host_us_per_layer": {
+                 "dense": (times[K][(b, q)]["graph_host_us"] - times[1][(b, q)]["graph_host_us"]) / (K - 1),
+                 "moe": (full["graph_host_us"] - times[K][(b, q)]["graph_host_us"]) / a.moe_layers},
              "full_depth": full_depth(a, fields),
              "step_us_full_depth": t1 - dense + K * dense + (full_depth(a, fields) - K) * moe,
              "tokens_per_s": b * (1 + a.acceptance * (q - 1)) / (full["graph_us"] * 1e-6)}
@@ -359,6 +392,9 @@ def run_shape(a, timer, shape, rec):
             f, nbytes, flops = moe_layer_floor_us(fields, b, q, a.kv, rec["copy_gbs"], rec["dense_fp8_tflops"])
             r["moe_floor_us"], r["moe_floor_bytes"], r["moe_floor_flops"] = f, nbytes, flops
             r["moe_over_floor"] = moe / f
+            r["moe_serial_floor_us"] = moe_layer_serial_floor_us(fields, b, q, a.kv, rec["copy_gbs"],
+                                                                 rec["dense_fp8_tflops"], rec["bf16_tflops"])
+            r["moe_over_serial_floor"] = moe / r["moe_serial_floor_us"]
         if a.plan and not a.tiny:
             p = r["plan_us"] = plan_us(a.plan, a.plan_gpu, a.plan_calibrate, shape, b, q, a.kv, a.acceptance)
             if p:
@@ -388,7 +424,7 @@ def print_table(shape_rec):
     print(f"\n{shape_rec['shape']}: per-layer times from models of {shape_rec['models_layers']} layers "
           "(graph_us differences); us")
     print(f"{'B':>5} {'q':>2} {'graph':>9} {'eager':>9} {'dense':>8} {'moe':>8} {'rest':>8} {'floor':>8} "
-          f"{'moe/fl':>6} {'plan moe':>8} {'busy':>9} {'tok/s full':>11}")
+          f"{'moe/fl':>6} {'serial':>8} {'moe/se':>6} {'host/L':>6} {'plan moe':>8} {'busy':>9} {'tok/s full':>11}")
     for r in shape_rec["results"]:
         lu, p, k = r["layer_us"], r.get("plan_us") or {}, r.get("kernels") or {}
 
@@ -396,7 +432,8 @@ def print_table(shape_rec):
             return format(v, f"{w}.{d}f") if isinstance(v, (int, float)) else " " * (w - 1) + "-"
         print(f"{r['batch']:5d} {r['q_len']:2d} {f(r['graph_us'], 9)} {f(r.get('eager_us'), 9)} {f(lu['dense'])} "
               f"{f(lu['moe'])} {f(lu['rest'])} {f(r.get('moe_floor_us'))} {f(r.get('moe_over_floor'), 6, 2)} "
-              f"{f(p.get('moe'))} {f(k.get('busy_us'), 9)} {f(r['tokens_per_s_full_depth'], 11, 0)}")
+              f"{f(r.get('moe_serial_floor_us'))} {f(r.get('moe_over_serial_floor'), 6, 2)} "
+              f"{f(r['host_us_per_layer']['moe'], 6)} {f(p.get('moe'))} {f(k.get('busy_us'), 9)} {f(r['tokens_per_s_full_depth'], 11, 0)}")
     for r in shape_rec["results"]:
         k = r.get("kernels")
         if not k:
@@ -521,12 +558,13 @@ def main():
                moe_layers=a.moe_layers, tiny=a.tiny, plan_gpu=a.plan_gpu if a.plan else None,
                plan_calibrate=a.plan_calibrate)
     if gpu:
-        from benchlib import copy_gbs
+        from benchlib import bf16_tflops, copy_gbs
         from experts_bench import dense_fp8_tflops
         rec["copy_gbs"] = copy_gbs(10)
         rec["dense_fp8_tflops"] = dense_fp8_tflops(10)
-        print(f"model_bench: copy {rec['copy_gbs']:.0f} GB/s, dense fp8 {rec['dense_fp8_tflops']:.0f} TFLOP/s",
-              file=sys.stderr, flush=True)
+        rec["bf16_tflops"] = bf16_tflops(10)
+        print(f"model_bench: copy {rec['copy_gbs']:.0f} GB/s, dense fp8 {rec['dense_fp8_tflops']:.0f} TFLOP/s, "
+              f"bf16 {rec['bf16_tflops']:.0f} TFLOP/s", file=sys.stderr, flush=True)
     rec["shapes"] = []
     for shape in [s for s in a.shapes.split(",") if s]:
         rec["shapes"].append(run_shape(a, timer, shape, rec))

@@ -114,7 +114,8 @@ void add_options(CLI::App& app, Options& o) {
   // One value per occurrence, so a moelink-bench file and a layer-bench file can both be given.
   app.add_option("--calibrate", o.calibrate,
                  "measured times (file, repeatable; a later file wins): moelink-bench --json (dispatch/combine "
-                 "p50 latencies, us) or tools/bench/layer_bench.py --json (MoE-layer stage times, us)")
+                 "p50 latencies, us), tools/bench/layer_bench.py --json (MoE-layer stage times, us) or "
+                 "tools/bench/attention_bench.py --step-kernels --json (the attention step of every layer, us)")
       ->allow_extra_args(false);
   app.add_option("--sweep-gpu", o.sweep_gpu,
                  "GPU profiles to sweep, comma-separated (default: the --gpu value); one Pareto chart/CSV "
@@ -276,6 +277,14 @@ int run_sweep(const Options& o, const PlanInput& in, const std::vector<GpuProfil
 
 // Why a --calibrate file leaves the plan's times modelled, "" when it applies.
 std::string calibration_note(const PlanInput& in, const Calibration& cal) {
+  if (cal.format == Calibration::Format::kAttentionBench) {
+    const std::string why =
+        cal.attention_mismatch(long(in.model.hidden), int(in.model.kv_lora_rank),
+                               int(in.model.num_heads / in.layout.tp), in.work.query_len(), in.work.kv_len);
+    return why.empty() ? ""
+                       : "--calibrate " + cal.source + " does not apply to the attention of " + in.layout.str() +
+                             " of " + in.model.name + ": " + why + "; the model's times are used\n";
+  }
   const std::string why = cal.mismatch(in.layout.ep, long(in.model.hidden), int(in.model.num_experts));
   if (why.empty()) return "";
   if (in.layout.ep > 1 && cal.stand_in_ep(long(in.model.hidden), int(in.model.num_experts)) == in.layout.ep)

@@ -1,6 +1,8 @@
 // moelink-plan: measured times that replace modelled ones, read from
-// moelink-bench JSON (dispatch/combine latencies) or from
-// tools/bench/layer_bench.py JSON (every kernel of the MoE layer).
+// moelink-bench JSON (dispatch/combine latencies), from
+// tools/bench/layer_bench.py JSON (every kernel of the MoE layer) or from
+// tools/bench/attention_bench.py --step-kernels JSON (the attention step of
+// every layer, dense and MoE).
 #pragma once
 #include <map>
 #include <string>
@@ -14,18 +16,41 @@ namespace moelink::plan {
 // "dispatch", "combine", or (layer bench) a MoE-layer kernel of cost.cc
 // ("router", "moe_gate_up", "moe_act_quant", "moe_down") or "shared_expert"
 // (its three kernels together: the layer bench times them as one stage).
+// The attention bench's samples are keyed "attention_step" (its whole
+// forward's busy GPU time) at `tokens` = requests of one case (heads,
+// query_len, kv_len).
 struct BenchSample {
   double tokens = 0;
-  std::string mode;  // layer bench: overlap mode of the run ("none" or "dispatch-overlap")
+  std::string mode;  // layer bench: overlap mode of the run ("none" or "dispatch-overlap");
+                     // attention bench: the decode kernel timed ("flashinfer" or "moelink")
   std::map<std::string, double> us;
+  int heads = 0, query_len = 0, kv_len = 0;  // attention bench: the case
 };
 
 class Calibration {
  public:
-  enum class Format { kMoelinkBench, kLayerBench };
-  // Either format; the layer bench's is told by "tool" or by results with "stages_us".
+  enum class Format { kMoelinkBench, kLayerBench, kAttentionBench };
+  // Any format; the layer bench's is told by "tool" or by results with
+  // "stages_us", the attention bench's by "tool".
   static Calibration from_json_text(const std::string& text, const std::string& source);
   static Calibration from_file(const std::string& path);
+
+  // An attention bench file: why it does not describe a layer's attention
+  // step, "" when it does: the same hidden size and latent width (MLA), and
+  // cases at the layer's heads per GPU (the model's over TP), query length
+  // and context length.
+  std::string attention_mismatch(long hidden, int kv_lora_rank, int local_heads, int query_len,
+                                 int kv_len) const;
+  // The measured attention step at `batch` requests of that case (log-log
+  // in requests, as us() is in tokens).
+  double attention_us(int local_heads, int query_len, int kv_len, double batch) const;
+  // The layer kernels of cost.cc that the attention bench's step runs (the
+  // input norm, the projections, RoPE and AppendKV, the decode, o_proj).
+  static bool attention_step_kernel(const std::string& name);
+  // Replaces their times by the measured step, split in their modelled
+  // proportions, and marks them.
+  void apply_attention(std::vector<Kernel>& kernels, int local_heads, int query_len, int kv_len,
+                       double batch) const;
 
   // Why the file does not describe a layout, "" when it does: EP must equal
   // the world size and the hidden size match; the layer bench also needs the
@@ -67,6 +92,7 @@ class Calibration {
   int world_size = 0;
   long hidden_dim = 0;
   int experts = 0, topk = 0;
+  int kv_lora_rank = 0;  // attention bench
   std::vector<BenchSample> samples;  // sorted by tokens
 };
 
