@@ -570,5 +570,6 @@ TEST(PlanCalibration, AttentionBenchOnTheCommandLine) {
                        "per GPU, q_len 1, kv 2000"),
             std::string::npos)
       << r.err;
-  for (const auto& k : nlohmann::json::parse(r.out)["moe_layer"]["kernels"]) EXPECT_EQ(k["measured"], false);
+  const auto j = nlohmann::json::parse(r.out);
+  for (const auto& k : j["moe_layer"]["kernels"]) EXPECT_EQ(k["measured"], false);
 }
