@@ -501,7 +501,9 @@ TEST(PlanCalibration, AttentionBenchCalibratesBothLayerKinds) {
       EXPECT_NEAR(t.total_us - m.total_us, measured - attention_step_us(m), 1e-6);
     }
     // With a draft token, the MTP draft layer (q_len 1) is calibrated too.
-    if (q == 2) EXPECT_NE(meas.draft_us, model.draft_us);
+    if (q == 2) {
+      EXPECT_NE(meas.draft_us, model.draft_us);
+    }
   }
   // TP 8: 16 heads per GPU, from the 16-head cases (between 8 and 64 requests).
   PlanInput in = input("deepseek-v3", "h100", "nvlink", {8, 1, 8, 8}, 32, OverlapMode::kDispatchOverlap);
