@@ -53,13 +53,15 @@ q_len (1, or 2: a draft row verified, ModelOptions' speculative step):
                    the device-copy bandwidth this process measures, or its
                    FLOPs at the measured dense fp8 peak, whichever is larger
                    (the routed experts counted as expected under uniform
-                   routing); serial_floor_us: the same layer's kernels
-                   one after another, each at its own floor (the attention
-                   kernel's bf16 math at the measured bf16 peak, the fp8
-                   weights' GEMMs at the fp8 peak; moe_layer_serial_floor_us):
-                   the least a layer whose kernels do not overlap can take;
-  host_us_per_layer  the host's share of graph_us that one more dense or
-                   MoE layer adds (FlashInfer's replan, the batch's checks);
+                   routing); moe_serial_floor_us: the same layer's
+                   kernels one after another, each at its own floor (the
+                   attention kernel's bf16 math at the measured bf16 peak,
+                   the fp8 weights' GEMMs at the fp8 peak): the least a
+                   layer whose kernels do not overlap can take;
+  host_us_per_layer  the host time before the replay (graph_host_us) that
+                   one more dense or MoE layer adds: the 3-layer model's
+                   less the 1-layer one's over 2, the full model's less the
+                   3-layer one's over --moe-layers (means of --iters steps);
   plan_us          with --plan: moelink-plan's prediction of the same layer
                    kinds for this layout (EP8 or EP1, TP1, the batch, kv,
                    q_len) on the GPU's profile (--plan-gpu; by default the
@@ -379,8 +381,8 @@ def run_shape(a, timer, shape, rec):
         moe = (full["graph_us"] - tk) / a.moe_layers
         r = {"batch": b, "q_len": q, **full,
              "layer_us": {"dense": dense, "moe": moe, "rest": t1 - dense},
-             # The host's share of graph_us a layer (FlashInfer's replan
-             # and the batch's checks run once a layer).
+             # Each layer's attention checks the host batch and replans
+             # FlashInfer's decode before the replay: its host time.
              "host_us_per_layer": {
                  "dense": (times[K][(b, q)]["graph_host_us"] - times[1][(b, q)]["graph_host_us"]) / (K - 1),
                  "moe": (full["graph_host_us"] - times[K][(b, q)]["graph_host_us"]) / a.moe_layers},
