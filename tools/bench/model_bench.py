@@ -381,8 +381,8 @@ def run_shape(a, timer, shape, rec):
         moe = (full["graph_us"] - tk) / a.moe_layers
         r = {"batch": b, "q_len": q, **full,
              "layer_us": {"dense": dense, "moe": moe, "rest": t1 - dense},
-             # Each layer's attention checks the host batch and replans
-             # FlashInfer's decode before the replay: its host time.
+             # The host time one more layer adds before the replay (its
+             # part of the graph's launch; the plans are made once a batch).
              "host_us_per_layer": {
                  "dense": (times[K][(b, q)]["graph_host_us"] - times[1][(b, q)]["graph_host_us"]) / (K - 1),
                  "moe": (full["graph_host_us"] - times[K][(b, q)]["graph_host_us"]) / a.moe_layers},
