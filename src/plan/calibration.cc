@@ -15,7 +15,6 @@ using nlohmann::json;
 
 constexpr const char* kLayerBenchTool = "tools/bench/layer_bench.py";
 constexpr const char* kAttentionBenchTool = "tools/bench/attention_bench.py";
-constexpr const char* kAttentionStep = "attention_step";
 
 // The stages of layer_bench.py (MoEStageTimes) summed into what they
 // calibrate. The planner has no kernel that quantizes the layer's input (its
@@ -75,7 +74,7 @@ void parse_attention_bench(const json& j, Calibration& c) {
       const json k = r.value(std::string(kernel) + "_step_kernels", json());
       if (k.is_object() && k.contains("busy_us") && k["busy_us"].is_number() && k["busy_us"].get<double>() > 0) {
         s.mode = kernel;
-        s.us[kAttentionStep] = k["busy_us"].get<double>();
+        s.us[Calibration::kAttentionStep] = k["busy_us"].get<double>();
         break;
       }
     }
@@ -270,7 +269,7 @@ std::string Calibration::attention_mismatch(long hidden, int latent, int local_h
            std::to_string(latent) + (latent == 0 ? " (no MLA)" : "");
   std::set<std::string> cases;
   for (const auto& s : samples) {
-    if (s.heads == local_heads && s.query_len == query_len && s.kv_len == kv_len) return "";
+    if (s.is_case(local_heads, query_len, kv_len)) return "";
     cases.insert(std::to_string(s.heads) + " heads q_len " + std::to_string(s.query_len) + " kv " +
                  std::to_string(s.kv_len));
   }
@@ -283,8 +282,7 @@ std::string Calibration::attention_mismatch(long hidden, int latent, int local_h
 double Calibration::attention_us(int local_heads, int query_len, int kv_len, double batch) const {
   std::vector<std::pair<double, double>> v;  // samples are sorted by tokens (requests)
   for (const auto& s : samples)
-    if (s.heads == local_heads && s.query_len == query_len && s.kv_len == kv_len)
-      v.push_back({s.tokens, s.us.at(kAttentionStep)});
+    if (s.is_case(local_heads, query_len, kv_len)) v.push_back({s.tokens, s.us.at(kAttentionStep)});
   if (v.empty())
     throw PlanError("attention bench results '" + source + "': no case at " + std::to_string(local_heads) +
                     " heads, q_len " + std::to_string(query_len) + ", kv " + std::to_string(kv_len));

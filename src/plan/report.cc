@@ -208,11 +208,11 @@ std::vector<CalibrationRow> compare_attention(const PlanInput& base, const Calib
   const int heads = int(base.model.num_heads / base.layout.tp), q = base.work.query_len();
   const int kv = base.work.kv_len;
   for (const auto& smp : c.samples) {
-    if (smp.heads != heads || smp.query_len != q || smp.kv_len != kv) continue;
+    if (!smp.is_case(heads, q, kv)) continue;
     double model = 0;
     for (const auto& k : layer_compute_kernels(base.model, base.gpu, base.layout, smp.tokens, q, kv, true))
       if (Calibration::attention_step_kernel(k.name)) model += k.time_us;
-    rows.push_back({smp.tokens, smp.mode, "attention_step", model, smp.us.at("attention_step")});
+    rows.push_back({smp.tokens, smp.mode, Calibration::kAttentionStep, model, smp.us.at(Calibration::kAttentionStep)});
   }
   return rows;
 }

@@ -25,10 +25,13 @@ struct BenchSample {
                      // attention bench: the decode kernel timed ("flashinfer" or "moelink")
   std::map<std::string, double> us;
   int heads = 0, query_len = 0, kv_len = 0;  // attention bench: the case
+  bool is_case(int h, int q, int kv) const { return heads == h && query_len == q && kv_len == kv; }
 };
 
 class Calibration {
  public:
+  // The attention bench's samples' key (BenchSample::us).
+  static constexpr const char* kAttentionStep = "attention_step";
   enum class Format { kMoelinkBench, kLayerBench, kAttentionBench };
   // Any format; the layer bench's is told by "tool" or by results with
   // "stages_us", the attention bench's by "tool".
