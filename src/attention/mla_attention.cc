@@ -310,7 +310,7 @@ class MLAAttentionImpl {
       ops.rms_norm(h, x, input_norm_.as<float>(), eps(), plan.rows, stream);
     }
     const Tensor qkv = Tensor::contiguous(s_->qkv.as(), DType::kBFloat16, {n, Nqkv_});
-    project(qkv, h, qkv_a_, rows, stream);
+    project(qkv, h, qkv_a_, rows, stream, /*scratch_y=*/true);
     const Tensor qa = Tensor::contiguous(s_->qa.as(), DType::kBFloat16, {n, Rq});
     ops.rms_norm(qa, columns(qkv, 0, Rq), q_a_norm_.as<float>(), eps(), plan.rows, stream);
     const Tensor q = Tensor::contiguous(s_->q.as(), DType::kBFloat16, {n, Hq_ * (Dn + Dr)});
@@ -356,13 +356,17 @@ class MLAAttentionImpl {
   }
 
   // y [n, N] bf16 = quantize(x [n, K] bf16) . w^T for the rows < rows[0].
+  // With `scratch_y` the GEMM may write y's rows past rows[0] too (from
+  // stale activations: y is scratch, read only below rows[0]); called
+  // without a row bound, a GEMM with few output tiles (qkv_a) runs split
+  // over K in one kernel (Experts::gemm, docs/experts.md).
   void project(const Tensor& y, const Tensor& x, const DeviceMatrix& w, const Tensor& rows,
-               cudaStream_t stream) {
+               cudaStream_t stream, bool scratch_y = false) {
     const int64_t n = x.shape[0], K = x.shape[1];
     const Tensor xq = Tensor::contiguous(s_->xq.as(), DType::kFloat8E4M3, {n, K});
     const Tensor xs = Tensor::contiguous(s_->xs.as(), DType::kFloat32, {n, K / kBlock});
     s_->gemm->quantize(xq, xs, x, rows, stream);
-    s_->gemm->gemm(y, xq, xs, w.w(), w.w_scale(), rows, stream);
+    s_->gemm->gemm(y, xq, xs, w.w(), w.w_scale(), scratch_y ? Tensor{} : rows, stream);
   }
 
   // y [Hq, Nd, N] = quantize(x [Hq, Nd, K]) . w[h]^T for the decode rows

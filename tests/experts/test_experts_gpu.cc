@@ -8,14 +8,18 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "experts/cuda/block_scaled_gemm.h"
+#include "experts/cuda/dense_stream_k_gemm.h"
 #include "experts/expert_cases.h"
 #include "experts/expert_reference.h"
 #include "gpu_memory_ops.h"
@@ -134,6 +138,9 @@ TEST(GpuExpertsTiles, EveryBuiltConfigurationMatchesReference) {
 TEST(GpuExpertsSplitK, EverySplitMatchesReference) {
   REQUIRE_HOPPER();
   GpuMemoryOps ops(0);
+  // The dense GEMMs without a bound would split in one kernel instead
+  // (GpuExpertsDenseStreamK below).
+  setenv("MOELINK_EXPERTS_STREAM_K", "off", 1);
   for (const char* split : {"2", "3", "4", "7", "8"}) {
     SCOPED_TRACE(std::string("MOELINK_EXPERTS_SPLIT_K=") + split);
     setenv("MOELINK_EXPERTS_SPLIT_K", split, 1);
@@ -163,6 +170,7 @@ TEST(GpuExpertsSplitK, EverySplitMatchesReference) {
     }
   }
   unsetenv("MOELINK_EXPERTS_SPLIT_K");
+  unsetenv("MOELINK_EXPERTS_STREAM_K");
 }
 
 // split_k_for's choices on DeepSeek-V3's shapes (host arithmetic: runs
@@ -178,6 +186,28 @@ TEST(ExpertsSplitK, SliceCountsForDeepSeekShapes) {
   EXPECT_EQ(split_k_for(56, 128, 132), 2);
   EXPECT_EQ(split_k_for(8 * 32, 56, 132), 1);
   EXPECT_EQ(split_k_for(0, 56, 132), 1);
+}
+
+// dense_split_for's choices on DeepSeek-V3's dense shapes (host
+// arithmetic: runs without a GPU) for 132 SMs: qkv_a (N 2176: 17 tiles a
+// row tile, 56 k-blocks) whole up to 64 rows, in 4 slices at 65-128, 3 at
+// 129-256 (one wave of 102 CTAs), 2 at 257-384, whole from 385 (68 tiles:
+// more than half the SMs); o_proj (N 7168, 128
+// k-blocks: 56 tiles) in 2 at 128 rows, whole at 256 (112 tiles); a K of
+// 7 k-blocks never (slices of at least 4); no rows, no split.
+TEST(ExpertsDenseStreamK, SliceCountsForDeepSeekShapes) {
+  using moelink::detail::experts::dense_split_for;
+  EXPECT_EQ(dense_split_for(1, 2176, 7168, 132), 1);
+  EXPECT_EQ(dense_split_for(64, 2176, 7168, 132), 1);
+  EXPECT_EQ(dense_split_for(65, 2176, 7168, 132), 4);
+  EXPECT_EQ(dense_split_for(128, 2176, 7168, 132), 4);
+  EXPECT_EQ(dense_split_for(256, 2176, 7168, 132), 3);
+  EXPECT_EQ(dense_split_for(257, 2176, 7168, 132), 2);
+  EXPECT_EQ(dense_split_for(512, 2176, 7168, 132), 1);
+  EXPECT_EQ(dense_split_for(128, 7168, 16384, 132), 2);
+  EXPECT_EQ(dense_split_for(256, 7168, 16384, 132), 1);
+  EXPECT_EQ(dense_split_for(128, 2176, 896, 132), 1);
+  EXPECT_EQ(dense_split_for(0, 2176, 7168, 132), 1);
 }
 
 // One object through calls with few, many and no tiles in turn: the
@@ -291,8 +321,8 @@ TEST(GpuExpertsErrors, CountsOutOfRangeAreClampedAndReported) {
   run_out_of_range_case(ExpertDevice::kCUDA, ops);
 }
 
-// gemm() on two rows splits over K into buffers it grows on the first call
-// of a larger shape (16 rows). A graph captured at two rows keeps the
+// gemm() on two rows (the dense stream-K kernel off) splits over K into
+// buffers it grows on the first call of a larger shape (16 rows). A graph captured at two rows keeps the
 // buffers of then: replayed after the larger call, it must give the eager
 // call's bits, and (under compute-sanitizer's memcheck, tools/gpu_check.sh
 // sanitize) write no freed memory. The model's decode graphs hit this: one
@@ -308,7 +338,9 @@ TEST(GpuExpertsGraph, GemmReplaysAfterALargerCallGrewItsBuffers) {
   cfg.num_experts = 1, cfg.max_rows = 1, cfg.hidden_dim = 128, cfg.intermediate_dim = 128;
   cfg.device = ExpertDevice::kCUDA;
   cfg.debug = 0;
+  setenv("MOELINK_EXPERTS_STREAM_K", "off", 1);  // the split over K with growing buffers
   auto ex = moelink::Experts::create(cfg);
+  unsetenv("MOELINK_EXPERTS_STREAM_K");
   std::vector<uint8_t> w(N * K), x(large * K);
   std::vector<float> ws(nb * kb), xs(large * kb);
   random_block_weight(rng, N, K, w.data(), ws.data());
@@ -361,6 +393,130 @@ TEST(GpuExpertsGraph, GemmReplaysAfterALargerCallGrewItsBuffers) {
     ops.d2h(back.data(), p, bytes);
     EXPECT_TRUE(std::all_of(back.begin(), back.end(), [](uint8_t b) { return b == 0x5A; }))
         << "the replay wrote into memory allocated after the larger call (" << bytes << " bytes)";
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+}
+
+// The dense GEMM called without a bound, split over K inside one kernel
+// (dense_stream_k_gemm.h): DeepSeek-V3's merged qkv_a (17 weight tiles, 56
+// k-blocks) at 1, 7, 128 (one row tile) and 200 rows (two), a GEMM of 56
+// tiles (o_proj's N) and one of 2 tiles and 5 k-blocks (split only when
+// forced: slices of one k-block, more slices asked than blocks), under
+// auto, CUTLASS's stream-K decomposition and forced counts (3 leaves
+// uneven slices: 56 = 18 + 19 + 19). y starts poisoned, so every row must
+// be written; with a bound the tiled kernels run and rows past it stay.
+TEST(GpuExpertsDenseStreamK, EveryScheduleMatchesReference) {
+  REQUIRE_HOPPER();
+  GpuMemoryOps ops(0);
+  for (const char* v : {"auto", "streamk", "2", "3", "8", "16"}) {
+    SCOPED_TRACE(std::string("MOELINK_EXPERTS_STREAM_K=") + v);
+    setenv("MOELINK_EXPERTS_STREAM_K", v, 1);
+    run_gemm_case(ExpertDevice::kCUDA, ops, 1, 2176, 7168, -1);
+    run_gemm_case(ExpertDevice::kCUDA, ops, 7, 2176, 7168, -1);
+    run_gemm_case(ExpertDevice::kCUDA, ops, 128, 2176, 7168, -1);
+    run_gemm_case(ExpertDevice::kCUDA, ops, 200, 2176, 7168, -1);
+    run_gemm_case(ExpertDevice::kCUDA, ops, 3, 7168, 2048, -1);
+    run_gemm_case(ExpertDevice::kCUDA, ops, 9, 256, 640, -1);
+    run_gemm_case(ExpertDevice::kCUDA, ops, 9, 256, 640, 4);
+  }
+  moelink::ExpertConfig c;
+  c.num_experts = 1, c.max_rows = 1, c.hidden_dim = 128, c.intermediate_dim = 128;
+  for (const char* bad : {"1", "17", "on", "2x"}) {
+    setenv("MOELINK_EXPERTS_STREAM_K", bad, 1);
+    try {
+      moelink::Experts::create(c);
+      ADD_FAILURE() << "MOELINK_EXPERTS_STREAM_K=" << bad << " was accepted";
+    } catch (const moelink::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("MOELINK_EXPERTS_STREAM_K = '") + bad +
+                                           "' must be auto, off, streamk or a split count 2 to 16"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  unsetenv("MOELINK_EXPERTS_STREAM_K");
+}
+
+// Each launch of the stream-K kernel must leave its workspace's locks zero
+// (LockResettingStreamK): a lock left counting makes the next launch of
+// that layout wait forever or add its slices out of order. Three layouts
+// (qkv_a at 1 and 200 rows: one and two row tiles; 8 tiles of 1024
+// columns) alternate, twice eagerly, then captured in one graph replayed
+// three times; every output equals the first eager one bit for bit (the
+// slices are added in a fixed order). A hang ends the test after 20 s.
+TEST(GpuExpertsDenseStreamK, LaunchesLeaveTheLocksZero) {
+  REQUIRE_HOPPER();
+  GpuMemoryOps ops(0);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t K = 7168, kb = K / kGroup, rows = 200;
+  moelink::ExpertConfig cfg;
+  cfg.num_experts = 1, cfg.max_rows = 1, cfg.hidden_dim = 128, cfg.intermediate_dim = 128;
+  cfg.device = ExpertDevice::kCUDA;
+  auto ex = moelink::Experts::create(cfg);
+  std::vector<uint8_t> x(rows * K);
+  std::vector<float> xs(rows * kb);
+  random_fp8_rows(rng, rows, K, x.data(), xs.data());
+  void *dx = ops.alloc(x.size()), *dxs = ops.alloc(xs.size() * 4);
+  ops.h2d(dx, x.data(), x.size());
+  ops.h2d(dxs, xs.data(), xs.size() * 4);
+  struct Call {
+    int64_t m, n;
+    void *w, *ws, *y;
+  };
+  std::vector<Call> calls = {{1, 2176, nullptr, nullptr, nullptr}, {200, 2176, nullptr, nullptr, nullptr},
+                             {64, 1024, nullptr, nullptr, nullptr}};
+  for (Call& c : calls) {
+    std::vector<uint8_t> w(c.n * K);
+    std::vector<float> ws(c.n / kGroup * kb);
+    random_block_weight(rng, c.n, K, w.data(), ws.data());
+    c.w = ops.alloc(w.size()), c.ws = ops.alloc(ws.size() * 4), c.y = ops.alloc(c.m * c.n * 2);
+    ops.h2d(c.w, w.data(), w.size());
+    ops.h2d(c.ws, ws.data(), ws.size() * 4);
+  }
+  auto launch_all = [&] {
+    for (const Call& c : calls)
+      ex->gemm(Tensor::contiguous(c.y, DType::kBFloat16, {c.m, c.n}),
+               Tensor::contiguous(dx, DType::kFloat8E4M3, {c.m, K}),
+               Tensor::contiguous(dxs, DType::kFloat32, {c.m, kb}),
+               Tensor::contiguous(c.w, DType::kFloat8E4M3, {c.n, K}),
+               Tensor::contiguous(c.ws, DType::kFloat32, {c.n / kGroup, kb}), Tensor{}, ops.stream());
+  };
+  auto outputs = [&](const char* when) {
+    const auto start = std::chrono::steady_clock::now();
+    cudaError_t e;
+    while ((e = cudaStreamQuery(ops.stream())) == cudaErrorNotReady)
+      if (std::chrono::steady_clock::now() - start > std::chrono::seconds(20)) {
+        ADD_FAILURE() << when << ": the GEMMs did not finish in 20 s (a lock not reset?)";
+        std::fflush(nullptr);
+        std::_Exit(3);  // the GPU is stuck: nothing after this can run
+      }
+    CUDA_OK(e);
+    ex->check(ops.stream());
+    std::vector<std::vector<uint16_t>> ys;
+    for (const Call& c : calls) {
+      ys.emplace_back(c.m * c.n);
+      ops.d2h(ys.back().data(), c.y, ys.back().size() * 2);
+      ops.fill(c.y, 0x7F, c.m * c.n * 2);
+    }
+    return ys;
+  };
+  launch_all();
+  const auto first = outputs("first calls");
+  launch_all();
+  launch_all();
+  EXPECT_EQ(outputs("eager calls twice over"), first) << "a second eager round differs from the first";
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(ops.stream(), cudaStreamCaptureModeThreadLocal));
+  launch_all();
+  launch_all();
+  CUDA_OK(cudaStreamEndCapture(ops.stream(), &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    CUDA_OK(cudaGraphLaunch(exec, ops.stream()));
+    EXPECT_EQ(outputs("graph replay"), first) << "replay " << replay << " differs from the eager calls";
   }
   CUDA_OK(cudaGraphExecDestroy(exec));
   CUDA_OK(cudaGraphDestroy(graph));

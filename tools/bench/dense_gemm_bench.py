@@ -11,9 +11,15 @@ five times over in a CUDA graph whose replays are timed (experts_bench's
 graph_us), so host work is left out. cuBLASLt's column is empty where torch
 refuses the shape (one token: its 1x128 scales need M > 1).
 
+--stream-k runs moelink once per MOELINK_EXPERTS_STREAM_K setting (auto,
+off, streamk, or a split count; docs/experts.md), each on its own Experts
+object, interleaved per shape and M: `moelink_us` is the first setting's,
+`moelink_us_by_setting` has them all.
+
     PYTHONPATH=build/python:tools/bench python3 tools/bench/dense_gemm_bench.py --json out.json
 """
 import argparse
+import os
 import sys
 
 import torch
@@ -38,6 +44,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
     ap.add_argument("--m", default="1,8,32,64,128,256,512", help="token counts")
+    ap.add_argument("--stream-k", default="auto",
+                    help="MOELINK_EXPERTS_STREAM_K settings to time moelink under (comma-separated; the first is moelink_us)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--machine", default="nvidia-h200")
     ap.add_argument("--json", default="-")
@@ -53,7 +61,18 @@ def main():
     bw = copy_gbs(10) * 1e9
     peak = dense_fp8_tflops(args.iters) * 1e12
     rec.update(copy_gbs=bw / 1e9, dense_fp8_tflops=peak / 1e12, results=[])
-    ex = moelink.Experts(1, max(ms), 128, 128, expected_rows=16)
+    settings = [v for v in args.stream_k.split(",") if v]
+    if not settings:
+        raise SystemExit("dense_gemm_bench: --stream-k: give at least one setting")
+    experts, prior = {}, os.environ.get("MOELINK_EXPERTS_STREAM_K")
+    for v in settings:  # the setting is read when an Experts is created
+        os.environ["MOELINK_EXPERTS_STREAM_K"] = v
+        experts[v] = moelink.Experts(1, max(ms), 128, 128, expected_rows=16)
+    if prior is None:
+        os.environ.pop("MOELINK_EXPERTS_STREAM_K")
+    else:
+        os.environ["MOELINK_EXPERTS_STREAM_K"] = prior
+    rec["stream_k_settings"] = settings
     for name in names:
         N, K = SHAPES[name]
         w, ws = block_weight(1, N, K)
@@ -63,10 +82,13 @@ def main():
             y = torch.empty(m, N, dtype=torch.bfloat16, device="cuda")
             ref = dequant(x, xs, 1) @ dequant(w, ws, 128).t()
             rel = lambda out: ((out.float() - ref).norm() / ref.norm()).item()
-            ours = lambda: ex.gemm(y, x, xs, w, ws)
-            ours()
-            ex.check()
-            err = {"moelink": rel(y)}
+            ours = {v: (lambda ex=ex: ex.gemm(y, x, xs, w, ws)) for v, ex in experts.items()}
+            err = {}
+            for v, run in ours.items():
+                y.fill_(float("nan"))  # every row must be written
+                run()
+                experts[v].check()
+                err["moelink" if v == settings[0] else f"moelink[{v}]"] = rel(y)
             theirs = lambda: cublaslt_gemm(x, xs, w, ws)
             try:
                 err["cublaslt"] = rel(theirs())
@@ -76,13 +98,16 @@ def main():
             for k, e in err.items():
                 if e is not None and not e < 1e-2:
                     raise SystemExit(f"dense_gemm_bench: {name} M={m}: {k} relative L2 {e:.2e} against fp32")
-            t_ours = graph_us(ours, args.iters, reps=5)
+            by_setting = {v: graph_us(run, args.iters, reps=5) for v, run in ours.items()}
+            t_ours = by_setting[settings[0]]
             t_theirs = graph_us(theirs, args.iters, reps=5) if theirs else None
             weight_bytes = w.numel() + ws.numel() * 4
             floor = max((weight_bytes + x.numel() + 2 * m * N) / bw * 1e6, 2 * m * N * K / peak * 1e6)
             rec["results"].append({"shape": name, "m": m, "n": N, "k": K, "moelink_us": t_ours,
-                                   "cublaslt_us": t_theirs, "floor_us": floor, "rel_l2_vs_fp32": err})
-            print(f"{name:15s} M {m:4d}: moelink {t_ours:7.1f} us, cuBLASLt "
+                                   "moelink_us_by_setting": by_setting, "cublaslt_us": t_theirs,
+                                   "floor_us": floor, "rel_l2_vs_fp32": err})
+            others = "".join(f", [{v}] {t:6.1f}" for v, t in by_setting.items() if v != settings[0])
+            print(f"{name:15s} M {m:4d}: moelink {t_ours:7.1f} us{others}, cuBLASLt "
                   f"{'-' if t_theirs is None else f'{t_theirs:7.1f}'} us, floor {floor:6.1f} us", flush=True)
     write_json(rec, args.json)
 

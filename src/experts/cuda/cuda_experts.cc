@@ -3,6 +3,7 @@
 // checked Tensor views into the kernels' argument blocks.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -10,6 +11,7 @@
 #include <utility>
 
 #include "experts/cuda/block_scaled_gemm.h"
+#include "experts/cuda/dense_stream_k_gemm.h"
 #include "experts/cuda/device_buffer.h"
 #include "experts/cuda/quant_kernels.h"
 #include "experts/experts_impl.h"
@@ -70,6 +72,33 @@ int forced_split_k() {
   return s[0] - '0';
 }
 
+// MOELINK_EXPERTS_STREAM_K, for the dense GEMM called without bound_m
+// (CudaExperts::run_dense_stream_k): unset or "auto", split over K in one
+// kernel where experts::dense_split_for says so (more than 64 rows, few
+// tiles: DeepSeek-V3's qkv_a at 65-256 tokens); "off" never; "streamk" CUTLASS's stream-K
+// decomposition where auto would split; 2 to 16 that many K slices for
+// every such GEMM (tuning: dense_gemm_bench.py --stream-k).
+struct DenseStreamKSetting {
+  bool off = false, stream_k = false;
+  int splits = 0;  // forced; 0: auto
+};
+DenseStreamKSetting dense_stream_k_setting() {
+  const char* v = std::getenv("MOELINK_EXPERTS_STREAM_K");
+  DenseStreamKSetting s;
+  if (v == nullptr || *v == '\0' || std::string(v) == "auto") return s;
+  const std::string t(v);
+  if (t == "off") s.off = true;
+  else if (t == "streamk") s.stream_k = true;
+  else {
+    const int n = t.size() <= 2 && t.find_first_not_of("0123456789") == std::string::npos ? std::stoi(t) : 0;
+    if (n < 2 || n > 16)
+      throw InvalidArgument("moelink: environment variable MOELINK_EXPERTS_STREAM_K = '" + t +
+                            "' must be auto, off, streamk or a split count 2 to 16");
+    s.splits = n;
+  }
+  return s;
+}
+
 // A setting with two values, read when an Experts is created: true for
 // `on`, false for `off`, `fallback` when unset or empty.
 bool env_switch(const char* name, const char* on, const char* off, bool fallback) {
@@ -90,6 +119,7 @@ class CudaExperts final : public ExpertsImpl {
     MOELINK_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
     forced_ = forced_tiles(&forced_tiles_);
     split_forced_ = forced_split_k();
+    dense_stream_k_ = dense_stream_k_setting();
     // MOELINK_EXPERTS_PDL=0: plain stream order instead of programmatic
     // dependent launch (programmatic_launch.cuh). MOELINK_EXPERTS_GEMM_CTAS=all:
     // one GEMM CTA per SM instead of experts::balanced_ctas.
@@ -177,6 +207,7 @@ class CudaExperts final : public ExpertsImpl {
     GemmOperands o = operands(as_one_group(y), as_one_group(x), as_one_group(x_scale),
                               as_one_group(w), as_one_group(w_scale), ExpertOp::kGemm);
     o.counts = static_cast<const int32_t*>(bound_m.data);  // null: all M rows
+    if (o.counts == nullptr && run_dense_stream_k(o, x.shape[0], stream)) return;
     const GemmTiles t = tiles(x.shape[0]);
     const int split = split_for(t, 1, x.shape[0], o.n, o.k);
     reserve_split(1, o.capacity, o.n, o.k, split);  // the first call of a shape allocates, as gemm_for does
@@ -322,6 +353,40 @@ class CudaExperts final : public ExpertsImpl {
     experts::launch_split_reduce(o, stream, programmatic_);
   }
 
+  // The dense GEMM of m rows as one kernel whose CTAs share its tiles' K
+  // ranges (dense_stream_k_gemm.h), where its tiles are few
+  // (MOELINK_EXPERTS_STREAM_K). Only for a call without bound_m: the kernel
+  // writes all m rows. False: the tiled kernels run it.
+  bool run_dense_stream_k(const GemmOperands& o, int64_t m, cudaStream_t stream) {
+    if (dense_stream_k_.off || m < 1) return false;
+    const int auto_splits = experts::dense_split_for(m, o.n, o.k, sm_count_);
+    experts::DenseSchedule s;
+    if (dense_stream_k_.splits > 0) s.splits = dense_stream_k_.splits;
+    else if (auto_splits <= 1) return false;
+    else s.splits = dense_stream_k_.stream_k ? 0 : auto_splits;
+    if (!dense_gemm_) dense_gemm_ = experts::make_dense_stream_k_gemm();
+    const experts::DenseGemmArgs a{o.x, o.x_row_stride, o.x_scale, o.w, o.w_row_stride, o.w_scale,
+                                   o.y, o.y_row_stride, m, o.n, o.k};
+    dense_gemm_->run(a, s, dense_workspace(a, s, stream), stream, programmatic_);
+    return true;
+  }
+
+  // The stream-K workspace of the calls laid out like `a` under `s` (their
+  // locks must not overlap another layout's partial tiles), zeroed on the
+  // call's stream when first made: the first call of a layout allocates,
+  // as gemm_for's first call of a shape does.
+  void* dense_workspace(const experts::DenseGemmArgs& a, experts::DenseSchedule s, cudaStream_t stream) {
+    const std::tuple<int64_t, int, int, int> key{(a.m + 127) / 128, a.n, a.k, s.splits};
+    auto it = dense_workspaces_.find(key);
+    if (it == dense_workspaces_.end()) {
+      const size_t bytes = std::max<size_t>(dense_gemm_->workspace_bytes(a, s), 128);
+      experts::DeviceBuffer b = experts::device_alloc(bytes);
+      MOELINK_CUDA_CHECK(cudaMemsetAsync(b.get(), 0, bytes, stream));
+      it = dense_workspaces_.emplace(key, std::move(b)).first;
+    }
+    return it->second.get();
+  }
+
   BlockScaledGemm& gemm_object(GemmTiles tiles, int groups, int ctas, bool along_n, int use) {
     const std::tuple<int, int, int, bool, int> key{static_cast<int>(tiles), groups, ctas, along_n, use};
     auto it = gemms_.find(key);
@@ -378,6 +443,10 @@ class CudaExperts final : public ExpertsImpl {
   GemmTiles forced_tiles_ = GemmTiles::kRows64;
   int sm_count_ = 0;
   int split_forced_ = 0;                      // MOELINK_EXPERTS_SPLIT_K; 0: auto
+  DenseStreamKSetting dense_stream_k_;        // MOELINK_EXPERTS_STREAM_K
+  std::unique_ptr<experts::DenseStreamKGemm> dense_gemm_;  // created on first use
+  // by row tiles, n, k, splits (dense_workspace)
+  std::map<std::tuple<int64_t, int, int, int>, experts::DeviceBuffer> dense_workspaces_;
   bool programmatic_ = true;                  // MOELINK_EXPERTS_PDL
   bool balanced_ = true;                      // MOELINK_EXPERTS_GEMM_CTAS
   bool dynamic_ = true;                       // MOELINK_EXPERTS_DYNAMIC_TILES
