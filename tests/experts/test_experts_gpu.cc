@@ -48,6 +48,22 @@ bool has_hopper_gpu() {
                       "H200 device machine (tools/gpu_check.sh)";                          \
   } while (0)
 
+// Experts::create with the environment variable `var` set to `bad` must
+// throw InvalidArgument naming "<var> = '<bad>'" followed by `rule`.
+void expect_setting_rejected(const char* var, const char* bad, const std::string& rule) {
+  moelink::ExpertConfig c;
+  c.num_experts = 1, c.max_rows = 1, c.hidden_dim = 128, c.intermediate_dim = 128;
+  setenv(var, bad, 1);
+  try {
+    moelink::Experts::create(c);
+    ADD_FAILURE() << var << "=" << bad << " was accepted";
+  } catch (const moelink::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(std::string(var) + " = '" + bad + "'" + rule), std::string::npos)
+        << e.what();
+  }
+  unsetenv(var);
+}
+
 class GpuExperts : public ::testing::TestWithParam<ExpertCase> {
  protected:
   void SetUp() override {
@@ -156,20 +172,8 @@ TEST(GpuExpertsSplitK, EverySplitMatchesReference) {
     run_gemm_case(ExpertDevice::kCUDA, ops, 129, 256, 3072, 0);    // no rows at all
     run_out_of_range_case(ExpertDevice::kCUDA, ops);
   }
-  moelink::ExpertConfig c;
-  c.num_experts = 1, c.max_rows = 1, c.hidden_dim = 128, c.intermediate_dim = 128;
-  for (const char* bad : {"9", "0", "12", "four"}) {
-    setenv("MOELINK_EXPERTS_SPLIT_K", bad, 1);
-    try {
-      moelink::Experts::create(c);
-      ADD_FAILURE() << "MOELINK_EXPERTS_SPLIT_K=" << bad << " was accepted";
-    } catch (const moelink::InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find(std::string("MOELINK_EXPERTS_SPLIT_K = '") + bad + "' must be auto or 1 to 8"),
-                std::string::npos)
-          << e.what();
-    }
-  }
-  unsetenv("MOELINK_EXPERTS_SPLIT_K");
+  for (const char* bad : {"9", "0", "12", "four"})
+    expect_setting_rejected("MOELINK_EXPERTS_SPLIT_K", bad, " must be auto or 1 to 8");
   unsetenv("MOELINK_EXPERTS_STREAM_K");
 }
 
@@ -258,20 +262,10 @@ TEST(GpuExpertsLaunch, PlainOrderAndFullGridsMatchReference) {
   setenv("MOELINK_EXPERTS_RASTER", "m", 1);
   run_gemm_case(ExpertDevice::kCUDA, ops, 20000, 384, 256, 19950);
   unsetenv("MOELINK_EXPERTS_RASTER");
-  moelink::ExpertConfig c;
-  c.num_experts = 1, c.max_rows = 1, c.hidden_dim = 128, c.intermediate_dim = 128;
   for (const auto& [var, bad] : {std::pair{"MOELINK_EXPERTS_PDL", "yes"}, {"MOELINK_EXPERTS_GEMM_CTAS", "7"},
                                  {"MOELINK_EXPERTS_DYNAMIC_TILES", "on"}, {"MOELINK_EXPERTS_RASTER", "n"},
-                                 {"MOELINK_EXPERTS_ARGUMENT_KERNELS", "3"}}) {
-    setenv(var, bad, 1);
-    try {
-      moelink::Experts::create(c);
-      ADD_FAILURE() << var << "=" << bad << " was accepted";
-    } catch (const moelink::InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find(std::string(var) + " = '" + bad + "'"), std::string::npos) << e.what();
-    }
-    unsetenv(var);
-  }
+                                 {"MOELINK_EXPERTS_ARGUMENT_KERNELS", "3"}})
+    expect_setting_rejected(var, bad, "");
 }
 
 TEST(GpuExpertsDense, QuantizeMatchesReference) {
@@ -420,21 +414,8 @@ TEST(GpuExpertsDenseStreamK, EveryScheduleMatchesReference) {
     run_gemm_case(ExpertDevice::kCUDA, ops, 9, 256, 640, -1);
     run_gemm_case(ExpertDevice::kCUDA, ops, 9, 256, 640, 4);
   }
-  moelink::ExpertConfig c;
-  c.num_experts = 1, c.max_rows = 1, c.hidden_dim = 128, c.intermediate_dim = 128;
-  for (const char* bad : {"1", "17", "on", "2x"}) {
-    setenv("MOELINK_EXPERTS_STREAM_K", bad, 1);
-    try {
-      moelink::Experts::create(c);
-      ADD_FAILURE() << "MOELINK_EXPERTS_STREAM_K=" << bad << " was accepted";
-    } catch (const moelink::InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find(std::string("MOELINK_EXPERTS_STREAM_K = '") + bad +
-                                           "' must be auto, off, streamk or a split count 2 to 16"),
-                std::string::npos)
-          << e.what();
-    }
-  }
-  unsetenv("MOELINK_EXPERTS_STREAM_K");
+  for (const char* bad : {"1", "17", "on", "2x"})
+    expect_setting_rejected("MOELINK_EXPERTS_STREAM_K", bad, " must be auto, off, streamk or a split count 2 to 16");
 }
 
 // Each launch of the stream-K kernel must leave its workspace's locks zero
