@@ -75,9 +75,9 @@ int forced_split_k() {
 // MOELINK_EXPERTS_STREAM_K, for the dense GEMM called without bound_m
 // (CudaExperts::run_dense_stream_k): unset or "auto", split over K in one
 // kernel where experts::dense_split_for says so (more than 64 rows, few
-// tiles: DeepSeek-V3's qkv_a at 65-256 tokens); "off" never; "streamk" CUTLASS's stream-K
-// decomposition where auto would split; 2 to 16 that many K slices for
-// every such GEMM (tuning: dense_gemm_bench.py --stream-k).
+// tiles: DeepSeek-V3's qkv_a at 65-256 tokens); "off" never; "streamk"
+// CUTLASS's stream-K decomposition where auto would split; 2 to 16 that
+// many K slices for every such GEMM (tuning: dense_gemm_bench.py --stream-k).
 struct DenseStreamKSetting {
   bool off = false, stream_k = false;
   int splits = 0;  // forced; 0: auto

@@ -210,12 +210,12 @@ class Sm90DenseStreamKGemm final : public DenseStreamKGemm {
   }
 
   size_t workspace_bytes(const DenseGemmArgs& a, DenseSchedule s) const override {
-    return K::Gemm::get_workspace_size(arguments(a, s, nullptr));
+    return K::Gemm::get_workspace_size(arguments(a, s));
   }
 
   void run(const DenseGemmArgs& a, DenseSchedule s, void* workspace, cudaStream_t stream,
            bool programmatic) override {
-    const typename K::Gemm::Arguments args = arguments(a, s, workspace);
+    const typename K::Gemm::Arguments args = arguments(a, s);
     if (K::Gemm::can_implement(args) != cutlass::Status::kSuccess)
       throw InvalidArgument("moelink: Experts: CUTLASS cannot run the dense stream-K GEMM for m " +
                             std::to_string(a.m) + ", n " + std::to_string(a.n) + ", k " + std::to_string(a.k));
@@ -229,8 +229,7 @@ class Sm90DenseStreamKGemm final : public DenseStreamKGemm {
   }
 
  private:
-  typename K::Gemm::Arguments arguments(const DenseGemmArgs& a, DenseSchedule s, void* workspace) const {
-    (void)workspace;
+  typename K::Gemm::Arguments arguments(const DenseGemmArgs& a, DenseSchedule s) const {
     const int m = static_cast<int>(a.m), n = a.n, k = a.k;
     typename K::Kernel::StrideA sa{};
     typename K::Kernel::StrideB sb{};
