@@ -64,6 +64,14 @@
 #   batch 1 / 32 / 128, q_len 1) under each MOELINK_EXPERTS_SPLIT_K value
 #   of MOELINK_SPLIT_K_SETTINGS (default "1 auto": no split against the
 #   library's choice), interleaved, two rounds (split-k-*.json).
+#   stream-k (not in the default): the dense GEMM split over K in one
+#   kernel (MOELINK_EXPERTS_STREAM_K; issue 33's qkv_a): the expert tests
+#   *DenseStreamK*:*Dense* (every schedule against the reference, the
+#   locks left zero over eager calls and graph replays), then
+#   dense_gemm_bench.py --stream-k auto,off,2,3,4 (qkv_a, o_proj, 1 to 256
+#   tokens; dense-stream-k.json) and model_bench.py (ep8, batch 64 / 128,
+#   q_len 1 and 2) with the setting off and auto, interleaved, two rounds
+#   (stream-k-model-*.json).
 #   serve-batch128 (not in the default): the same server decoding 128
 #   shared-prefix requests of 256 tokens at once (serve-batch128.json).
 #   serve-vs-bare (not in the default): model_bench.py's step at 128
@@ -99,14 +107,14 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 steps=${*:-build test python sanitize bench internode experts}
 known="build test python sanitize bench internode experts layer model model-sanitize serve serve-batch128
-  serve-vs-bare serve-switch serve-rate pd-gpu attention seesaw seesaw-trace head-gemm split-k vllm wheel fabric"
+  serve-vs-bare serve-switch serve-rate pd-gpu attention seesaw seesaw-trace head-gemm split-k stream-k vllm wheel fabric"
 for s in $steps; do  # a misspelt step would otherwise run nothing and pass
   [[ " $(echo $known) " == *" $s "* ]] || { echo "gpu_check.sh: unknown step '$s' (steps: $(echo $known))" >&2; exit 2; }
 done
 bdir=${MOELINK_BUILD_DIR:-build-gpu}
 source "$root/tools/device_env.sh"
 python_build=OFF
-{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has serve-vs-bare || has serve-switch || has serve-rate || has pd-gpu || has attention || has seesaw || has seesaw-trace || has head-gemm || has split-k || has vllm; } && python_build=ON
+{ has python || has experts || has layer || has model || has model-sanitize || has serve || has serve-batch128 || has serve-vs-bare || has serve-switch || has serve-rate || has pd-gpu || has attention || has seesaw || has seesaw-trace || has head-gemm || has split-k || has stream-k || has vllm; } && python_build=ON
 
 if has build; then
   nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
@@ -349,6 +357,21 @@ if has split-k; then
       MOELINK_EXPERTS_SPLIT_K=$split PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" \
         $py tools/bench/model_bench.py --machine "$machine" --shapes ep8 --batches 1,32,128 --q-lens 1 \
         --profile-batches 0 --json "$OUT/split-k-model-$split-r$round.json" 2>&1 | tail -4 || status=1
+    done
+  done
+fi
+if has stream-k; then
+  echo "== the dense GEMM split over K in one kernel (MOELINK_EXPERTS_STREAM_K)"
+  run_gtests "expert kernels: the dense GEMMs, split in one kernel" $bdir/tests/moelink_experts_tests \
+    '*DenseStreamK*:*Dense*' stream-k-tests.log
+  PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" \
+    $py tools/bench/dense_gemm_bench.py --machine "$machine" --shapes qkv_a,o_proj --m 1,32,64,65,128,256 \
+    --stream-k auto,off,2,3,4 --json "$OUT/dense-stream-k.json" 2>&1 | grep -E "^(qkv_a|o_proj)" || status=1
+  for round in 1 2; do
+    for setting in off auto; do
+      MOELINK_EXPERTS_STREAM_K=$setting PYTHONPATH="$root/$bdir/python:$root/tools/bench${PYTHONPATH:+:$PYTHONPATH}" \
+        $py tools/bench/model_bench.py --machine "$machine" --shapes ep8 --batches 64,128 --q-lens 1,2 \
+        --profile-batches 0 --json "$OUT/stream-k-model-$setting-r$round.json" 2>&1 | tail -4 || status=1
     done
   done
 fi
