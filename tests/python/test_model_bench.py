@@ -58,13 +58,14 @@ def test_fp8_checkpoint_loads_as_the_values_it_stands_for(tmp_path):
     assert np.isfinite(got).all()
     # The bf16 reference is quantized again at load (its own amax / 448
     # block scales, up to 1/16 relative rounding a weight) and both run on
-    # fp8 activations: measured 2.8-7 % apart over 15 seeds. Scales misplaced among the
-    # blocks (each block's is 1/2, 1 or 2 times its tensor's) move the
-    # logits by tens of percent, as the control (every block at one scale)
-    # shows.
+    # fp8 activations: measured 3.0-12.2 % apart (median 4.7) over 40 seeds
+    # (the 12 % bound before failed CI at seed 126797: 12.1 %). Scales
+    # misplaced among the blocks (each block's is 1/2, 1 or 2 times its
+    # tensor's) move the logits by tens of percent, as the control (every
+    # block at one scale) shows: 39-89 % over the same seeds.
     err, err_control = _rel(got, ref), _rel(got, control)
     print(f"fp8 vs its values {err:.3f}, vs the control {err_control:.3f}")
-    assert err < 0.12
+    assert err < 0.2
     assert err_control > 3 * err
 
 
