@@ -196,9 +196,9 @@ TEST(ExpertsSplitK, SliceCountsForDeepSeekShapes) {
 // arithmetic: runs without a GPU) for 132 SMs: qkv_a (N 2176: 17 tiles a
 // row tile, 56 k-blocks) whole up to 64 rows, in 4 slices at 65-128, 3 at
 // 129-256 (one wave of 102 CTAs), 2 at 257-384, whole from 385 (68 tiles:
-// more than half the SMs); o_proj (N 7168, 128
-// k-blocks: 56 tiles) in 2 at 128 rows, whole at 256 (112 tiles); a K of
-// 7 k-blocks never (slices of at least 4); no rows, no split.
+// more than half the SMs); o_proj (N 7168, 128 k-blocks: 56 tiles) in 2
+// at 128 rows, whole at 256 (112 tiles); a K of 7 k-blocks never (slices
+// of at least 4); no rows, no split.
 TEST(ExpertsDenseStreamK, SliceCountsForDeepSeekShapes) {
   using moelink::detail::experts::dense_split_for;
   EXPECT_EQ(dense_split_for(1, 2176, 7168, 132), 1);
@@ -316,10 +316,11 @@ TEST(GpuExpertsErrors, CountsOutOfRangeAreClampedAndReported) {
 }
 
 // gemm() on two rows (the dense stream-K kernel off) splits over K into
-// buffers it grows on the first call of a larger shape (16 rows). A graph captured at two rows keeps the
-// buffers of then: replayed after the larger call, it must give the eager
-// call's bits, and (under compute-sanitizer's memcheck, tools/gpu_check.sh
-// sanitize) write no freed memory. The model's decode graphs hit this: one
+// buffers it grows on the first call of a larger shape (16 rows). A graph
+// captured at two rows keeps the buffers of then: replayed after the
+// larger call, it must give the eager call's bits, and (under
+// compute-sanitizer's memcheck, tools/gpu_check.sh sanitize) write no
+// freed memory. The model's decode graphs hit this: one
 // request's graph replayed after a step of 128 wrote freed memory.
 TEST(GpuExpertsGraph, GemmReplaysAfterALargerCallGrewItsBuffers) {
   REQUIRE_HOPPER();

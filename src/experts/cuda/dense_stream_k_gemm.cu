@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <string>
 
+#include "experts/cuda/block_scaled_gemm.h"
 #include "experts/cuda/block_scaled_gemm_sm90.cuh"
 
 namespace moelink::detail::experts {
@@ -260,8 +261,6 @@ class Sm90DenseStreamKGemm final : public DenseStreamKGemm {
 
 }  // namespace
 
-int64_t dense_tile_count(int64_t m, int64_t n) { return (m + 127) / 128 * (n / 128); }
-
 int dense_split_for(int64_t m, int64_t n, int64_t k, int sm_count) {
   // Measured on an H100 (dense_gemm_bench.py --stream-k; docs/experts.md):
   // this kernel costs about 15 us whatever its slices (qkv_a at 1-32 rows:
@@ -270,7 +269,8 @@ int dense_split_for(int64_t m, int64_t n, int64_t k, int sm_count) {
   // rows (the 128-row tiles: qkv_a 24.4 -> 14.9 us at 128 rows, 16.4 at 256;
   // o_proj 57.4 -> 51.5 at 128). More than 4 slices gained nothing (15.9 us
   // in 7 at 128 rows), and a second wave of CTAs lost (256 rows in 4: 20.0).
-  const int64_t tiles = dense_tile_count(m, n), k_blocks = k / 128;
+  // The kernel's 128 x 128 output tiles: kRows128's extent.
+  const int64_t tiles = gemm_tile_count(GemmTiles::kRows128, 1, m, n), k_blocks = k / 128;
   if (m <= 64 || 2 * tiles > sm_count) return 1;
   const int64_t splits = std::min<int64_t>({sm_count / tiles, k_blocks / 4, 4});
   return splits >= 2 ? static_cast<int>(splits) : 1;

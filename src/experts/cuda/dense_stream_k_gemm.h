@@ -47,9 +47,6 @@ struct DenseSchedule {
   int splits = 0;
 };
 
-// Output tiles (128 x 128) of an m x n GEMM.
-int64_t dense_tile_count(int64_t m, int64_t n);
-
 // The split count (2 to 4) for an m x n x k GEMM on `sm_count` SMs, or 1
 // where the tiled kernels are as fast: above 64 rows (where they run
 // 128-row tiles), while its tiles fill at most half of the SMs; as many
