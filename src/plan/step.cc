@@ -18,6 +18,12 @@ LayerTiming layer_timing(const PlanInput& in, double batch, int query_len, bool 
   // order; an attention bench file measures the attention step of both
   // layer kinds (in requests), the others the MoE layer's kernels.
   std::vector<const Calibration*> cals;
+  // The same layer's modelled kernels at another token count per rank (a
+  // calibration's largest batch, where `tokens` lies past it).
+  const auto model_at = [&](double tokens) {
+    return layer_compute_kernels(in.model, in.gpu, in.layout, s.tokens_moe > 0 ? b * tokens / s.tokens_moe : 0,
+                                 query_len, in.work.kv_len, moe);
+  };
   const long hidden = long(in.model.hidden);
   const int experts = int(in.model.num_experts);
   const int local_heads = int(in.model.num_heads / in.layout.tp);
@@ -30,10 +36,10 @@ LayerTiming layer_timing(const PlanInput& in, double batch, int query_len, bool 
     }
     if (!moe) continue;
     if (cal->applies(in.layout.ep, hidden, experts)) {
-      cal->apply(t.kernels, s.tokens_moe);
+      cal->apply(t.kernels, s.tokens_moe, false, model_at);
       cals.push_back(cal);
     } else if (in.layout.ep > 1 && cal->stand_in_ep(hidden, experts) == in.layout.ep) {
-      cal->apply(t.kernels, s.tokens_moe, true);
+      cal->apply(t.kernels, s.tokens_moe, true, model_at);
     }
   }
   const double copies = mb ? 2 : 1;

@@ -207,6 +207,30 @@ TEST(PlanCalibration, LayerBenchInterpolatesInTokensPerRank) {
   EXPECT_NE(simulate_step(in).draft_us, model_draft);
 }
 
+TEST(PlanCalibration, LayerBenchPastItsLargestBatchKeepsThatBatchsRatioToTheModel) {
+  const std::string text =
+      R"x({"model": {"hidden_size": 7168, "n_routed_experts": 256, "num_experts_per_tok": 8}, "results": [)x" +
+      layer_result(16, 10, 800) + "," + layer_result(128, 12, 1900) + "]}";
+  Calibration c = Calibration::from_json_text(text, "to-128.json");
+  // The model alone at 128 tokens per rank (batch 64 x 2) and at 256 (batch 128 x 2).
+  const double model_128 = kernel(simulate_step(ep1_input(64)).moe_layer, "moe_gate_up").time_us;
+  const double model_256 = kernel(simulate_step(ep1_input(128)).moe_layer, "moe_gate_up").time_us;
+  PlanInput in = ep1_input(128);
+  in.calibrations = {&c};
+  const StepResult r = simulate_step(in);
+  const Kernel& gate_up = kernel(r.moe_layer, "moe_gate_up");
+  EXPECT_TRUE(gate_up.measured);
+  EXPECT_NEAR(gate_up.time_us, 1900 * model_256 / model_128, 1e-9);
+  // At world 1 nearly every expert is read from 128 tokens on: the model grows
+  // far less than the straight line through the last two samples (us()).
+  EXPECT_LT(gate_up.time_us, 0.8 * c.us("moe_gate_up", 256));
+  EXPECT_GT(gate_up.time_us, 1900);
+  // Inside the range nothing changed: 64 tokens per rank interpolate as before.
+  in = ep1_input(32);
+  in.calibrations = {&c};
+  EXPECT_NEAR(kernel(simulate_step(in).moe_layer, "moe_gate_up").time_us, c.us("moe_gate_up", 64), 1e-9);
+}
+
 TEST(PlanCalibration, LayerBenchLeavesOtherLayoutsAndModelsModelled) {
   Calibration c = Calibration::from_file(kLayerFile);
   auto unchanged = [&](PlanInput in) {

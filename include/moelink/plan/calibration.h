@@ -4,6 +4,7 @@
 // tools/bench/attention_bench.py --step-kernels JSON (the attention step of
 // every layer, dense and MoE).
 #pragma once
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -82,10 +83,18 @@ class Calibration {
   // What a kernel of cost.cc is calibrated by: "shared_expert" for the
   // shared_* kernels, else its own name.
   static std::string measured_name(const std::string& kernel);
+  // The modelled kernels of the same layer at `tokens` per rank.
+  using KernelModel = std::function<std::vector<Kernel>(double tokens)>;
   // Replaces the times of the measured kernels at `tokens` per rank and marks
   // them (rank_only: only those a stand-in measures). A measured group (the
   // shared expert) is split in proportion to the modelled times of its kernels.
-  void apply(std::vector<Kernel>& kernels, double tokens, bool rank_only = false) const;
+  // Past the largest measured batch, given `model_at`, a kernel keeps the
+  // measured / modelled ratio of that batch (the model knows where the
+  // experts' weights stop growing: at 256 tokens of world 1 nearly every
+  // expert is read already, where a straight line through the last two
+  // samples keeps growing); without it, us()'s linear extension.
+  void apply(std::vector<Kernel>& kernels, double tokens, bool rank_only = false,
+             const KernelModel& model_at = {}) const;
   // Replaces the total of a dispatch or combine; send and receive kernels
   // keep their modelled time, the rest is transfer (what overlap can hide).
   void apply(CommCost& c, const std::string& name, double tokens) const;
