@@ -18,6 +18,19 @@ flashinfer_version=0.7.4  # FlashInfer's C++ headers (flashinfer-python wheel) f
 # protocol code with this grpcio-tools, which needs that protobuf or newer).
 grpcio_tools_version=1.85.1 grpcio_version=1.85.4 protobuf_version=7.36.2
 
+# FlashMLA (deepseek-ai/FlashMLA) for its sm90 dense MLA decode, compiled
+# from its source against the CUTLASS above (MOELINK_FLASHMLA_DIR); issue
+# 33's benchmark measures the same commit.
+flashmla_commit=9241ae3ef9bac614dd25e45e507e089f888280e0
+
+# FlashMLA's source tree at $flashmla_commit (without its CUTLASS submodule:
+# moelink's CUTLASS builds the decode), unpacked into $1, from GitHub.
+moelink_flashmla_source() {
+  local out=$1
+  mkdir -p "$out" && curl -fsSL "https://codeload.github.com/deepseek-ai/FlashMLA/tar.gz/$flashmla_commit" |
+    tar xz -C "$out" --strip-components=1
+}
+
 # FlashInfer's MLA headers with the CUTLASS and CCCL they are written
 # against, from the flashinfer-python wheel (100 MB), packed into $1
 # (tar.xz, 3.5 MB): what -DMOELINK_FLASHINFER_DIR needs, unpacked.

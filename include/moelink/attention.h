@@ -91,12 +91,21 @@ enum class AttentionDevice {
 
 // The kernel of the absorbed decode attention on CUDA.
 enum class MLADecodeKernel {
-  // FlashInfer's MLA kernel where it applies (a build with FlashInfer's
-  // headers, kv_lora_rank 512, qk_rope_head_dim 64, an eager call), else
-  // moelink's own.
+  // kv_lora_rank 512 and qk_rope_head_dim 64 (DeepSeek-V3's, Kimi-K2's):
+  // FlashMLA's kernel from 32 decode requests on (a build with FlashMLA's
+  // source, page_size 64, head_gemm bf16), FlashInfer's below (a build with
+  // its headers; an eager call, or a capture given MLABatch's host copies),
+  // FlashMLA's where FlashInfer's cannot plan the batch; else moelink's own.
+  // The faster of the two on each side of 32 requests, as measured on an
+  // H100 (docs/attention.md).
   kAuto,
   kFlashInfer,  // always FlashInfer's (create() refuses where it cannot)
   kMoelink,     // always moelink's own kernel (any shape, CUDA graphs)
+  // Always FlashMLA's (deepseek-ai/FlashMLA's sm90 dense decode; create()
+  // refuses where it cannot): every query row a request of one token over
+  // its own keys, so q_len 1 and 2 mix; read on the device only (CUDA
+  // graphs need no host copies).
+  kFlashMLA,
 };
 
 // The kernel of the prefill attention (MHA form) on CUDA.

@@ -36,7 +36,7 @@ class Model:
     serving engine's decode-only steps through one CUDA graph per batch-size
     bucket (ModelOptions.decode_graphs). decode_kernel and prefill_kernel
     pick every layer's attention kernels as in moelink.MLAAttention
-    ("auto", "flashinfer", "moelink"; GPU backends), head_gemm the absorbed
+    ("auto", "flashinfer", "flashmla" (decode only), "moelink"; GPU backends), head_gemm the absorbed
     decode's W_UK / W_UV GEMMs ("bf16" or "fp8", as in MLAAttention).
 
     Collective over the ranks (expert parallelism; the same bootstrap rules

@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 
 #include <string>
+#include <type_traits>
 
 #include "moelink/attention.h"
 #include "moelink/errors.h"
@@ -14,15 +15,18 @@ namespace moelink::python {
 void bind_attention(nanobind::module_& m);
 
 // MLAOptions.decode_kernel / prefill_kernel from their names (the two
-// enums share them); `owner` names the class in the error (MLAAttention,
-// Model).
+// enums share three; the decode has "flashmla" too); `owner` names the
+// class in the error (MLAAttention, Model).
 template <class Kernel>
 Kernel parse_kernel(const char* owner, const char* field, const std::string& s) {
+  constexpr bool decode = std::is_same_v<Kernel, MLADecodeKernel>;
   if (s == "auto") return Kernel::kAuto;
   if (s == "flashinfer") return Kernel::kFlashInfer;
   if (s == "moelink") return Kernel::kMoelink;
-  throw InvalidArgument(std::string("moelink: ") + owner + ": " + field + " = '" + s +
-                        "' must be 'auto', 'flashinfer' or 'moelink'");
+  if constexpr (decode)
+    if (s == "flashmla") return Kernel::kFlashMLA;
+  throw InvalidArgument(std::string("moelink: ") + owner + ": " + field + " = '" + s + "' must be 'auto', " +
+                        (decode ? "'flashinfer', 'flashmla' or 'moelink'" : "'flashinfer' or 'moelink'"));
 }
 
 // MLAOptions.head_gemm from its name.

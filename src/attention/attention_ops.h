@@ -57,9 +57,10 @@ class AttentionOps : public DeviceMemory {
                          const MLABatch& b, const RowPlan& plan, const float* inv_freq,
                          float attention_factor, bool interleaved, cudaStream_t stream) = 0;
 
-  // dst [heads, Nd, width] = src[r][h * head_stride + offset .. + width) for
-  // rows r < rows (a count in the object's memory; the decode rows), and
-  // back: dst [*, heads * width] rows r < rows = src [heads, Nd, width].
+  // dst [heads, Nd, width] (any head and row strides, the width
+  // contiguous) = src[r][h * head_stride + offset .. + width) for rows r <
+  // rows (a count in the object's memory; the decode rows), and back: dst
+  // [*, heads * width] rows r < rows = src [heads, Nd, width] (contiguous).
   virtual void split_heads(const Tensor& dst, const Tensor& src, int heads, int64_t head_stride,
                            int64_t offset, const int32_t* rows, cudaStream_t stream) = 0;
   virtual void merge_heads(const Tensor& dst, const Tensor& src, int heads, const int32_t* rows,
@@ -67,6 +68,7 @@ class AttentionOps : public DeviceMemory {
 
   // The absorbed decode's per-head GEMMs in bf16 (MLAHeadGemm::kBf16):
   //   y [heads, Nd, N] bf16 = x [heads, Nd, K] bf16 . w[h]^T,  w [heads, N, K] bf16,
+  // y and x by their head and row strides (the last dim contiguous),
   // fp32 accumulation, for each head's rows < rows_bound (the host's bound
   // on the decode rows: 2 x num_decode). Rows past the device count rows[0]
   // hold whatever their inputs held and are never read after; the CPU path
@@ -77,10 +79,23 @@ class AttentionOps : public DeviceMemory {
   // Absorbed decode attention of the first num_decode requests' rows:
   //   out_latent [Hq, Nd, R] bf16 = softmax(scale (q_latent . c + q_pe . k_pe)) . c
   // over each row's request tokens up to its position; q_latent [Hq, Nd, R]
-  // bf16, q_pe the roped dims of q. Skipped rows get zeros.
+  // bf16 (row stride R, or R + Dr after decode_query_with_rope() said yes:
+  // then the roped dims follow each row's latent there), q_pe the roped
+  // dims of q. Skipped rows get zeros.
   virtual void decode_attention(const Tensor& out_latent, const Tensor& q_latent, const Tensor& q,
                                 const Tensor& cache, const MLABatch& b, const RowPlan& plan,
                                 int heads, int nope_dims, float scale, cudaStream_t stream) = 0;
+  // Whether decode_attention() of batch `b` on `stream` takes its query as
+  // one vector of R + Dr a row and head (FlashMLA's layout): q_latent's
+  // rows R + Dr apart, each followed by its roped dims, which the caller
+  // writes there (split_heads). Only with MLAHeadGemm::kBf16 (the fp8 head
+  // GEMM writes contiguous rows). The same batch, stream and capture state
+  // give the same answer.
+  virtual bool decode_query_with_rope(const MLABatch& b, cudaStream_t stream) {
+    (void)b;
+    (void)stream;
+    return false;
+  }
 
   // Prefill, one request at a time (eager), over its keys in chunks:
   // gather_kv() copies cache tokens [first, first + count) of the request
@@ -120,8 +135,9 @@ std::unique_ptr<AttentionOps> make_cpu_attention_ops();
 // Throws InvalidArgument in a build without CUDA, or for a decode or
 // prefill kernel that cannot run this attention (naming the MLAOptions
 // field).
+// (MLAOptions: decode_kernel, prefill_kernel, and the page size and head
+// GEMM FlashMLA's decode needs.)
 std::unique_ptr<AttentionOps> make_cuda_attention_ops(const MLAConfig& config, int local_heads,
-                                                      MLADecodeKernel decode_kernel,
-                                                      MLAPrefillKernel prefill_kernel);
+                                                      const MLAOptions& options);
 
 }  // namespace moelink::detail::attention

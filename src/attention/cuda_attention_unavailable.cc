@@ -5,7 +5,7 @@
 
 namespace moelink::detail::attention {
 
-std::unique_ptr<AttentionOps> make_cuda_attention_ops(const MLAConfig&, int, MLADecodeKernel, MLAPrefillKernel) {
+std::unique_ptr<AttentionOps> make_cuda_attention_ops(const MLAConfig&, int, const MLAOptions&) {
   throw InvalidArgument(
       "moelink: MLAAttention: MLAOptions.device = cuda needs a build with CUDA (this one has "
       "none); device = cpu runs the same contract on the host");

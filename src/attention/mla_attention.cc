@@ -165,7 +165,7 @@ class MLAAttentionImpl {
     } else {
       s_ = std::make_shared<MLAScratch>();
       s_->ops = host ? attention::make_cpu_attention_ops()
-                     : attention::make_cuda_attention_ops(c_, Hq_, o_.decode_kernel, o_.prefill_kernel);
+                     : attention::make_cuda_attention_ops(c_, Hq_, o_);
       allocate_scratch(host, T, D, Rq, R, Dn, Dr, Dv);
     }
     AttentionOps& ops = *s_->ops;
@@ -225,7 +225,7 @@ class MLAAttentionImpl {
     s_->qn = OpsBuffer(ops, Hq_ * Nd_ * std::max(Dn, R) * 2);
     s_->hq = OpsBuffer(ops, Hq_ * Nd_ * std::max(Dn, R));
     s_->hs = OpsBuffer(ops, Hq_ * Nd_ * (std::max(Dn, R) / kBlock) * 4);
-    s_->qlat = OpsBuffer(ops, Hq_ * Nd_ * R * 2);
+    s_->qlat = OpsBuffer(ops, Hq_ * Nd_ * (R + Dr) * 2);  // room for the roped dims (FlashMLA)
     s_->olat = OpsBuffer(ops, Hq_ * Nd_ * R * 2);
     s_->oh = OpsBuffer(ops, Hq_ * Nd_ * Dv * 2);
     s_->chunk_latent = OpsBuffer(ops, kPrefillChunk * R * 2);
@@ -391,13 +391,23 @@ class MLAAttentionImpl {
     // q_nope into the latent space: [Hq, Nd, Dn] -> [Hq, Nd, R].
     const Tensor qn = Tensor::contiguous(s_->qn.as(), DType::kBFloat16, {Hq_, Nd_, Dn});
     ops.split_heads(qn, q, Hq_, Dn + Dr, 0, plan.decode_rows, stream);
-    const Tensor qlat = Tensor::contiguous(s_->qlat.as(), DType::kBFloat16, {Hq_, Nd_, R});
+    // The latent queries, each row followed by its roped dims where the
+    // decode kernel reads the two as one vector (FlashMLA's).
+    const bool with_rope = o_.head_gemm == MLAHeadGemm::kBf16 && ops.decode_query_with_rope(b, stream);
+    const int64_t qlat_row = with_rope ? R + Dr : R;
+    Tensor qlat = Tensor::contiguous(s_->qlat.as(), DType::kBFloat16, {Hq_, Nd_, R});
+    qlat.stride[0] = Nd_ * qlat_row, qlat.stride[1] = qlat_row;
     // The host's bound on the decode rows (q_len 1 or 2 a request).
     const int64_t rows_bound = std::min<int64_t>({x_rows, 2 * int64_t{b.num_decode}, Nd_});
     if (o_.head_gemm == MLAHeadGemm::kFp8)
       project_heads(qlat, qn, w_uk_t_, plan.decode_rows, rows_bound, stream);
     else
       ops.head_gemm(qlat, qn, w_uk_t_bf16_.data(), rows_bound, plan.decode_rows, stream);
+    if (with_rope) {
+      Tensor pe = Tensor::contiguous(static_cast<uint16_t*>(s_->qlat.as()) + R, DType::kBFloat16, {Hq_, Nd_, Dr});
+      pe.stride[0] = qlat.stride[0], pe.stride[1] = qlat.stride[1];
+      ops.split_heads(pe, q, Hq_, Dn + Dr, Dn, plan.decode_rows, stream);
+    }
     const Tensor olat = Tensor::contiguous(s_->olat.as(), DType::kBFloat16, {Hq_, Nd_, R});
     ops.decode_attention(olat, qlat, q, cache, b, plan, Hq_, static_cast<int>(Dn),
                          static_cast<float>(c_.softmax_scale()), stream);

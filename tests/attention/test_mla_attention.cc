@@ -720,13 +720,13 @@ TEST_P(MLAAttentionTest, EmptyBatchDoesNothing) {
 // With FlashInfer's decode (host copies given, prepare_graph_replay() before
 // each replay) the same.
 void check_decode_graph(const MLAConfig& c, moelink::MLADecodeKernel kernel, bool host_copies,
-                        moelink::MLAHeadGemm head_gemm = MLAOptions{}.head_gemm) {
+                        moelink::MLAHeadGemm head_gemm = MLAOptions{}.head_gemm, int page_size = 16) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const int64_t D = c.hidden_size, n = 6, max_pages = 8;
   const auto prefill = moelink::MLAPrefillKernel::kAuto;
-  Harness graph(AttentionDevice::kCUDA, c, seed, 32, 16, 1, true, kernel, prefill, nullptr, head_gemm),
-      eager(AttentionDevice::kCUDA, c, seed, 32, 16, 1, true, kernel, prefill, nullptr, head_gemm);
+  Harness graph(AttentionDevice::kCUDA, c, seed, 32, page_size, 1, true, kernel, prefill, nullptr, head_gemm),
+      eager(AttentionDevice::kCUDA, c, seed, 32, page_size, 1, true, kernel, prefill, nullptr, head_gemm);
   int ids[2] = {};
   for (Harness* h : {&graph, &eager}) {
     ids[0] = h->add_request(60);
@@ -761,7 +761,7 @@ void check_decode_graph(const MLAConfig& c, moelink::MLADecodeKernel kernel, boo
   }
   const Tensor tout = Tensor::contiguous(dout, DType::kBFloat16, {n, D}),
                tx = Tensor::contiguous(dx, DType::kBFloat16, {n, D}),
-               tcache = Tensor::contiguous(dcache, DType::kBFloat16, {32, 16, c.cache_row()});
+               tcache = Tensor::contiguous(dcache, DType::kBFloat16, {32, page_size, c.cache_row()});
   // Writes a step's values (request 0 then 1, q_lens q0, q1) into the
   // buffers the graph reads.
   int64_t done[2] = {40, 9};
@@ -822,7 +822,7 @@ void check_decode_graph(const MLAConfig& c, moelink::MLADecodeKernel kernel, boo
       void* other_cache = device_copy(cache.data(), cache.size() * 2);
       void* other_out = mem.alloc(n * D * 2);
       m.forward(Tensor::contiguous(other_out, DType::kBFloat16, {n, D}), tx, one,
-                Tensor::contiguous(other_cache, DType::kBFloat16, {32, 16, c.cache_row()}), stream);
+                Tensor::contiguous(other_cache, DType::kBFloat16, {32, page_size, c.cache_row()}), stream);
       m.check(stream);
       for (void* p : {one.q_start.data, one.kv_len.data, one.block_table.data, other_cache, other_out}) mem.free(p);
     }
@@ -1005,6 +1005,139 @@ TEST(MLAAttentionCuda, FlashInferDecodeMatchesTheOwnKernelAndTheReference) {
   o.max_tokens = o.max_requests = o.max_pages_per_request = 1;
   expect_throw_naming<moelink::InvalidArgument>([&] { MLAAttention::create(small_config(), o); },
                                                 {"decode_kernel = flashinfer", "kv_lora_rank = 512"});
+}
+
+// FlashMLA's instantiation (latent 512, rotary 64, pages of 64) at `heads`
+// heads, and why it cannot run here: "" in a build with FlashMLA's source.
+std::pair<MLAConfig, std::string> flashmla_config(int heads) {
+  MLAConfig c = small_config();
+  c.kv_lora_rank = 512;
+  c.num_attention_heads = heads;
+  MLAOptions probe;
+  probe.decode_kernel = moelink::MLADecodeKernel::kFlashMLA;
+  probe.max_tokens = probe.max_requests = probe.max_pages_per_request = 1;
+  try {
+    MLAAttention::create(c, probe);
+  } catch (const moelink::InvalidArgument& e) {
+    return {c, e.what()};
+  }
+  return {c, ""};
+}
+
+// FlashMLA's decode (every query row a request of one token over its own
+// keys) against moelink's kernel and the reference, at 128 heads (two query
+// tiles) and 16 (TP 8: one tile, 48 rows of it empty): mixed lengths
+// around the page size and one of 5000, MTP's q_len 2 beside q_len 1, pages
+// in random order, unused pages NaN. Then a request with a page outside
+// the cache: reported, its rows zeros, the other request's rows as before,
+// and the next good step right. Skipped in a build without FlashMLA.
+TEST(MLAAttentionCuda, FlashMLADecodeMatchesTheOwnKernelAndTheReference) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  for (int heads : {128, 16}) {
+    const std::pair<MLAConfig, std::string> fc = flashmla_config(heads);
+    if (!fc.second.empty()) GTEST_SKIP() << fc.second;
+    const MLAConfig& c = fc.first;
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE("heads " + std::to_string(heads) + ", seed " + std::to_string(seed));
+    const int64_t D = c.hidden_size;
+    using moelink::MLADecodeKernel;
+    Harness fm(AttentionDevice::kCUDA, c, seed, 110, 64, 1, true, MLADecodeKernel::kFlashMLA),
+        own(AttentionDevice::kCUDA, c, seed, 110, 64, 1, true, MLADecodeKernel::kMoelink);
+    const std::vector<int64_t> lengths{1, 63, 64, 65, 5000, 130, 2}, q_lens{1, 2, 1, 2, 1, 2, 2};
+    std::vector<double> dec[2];
+    std::vector<int> ids[2];
+    int k = 0;
+    for (Harness* h : {&fm, &own}) {
+      for (int64_t len : lengths) ids[k].push_back(h->add_request(len));
+      for (size_t i = 0; i < lengths.size(); ++i)  // the prompts: cache rows as the reference has them
+        h->poke_cache(ids[k][i], lengths[i] - q_lens[i]);
+      dec[k] = h->run({ids[k], q_lens, static_cast<int>(lengths.size())});
+      ++k;
+    }
+    Compare cmp;
+    cmp.rows(dec[0].data(), dec[1], D);
+    EXPECT_EQ(cmp.nan, 0);
+    EXPECT_LT(cmp.rel(), 3e-2) << "FlashMLA's decode against moelink's kernel";
+    std::printf("[ measured ] %d heads: FlashMLA decode against moelink's kernel: relative L2 %.2e, worst row %.2e\n",
+                heads, cmp.rel(), cmp.worst_row);
+    int64_t row = 0;
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      Checks one;
+      one.add(fm, &dec[0][row * D], ids[0][i], lengths[i] - q_lens[i], lengths[i], D);
+      expect_close(one, "FlashMLA decode at " + std::to_string(heads) + " heads, kv length " +
+                            std::to_string(lengths[i]) + ", q_len " + std::to_string(q_lens[i]));
+      row += q_lens[i];
+    }
+    // Two requests, the second naming a page past the cache: its two rows
+    // are zeros (o_proj of nothing), the first's the reference's.
+    const int a = fm.add_request(70), bad = fm.add_request(10);
+    fm.poke_cache(a, 69);
+    fm.poke_cache(bad, 8);
+    std::vector<uint16_t> x(3 * D), out(3 * D, kPoison);
+    std::copy(fm.x_of(a).begin() + 69 * D, fm.x_of(a).begin() + 70 * D, x.begin());
+    std::copy(fm.x_of(bad).begin() + 8 * D, fm.x_of(bad).begin() + 10 * D, x.begin() + D);
+    const std::vector<int32_t>& pa = fm.pages_of(a);
+    std::vector<int32_t> qs{0, 1, 3}, kl{70, 10}, tb{pa[0], pa[1], 110, -1};
+    fm.forward(0, out, x, qs, kl, tb, 2);
+    expect_throw_naming<moelink::InputError>([&] { fm.rank(0).check(fm.stream()); },
+                                             {"block_table[1][0] = 110", "outside [0, 110)"});
+    for (int64_t i = D; i < 3 * D; ++i)
+      ASSERT_EQ(out[i] & 0x7FFF, 0) << "a skipped request's row element " << i << " = " << out[i];
+    std::vector<double> first(D);
+    for (int64_t d = 0; d < D; ++d) first[d] = bf16_to_double(out[d]);
+    Checks kept;
+    kept.add(fm, first.data(), a, 69, 70, D);
+    expect_close(kept, "FlashMLA decode beside a skipped request");
+    const int next = fm.add_request(300);
+    fm.poke_cache(next, 299);
+    const std::vector<double> good = fm.run({{next}, {1}, 1});
+    Checks after;
+    after.add(fm, good.data(), next, 299, 300, D);
+    expect_close(after, "FlashMLA decode after a skipped request");
+  }
+}
+
+// The decode step captured with FlashMLA's kernel (no host copies: it reads
+// the batch on the device), replayed with new lengths, tokens and q_len:
+// each replay the eager step's, to the bit.
+TEST(MLAAttentionCuda, FlashMLADecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  for (int heads : {128, 16}) {
+    const std::pair<MLAConfig, std::string> fc = flashmla_config(heads);
+    if (!fc.second.empty()) GTEST_SKIP() << fc.second;
+    SCOPED_TRACE("heads " + std::to_string(heads));
+    check_decode_graph(fc.first, moelink::MLADecodeKernel::kFlashMLA, false, moelink::MLAHeadGemm::kBf16, 64);
+  }
+}
+
+// An empty decode batch on FlashMLA's kernel writes nothing and the next
+// step runs; and the options it cannot run with are refused, naming them.
+TEST(MLAAttentionCuda, FlashMLADecodeEmptyBatchThenAStepAndItsRefusals) {
+  if (probe_gpu_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  const std::pair<MLAConfig, std::string> fc = flashmla_config(128);
+  if (!fc.second.empty()) {
+    EXPECT_NE(fc.second.find("decode_kernel = flashmla"), std::string::npos) << fc.second;
+    GTEST_SKIP() << fc.second;
+  }
+  Harness h(AttentionDevice::kCUDA, fc.first, fresh_seed(), 4, 64, 1, true, moelink::MLADecodeKernel::kFlashMLA);
+  EXPECT_TRUE(h.run({{}, {}, 0, 4}).empty());
+  const int id = h.add_request(5);
+  h.poke_cache(id, 4);
+  const std::vector<double> out = h.run({{id}, {1}, 1});
+  for (double v : out) EXPECT_TRUE(std::isfinite(v));
+  MLAOptions o;
+  o.decode_kernel = moelink::MLADecodeKernel::kFlashMLA;
+  o.max_tokens = o.max_requests = o.max_pages_per_request = 1;
+  MLAOptions small_pages = o;
+  small_pages.page_size = 16;
+  expect_throw_naming<moelink::InvalidArgument>([&] { MLAAttention::create(fc.first, small_pages); },
+                                                {"decode_kernel = flashmla", "page_size = 64, got 16"});
+  MLAOptions fp8 = o;
+  fp8.head_gemm = moelink::MLAHeadGemm::kFp8;
+  expect_throw_naming<moelink::InvalidArgument>([&] { MLAAttention::create(fc.first, fp8); },
+                                                {"decode_kernel = flashmla", "head_gemm = bf16"});
+  expect_throw_naming<moelink::InvalidArgument>([&] { MLAAttention::create(small_config(), o); },
+                                                {"decode_kernel = flashmla", "kv_lora_rank = 512"});
 }
 
 // FlashInfer's Hopper prefill (the MHA form's head dims 192 / 128) against

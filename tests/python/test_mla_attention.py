@@ -42,13 +42,14 @@ def test_config_from_hf_json_and_presets():
 
 def test_decode_kernel_is_checked():
     kw = dict(max_tokens=4, max_requests=1, max_pages_per_request=1)
-    with pytest.raises(ValueError, match="decode_kernel = 'fast'"):
+    with pytest.raises(ValueError, match="decode_kernel = 'fast' must be 'auto', 'flashinfer', 'flashmla' or"):
         moelink.MLAAttention(dict(SMALL), device="cpu", decode_kernel="fast", **kw)
     torch = _torch()
     if moelink.with_cuda and torch is not None and torch.cuda.is_available():
-        # SMALL's latent (128) is not FlashInfer's instantiation (512).
-        with pytest.raises(ValueError, match="kv_lora_rank = 512"):
-            moelink.MLAAttention(dict(SMALL), device="cuda", decode_kernel="flashinfer", **kw)
+        # SMALL's latent (128) is neither FlashInfer's instantiation (512) nor FlashMLA's.
+        for kernel in ("flashinfer", "flashmla"):
+            with pytest.raises(ValueError, match=f"decode_kernel = {kernel} .*"):
+                moelink.MLAAttention(dict(SMALL), device="cuda", decode_kernel=kernel, **kw)
         moelink.MLAAttention(dict(SMALL), device="cuda", decode_kernel="moelink", **kw)
 
 

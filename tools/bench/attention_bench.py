@@ -10,8 +10,12 @@ read + written) and a dense bf16 matmul (torch.matmul 8192^3).
 Heads 128 (TP 1) and 16 (TP 8), batch B, q_len 1 and 2 (MTP), kv length L
 (every request the same). For each case:
   moelink_us / flashinfer_us   the attention kernel alone (its GPU time per
-                               step from torch.profiler, all kernels whose
-                               names are the decode kernel's)
+  / moelink_flashmla_us        step from torch.profiler, all kernels whose
+                               names are the decode kernel's); the last
+                               decode_kernel="flashmla" (FlashMLA's kernel
+                               as moelink runs it: each query row a request
+                               of one token), null in a build without
+                               FlashMLA's source
   *_step_us                    the whole attention decode step (forward():
                                projections, the batched W_UK / W_UV GEMMs,
                                the kernel, o_proj), wall time per call with
@@ -72,13 +76,19 @@ import torch
 import moelink
 from benchlib import bf16_tflops, copy_gbs, gpu_spans, header, span_profile, write_json
 
-# Kernel names per decode kernel: moelink's tensor-core kernels (warpgroup
-# MMAs at latent 512 and more than 32 heads on Hopper, else mma.sync) and
-# their merge of split keys (the scalar decode_attention_kernel where their
-# shapes do not apply), FlashInfer's.
+# Kernel names per decode kernel, by the column's name: moelink's
+# tensor-core kernels (warpgroup MMAs at latent 512 and more than 32 heads
+# on Hopper, else mma.sync) and their merge of split keys (the scalar
+# decode_attention_kernel where their shapes do not apply), FlashInfer's,
+# and FlashMLA's through moelink (its rows' lengths and tables, scheduler,
+# split-KV kernel and merge; a build with FlashMLA's source only).
 KERNELS = {"moelink": ("wgmma_decode_kernel", "seesaw_decode_kernel", "tc_decode_kernel", "tc_decode_merge_kernel",
                        "decode_attention_kernel"),
-           "flashinfer": ("BatchMLAPageAttentionHopper",)}
+           "flashinfer": ("BatchMLAPageAttentionHopper",),
+           "moelink_flashmla": ("flashmla_rows_kernel", "get_mla_metadata_kernel", "flash_fwd_splitkv_mla_kernel",
+                                "flash_fwd_mla_combine_kernel")}
+# MLAAttention's decode_kernel of each column.
+DECODE_KERNEL = {"moelink": "moelink", "flashinfer": "flashinfer", "moelink_flashmla": "flashmla"}
 # The prefill's attention kernels: FlashInfer's Hopper prefill and the merge
 # of a chunk's two parts (its cached keys, itself) that moelink runs after
 # it; moelink's own prefill kernels.
@@ -378,10 +388,16 @@ def main():
     rows = []
     for heads in heads_list:
         tp = cfg.num_attention_heads // heads
-        attn = {k: moelink.MLAAttention("deepseek-v3", device="cuda", decode_kernel=k, head_gemm=a.head_gemm,
-                                        tp_size=tp, max_tokens=max_b * max_q, max_requests=max_b,
-                                        max_pages_per_request=(max_kv + 63) // 64)
-                for k in KERNELS}
+        attn = {}
+        for k in KERNELS:
+            try:
+                attn[k] = moelink.MLAAttention("deepseek-v3", device="cuda", decode_kernel=DECODE_KERNEL[k],
+                                               head_gemm=a.head_gemm, tp_size=tp, max_tokens=max_b * max_q,
+                                               max_requests=max_b, max_pages_per_request=(max_kv + 63) // 64)
+            except ValueError as e:  # FlashMLA's column in a build without it
+                if k != "moelink_flashmla":
+                    raise
+                print(f"attention_bench: no {k} column: {e}", file=sys.stderr)
         for m in attn.values():
             m.set_weights(**weights)
         for kv in kvs:
@@ -394,19 +410,27 @@ def main():
                     n = B * q_len
                     x = torch.randn(n, cfg.hidden_size, device="cuda").to(torch.bfloat16)
                     q_start = torch.arange(0, n + 1, q_len, device="cuda", dtype=torch.int32)
-                    outs = {k: torch.empty_like(x) for k in KERNELS}
+                    outs = {k: torch.empty_like(x) for k in attn}
 
                     def step(k):
                         return lambda: attn[k].forward(outs[k], x, cache, q_start, kv_len, table,
                                                        num_decode=B)
-                    for k in KERNELS:
+                    for k in attn:
                         step(k)()
                         attn[k].check()
                     ref = outs["moelink"].float()
                     diff = ((outs["flashinfer"].float() - ref).norm() / ref.norm()).item()
                     row = {"heads": heads, "batch": B, "q_len": q_len, "kv_len": kv,
-                           "flashinfer_vs_moelink_rel_l2": diff}
-                    for k, names in KERNELS.items():  # interleaved per case
+                           "flashinfer_vs_moelink_rel_l2": diff, "moelink_flashmla_us": None,
+                           "moelink_flashmla_step_us": None, "moelink_flashmla_vs_moelink_rel_l2": None}
+                    if "moelink_flashmla" in attn:
+                        fdiff = ((outs["moelink_flashmla"].float() - ref).norm() / ref.norm()).item()
+                        if not fdiff < 3e-2:
+                            raise SystemExit(f"attention_bench: FlashMLA through moelink differs from moelink's "
+                                             f"kernel by {fdiff:.2e} (heads {heads}, B {B}, q_len {q_len}, kv {kv})")
+                        row["moelink_flashmla_vs_moelink_rel_l2"] = fdiff
+                    for k in attn:  # interleaved per case
+                        names = KERNELS[k]
                         row[f"{k}_us"] = kernel_us(step(k), a.iters, names)
                         row[f"{k}_step_us"] = wall_us(step(k), a.iters)
                         if a.step_kernels:
@@ -424,11 +448,11 @@ def main():
                     us = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
                     print(f"heads {heads:3d} B {B:3d} q {q_len} kv {kv:5d}: moelink "
                           f"{us(row['moelink_us'])} us, flashinfer {us(row['flashinfer_us'])} us, "
-                          f"flashmla {us(row['flashmla_us'])} us, "
+                          f"flashmla {us(row['flashmla_us'])} us (in moelink {us(row['moelink_flashmla_us'])}), "
                           f"floor {row['floor_us']:.1f} us; steps {row['moelink_step_us']:.0f} / "
                           f"{row['flashinfer_step_us']:.0f} us; outputs differ {diff:.1e}",
                           file=sys.stderr)
-                    for k in KERNELS if a.step_kernels else ():
+                    for k in attn if a.step_kernels else ():
                         sk = row[f"{k}_step_kernels"]
                         print(f"  {k} step: {sk['kernels']} kernels, busy {sk['busy_us']:.1f} us "
                               f"(spans {sk['sum_us']:.1f}); exclusive: " +

@@ -169,6 +169,7 @@ def make_model(a, fields, ckpt, num_layers, max_b, max_q):
                       num_pages=max_b * pages_per_request, page_size=a.page_size, max_requests=max_b,
                       max_pages_per_request=pages_per_request, num_layers=num_layers,
                       overlap=a.overlap, decode_graphs=a.backend not in HOST_BACKENDS, head_gemm=a.head_gemm,
+                      decode_kernel=a.decode_kernel,
                       bootstrap=moelink.TcpBootstrap(0, 1, "127.0.0.1", free_port(), 60.0))
     t0 = time.time()
     m.load_checkpoint(ckpt)
@@ -503,6 +504,8 @@ def main():
     p.add_argument("--acceptance", type=float, default=0.8, help="accepted drafts assumed in tokens_per_s")
     p.add_argument("--overlap", default="auto", help="the MoE layers' overlap mode")
     p.add_argument("--head-gemm", default="bf16", choices=("fp8", "bf16"), help="the attention's W_UK / W_UV GEMMs: bf16 or fp8")
+    p.add_argument("--decode-kernel", default="auto", choices=("auto", "flashinfer", "flashmla", "moelink"),
+                   help="the attention's decode kernel (ModelOptions / MLAOptions.decode_kernel)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--profile-batches", default="1,32,128", help="batches whose graphed step is profiled")
     p.add_argument("--profile-iters", type=int, default=3)
@@ -554,7 +557,7 @@ def main():
             a.plan_gpu = "h200"
             print(f"model_bench: no moelink-plan profile names {rec['gpu']!r}: --plan-gpu h200", file=sys.stderr)
     rec.update(backend=a.backend, kv=a.kv, page_size=a.page_size, acceptance=a.acceptance, overlap=a.overlap,
-               head_gemm=a.head_gemm,
+               head_gemm=a.head_gemm, decode_kernel=a.decode_kernel,
                same_token=a.same_token, kv_spread=a.kv_spread, shuffle_pages=a.shuffle_pages,
                max_tokens=a.max_tokens,
                moe_layers=a.moe_layers, tiny=a.tiny, plan_gpu=a.plan_gpu if a.plan else None,

@@ -36,7 +36,7 @@ class ServerOptions:
     speculative: bool = False   # MTP drafts, verified each step (needs a checkpoint with an MTP module)
     cuda_graphs: bool = False   # GPU backends: decode steps through CUDA graphs (ModelOptions.decode_graphs)
     prefix_caching: bool = True  # share the KV pages of common prompt prefixes between requests
-    decode_kernel: str = "auto"   # GPU backends: MLA decode on "auto", "flashinfer" or "moelink" (MLAOptions)
+    decode_kernel: str = "auto"   # GPU backends: MLA decode on "auto", "flashinfer", "flashmla" or "moelink" (MLAOptions)
     prefill_kernel: str = "auto"  # GPU backends: MLA prefill on "auto", "flashinfer" or "moelink"
     head_gemm: str = "bf16"       # the MLA decode's W_UK / W_UV GEMMs: "fp8" or "bf16" (MLAOptions.head_gemm)
     kv_provider: str = "auto"     # --pd: libfabric provider of the KV hand-off (auto: shm for a GPU cache, else tcp)
@@ -51,8 +51,9 @@ def add_model_arguments(p) -> None:
     p.add_argument("--num-layers", type=int, default=0, help="run the first N layers only (0: all)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="GPU backends: decode steps through one CUDA graph per batch-size bucket")
-    p.add_argument("--decode-kernel", default="auto", choices=_KERNELS,
-                   help="GPU backends: the MLA decode kernel (auto: FlashInfer's where it applies)")
+    p.add_argument("--decode-kernel", default="auto", choices=_KERNELS + ("flashmla",),
+                   help="GPU backends: the MLA decode kernel (auto: FlashMLA's from 32 requests, "
+                        "FlashInfer's below, where they apply)")
     p.add_argument("--prefill-kernel", default="auto", choices=_KERNELS,
                    help="GPU backends: the MLA prefill kernel (auto: FlashInfer's where it applies)")
     p.add_argument("--head-gemm", default="bf16", choices=("fp8", "bf16"),

@@ -406,12 +406,12 @@ void launch_append_kv(uint16_t* cache, int page_size, const uint16_t* latent, in
   MOELINK_CUDA_CHECK(cudaGetLastError());
 }
 
-void launch_split_heads(uint16_t* dst, int64_t Nd, int64_t width, const uint16_t* src,
-                        int64_t src_stride, int heads, int64_t head_stride, int64_t offset,
-                        const int32_t* rows, cudaStream_t stream) {
+void launch_split_heads(uint16_t* dst, int64_t dst_head_stride, int64_t dst_row_stride, int64_t Nd,
+                        int64_t width, const uint16_t* src, int64_t src_stride, int heads, int64_t head_stride,
+                        int64_t offset, const int32_t* rows, cudaStream_t stream) {
   if (Nd == 0 || heads == 0) return;
-  launch_copy_head_rows(dst, {width, Nd * width}, src + offset, {src_stride, head_stride}, heads, width, rows, Nd,
-                        stream);
+  launch_copy_head_rows(dst, {dst_row_stride, dst_head_stride}, src + offset, {src_stride, head_stride}, heads,
+                        width, rows, Nd, stream);
 }
 
 void launch_merge_heads(uint16_t* dst, int64_t dst_stride, const uint16_t* src, int64_t Nd,

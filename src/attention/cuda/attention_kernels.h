@@ -33,10 +33,11 @@ void launch_append_kv(uint16_t* cache, int page_size, const uint16_t* latent, in
                       const int32_t* block_table, int64_t block_stride, const RowPlan& plan,
                       int64_t max_rows, const RopeArgs& rope, cudaStream_t stream);
 
-// dst [heads, Nd, width] (contiguous) from src rows; merge: the way back.
-void launch_split_heads(uint16_t* dst, int64_t Nd, int64_t width, const uint16_t* src,
-                        int64_t src_stride, int heads, int64_t head_stride, int64_t offset,
-                        const int32_t* rows, cudaStream_t stream);
+// dst [heads, Nd, width] (head and row strides dst_head_stride,
+// dst_row_stride) from src rows; merge: the way back (src contiguous).
+void launch_split_heads(uint16_t* dst, int64_t dst_head_stride, int64_t dst_row_stride, int64_t Nd,
+                        int64_t width, const uint16_t* src, int64_t src_stride, int heads, int64_t head_stride,
+                        int64_t offset, const int32_t* rows, cudaStream_t stream);
 void launch_merge_heads(uint16_t* dst, int64_t dst_stride, const uint16_t* src, int64_t Nd,
                         int64_t width, int heads, const int32_t* rows, cudaStream_t stream);
 

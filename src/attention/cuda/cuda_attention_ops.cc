@@ -1,7 +1,8 @@
 // AttentionOps on the current CUDA device: cudaMalloc'd memory and the
 // kernels of attention_kernels.cu, each step on the caller's stream; the
-// decode attention on FlashInfer's MLA kernel and the prefill on its Hopper
-// prefill kernel where they apply (MLAOptions.decode_kernel, prefill_kernel).
+// decode attention on FlashMLA's or FlashInfer's MLA kernel and the prefill
+// on FlashInfer's Hopper prefill kernel where they apply
+// (MLAOptions.decode_kernel, prefill_kernel).
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -15,6 +16,7 @@
 #include "attention/cuda/attention_kernels.h"
 #include "attention/cuda/flashinfer_mla.h"
 #include "attention/cuda/flashinfer_prefill.h"
+#include "attention/cuda/flashmla_decode.h"
 #include "attention/cuda/mla_decode_tc.h"
 #include "attention/prefill_calls.h"
 #include "moelink/errors.h"
@@ -38,8 +40,9 @@ struct CudaPrefillState final : AttentionOps::PrefillState {
 
 class CudaAttentionOps final : public CudaMemory<AttentionOps> {
  public:
-  CudaAttentionOps(const MLAConfig& c, int local_heads, MLADecodeKernel kernel, MLAPrefillKernel prefill)
-      : kernel_(kernel) {
+  CudaAttentionOps(const MLAConfig& c, int local_heads, const MLAOptions& o) : kernel_(o.decode_kernel) {
+    const MLADecodeKernel kernel = o.decode_kernel;
+    const MLAPrefillKernel prefill = o.prefill_kernel;
     const bool shapes = c.kv_lora_rank == FlashInferMLA::kLatent && c.qk_rope_head_dim == FlashInferMLA::kRope;
     if (kernel == MLADecodeKernel::kFlashInfer && !FlashInferMLA::built())
       throw InvalidArgument("moelink: MLAAttention: MLAOptions.decode_kernel = flashinfer, but this build "
@@ -48,8 +51,14 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
       throw InvalidArgument("moelink: MLAAttention: MLAOptions.decode_kernel = flashinfer needs "
                             "kv_lora_rank = 512 and qk_rope_head_dim = 64, got " +
                             std::to_string(c.kv_lora_rank) + " and " + std::to_string(c.qk_rope_head_dim));
-    if (kernel != MLADecodeKernel::kMoelink && FlashInferMLA::built() && shapes)
+    if ((kernel == MLADecodeKernel::kAuto || kernel == MLADecodeKernel::kFlashInfer) && FlashInferMLA::built() &&
+        shapes)
       flashinfer_[0] = FlashInferMLA::create(local_heads);
+    const std::string why_not_flashmla = flashmla_refusal(c, local_heads, o);
+    if (kernel == MLADecodeKernel::kFlashMLA && !why_not_flashmla.empty())
+      throw InvalidArgument("moelink: MLAAttention: MLAOptions.decode_kernel = flashmla " + why_not_flashmla);
+    if ((kernel == MLADecodeKernel::kAuto || kernel == MLADecodeKernel::kFlashMLA) && why_not_flashmla.empty())
+      flashmla_[0] = FlashMLADecode::create();
     local_heads_ = local_heads;
     const bool prefill_shapes = c.qk_nope_head_dim + c.qk_rope_head_dim == FlashInferPrefill::kQkDims &&
                                 c.qk_rope_head_dim == 64 && c.v_head_dim == FlashInferPrefill::kVDims;
@@ -100,8 +109,8 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
 
   void split_heads(const Tensor& dst, const Tensor& src, int heads, int64_t head_stride, int64_t offset,
                    const int32_t* rows, cudaStream_t stream) override {
-    launch_split_heads(bf16_data(dst), dst.shape[1], dst.shape[2], bf16_data(src), src.stride[0], heads,
-                       head_stride, offset, rows, stream);
+    launch_split_heads(bf16_data(dst), dst.stride[0], dst.stride[1], dst.shape[1], dst.shape[2], bf16_data(src),
+                       src.stride[0], heads, head_stride, offset, rows, stream);
   }
   void merge_heads(const Tensor& dst, const Tensor& src, int heads, const int32_t* rows,
                    cudaStream_t stream) override {
@@ -111,7 +120,7 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
 
   void head_gemm(const Tensor& y, const Tensor& x, const uint16_t* w, int64_t rows_bound, const int32_t*,
                  cudaStream_t stream) override {
-    const int64_t heads = y.shape[0], Nd = y.shape[1], N = y.shape[2], K = x.shape[2];
+    const int64_t heads = y.shape[0], N = y.shape[2], K = x.shape[2];
     if (rows_bound <= 0) return;
     const float one = 1.0f, zero = 0.0f;
     PooledCublas::ok(cublasSetStream(cublas_.get(), stream), "cublasSetStream");
@@ -121,9 +130,9 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
     PooledCublas::ok(
         cublasGemmStridedBatchedEx(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N),
                                    static_cast<int>(rows_bound), static_cast<int>(K), &one, w, CUDA_R_16BF,
-                                   static_cast<int>(K), N * K, x.data, CUDA_R_16BF, static_cast<int>(K), Nd * K,
-                                   &zero, y.data, CUDA_R_16BF, static_cast<int>(N), Nd * N, static_cast<int>(heads),
-                                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                                   static_cast<int>(K), N * K, x.data, CUDA_R_16BF, static_cast<int>(x.stride[1]),
+                                   x.stride[0], &zero, y.data, CUDA_R_16BF, static_cast<int>(y.stride[1]),
+                                   y.stride[0], static_cast<int>(heads), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
         "cublasGemmStridedBatchedEx (MLA head GEMM)");
   }
 
@@ -131,6 +140,35 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
                         const Tensor& cache, const MLABatch& b, const RowPlan& plan, int heads,
                         int nope_dims, float scale, cudaStream_t stream) override {
     const int R = static_cast<int>(q_latent.shape[2]), Dr = static_cast<int>(cache.shape[2]) - R;
+    if (q_latent.stride[1] == R + Dr) {  // decode_query_with_rope() said FlashMLA's
+      FlashMLADecodeArgs a{};
+      a.q = bf16_data(q_latent);
+      a.q_stride_head = q_latent.stride[0];
+      a.q_stride_row = q_latent.stride[1];
+      a.cache = bf16_data(cache);
+      a.num_pages = cache.shape[0];
+      a.block_table = static_cast<const int32_t*>(b.block_table.data);
+      a.block_stride = b.block_table.stride[0];
+      a.max_pages = static_cast<int32_t>(b.block_table.shape[1]);
+      a.request = plan.request;
+      a.position = plan.position;
+      a.decode_rows = plan.decode_rows;
+      a.out = bf16_data(out_latent);
+      a.out_stride_head = out_latent.stride[0];
+      a.out_stride_row = out_latent.stride[1];
+      // A decode request has one or two query rows (MLAAttention's rule).
+      a.rows = static_cast<int>(std::min<int64_t>(q_latent.shape[1], 2 * int64_t{b.num_decode}));
+      a.heads = heads;
+      a.scale = scale;
+      flashmla(b.plan_slot).run(a, stream);
+      // A capture of this batch size that planned FlashInfer's before runs
+      // FlashMLA's now: prepare_replay() has nothing to plan for it.
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+      if (flashinfer_[0] && capturing != cudaStreamCaptureStatusNone)
+        flashinfer(b.plan_slot).forget_capture(b.num_decode, stream);
+      return;
+    }
     if (flashinfer_[0] && flashinfer_plan(b, cache, stream)) {
       const int64_t Nd = q_latent.shape[1];
       const int head_dim = nope_dims + Dr;
@@ -228,7 +266,59 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
     return take_device_record(stream, record, [](const StepErrorRecord&) { return true; });
   }
 
+  // FlashMLA's decode (where it was made) for decode_kernel = flashmla, and
+  // for auto from kFlashMLAFromRequests decode requests on, or where
+  // FlashInfer's cannot plan the batch (a capture without MLABatch's host
+  // copies; no FlashInfer in the build): FlashInfer's is the faster below
+  // (docs/attention.md).
+  bool decode_query_with_rope(const MLABatch& b, cudaStream_t stream) override {
+    if (!flashmla_[0] || b.num_decode < 1) return false;
+    if (kernel_ == MLADecodeKernel::kFlashMLA || b.num_decode >= kFlashMLAFromRequests || !flashinfer_[0])
+      return true;
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+    const bool host = b.host_q_start.defined() && b.host_kv_len.defined() && b.host_block_table.defined();
+    return capturing != cudaStreamCaptureStatusNone && !host;
+  }
+
  private:
+  // Requests from which auto decodes on FlashMLA's kernel: on an H100 at 128
+  // heads, kv 5000, FlashInfer's took 38.7 / 51.9 us at 8 requests (q_len 1 /
+  // 2) against FlashMLA's 42.1 / 52.2, and 96.9 / 206.5 at 32 against 87.4 /
+  // 131.6; at 16 heads 29.1 against 47.9 at 8, 72.9 against 71.1 at 32
+  // (bench/results/2026-12-06_nvidia-h100_attention-decode_1cc7265.json).
+  static constexpr int kFlashMLAFromRequests = 32;
+
+  // Why FlashMLA's decode cannot run this attention ("" where it can).
+  static std::string flashmla_refusal(const MLAConfig& c, int local_heads, const MLAOptions& o) {
+    if (!FlashMLADecode::built())
+      return "needs a build with FlashMLA's source (configure with MOELINK_FLASHMLA_DIR)";
+    if (c.kv_lora_rank != FlashMLADecode::kLatent || c.qk_rope_head_dim != FlashMLADecode::kRope)
+      return "needs kv_lora_rank = 512 and qk_rope_head_dim = 64, got " + std::to_string(c.kv_lora_rank) +
+             " and " + std::to_string(c.qk_rope_head_dim);
+    if (o.page_size != FlashMLADecode::kPageSize)
+      return "needs page_size = 64, got " + std::to_string(o.page_size);
+    if (o.head_gemm != MLAHeadGemm::kBf16)
+      return "needs head_gemm = bf16 (its query is the latent and the roped dims as one vector, which the "
+             "bf16 head GEMM writes)";
+    const int64_t decode_rows = std::min<int64_t>(o.max_tokens, 2 * int64_t{o.max_requests});
+    if (decode_rows > kFlashMLAMaxRows)
+      return "takes at most " + std::to_string(kFlashMLAMaxRows) +
+             " decode rows a step (min(max_tokens, 2 max_requests)), got " + std::to_string(decode_rows);
+    if (FlashMLADecode::sm_parts(local_heads) > kFlashMLAMaxParts)
+      return "cannot split the keys of " + std::to_string(local_heads) + " heads over this GPU's SMs in at most " +
+             std::to_string(kFlashMLAMaxParts) + " parts";
+    return "";
+  }
+  static constexpr int kFlashMLAMaxParts = 160;  // FlashMLA's merge kernel's largest instantiation
+  // Its scheduler keeps 5 ints a row in shared memory (one block; 160 KB here).
+  static constexpr int64_t kFlashMLAMaxRows = 8192;
+
+  FlashMLADecode& flashmla(int slot) {
+    if (!flashmla_[slot]) flashmla_[slot] = FlashMLADecode::create();
+    return *flashmla_[slot];
+  }
+
   // Plans FlashInfer's kernel for the decode requests from host copies of
   // the batch: the caller's (MLABatch.host_*), or read back from the device
   // after waiting for the stream (eager calls only). Inside a capture the
@@ -363,6 +453,9 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
     return *flashinfer_[slot];
   }
   std::unique_ptr<FlashInferMLA> flashinfer_[kMLAPlanSlots];
+  // FlashMLA's decode (null in [0]: not for this attention), a workspace per
+  // MLABatch.plan_slot (micro-batches may overlap on two streams).
+  std::unique_ptr<FlashMLADecode> flashmla_[kMLAPlanSlots];
   int local_heads_ = 0;
   std::vector<int32_t> q_start_, kv_len_, kv_indptr_, table_;
   GrowingDeviceBuffer prefill_memory_;  // one request's running softmax at a time
@@ -372,9 +465,8 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
 }  // namespace
 
 std::unique_ptr<AttentionOps> make_cuda_attention_ops(const MLAConfig& config, int local_heads,
-                                                      MLADecodeKernel decode_kernel,
-                                                      MLAPrefillKernel prefill_kernel) {
-  return std::make_unique<CudaAttentionOps>(config, local_heads, decode_kernel, prefill_kernel);
+                                                      const MLAOptions& options) {
+  return std::make_unique<CudaAttentionOps>(config, local_heads, options);
 }
 
 }  // namespace moelink::detail::attention
