@@ -846,15 +846,15 @@ void check_decode_graph(const MLAConfig& c, moelink::MLADecodeKernel kernel, boo
     mem.free(p);
 }
 
-// FlashInfer's instantiation (DeepSeek's latent 512) at 16 heads (or
-// `heads`), and why it cannot run here: "" in a build with FlashInfer's
-// headers.
-std::pair<MLAConfig, std::string> flashinfer_config(int heads = 16) {
+// The small config at DeepSeek's latent 512 (FlashInfer's and FlashMLA's
+// instantiation) and `heads` heads, and why decode kernel `kernel` cannot
+// run it here: "" in a build with it (pages of 64).
+std::pair<MLAConfig, std::string> latent512_config(moelink::MLADecodeKernel kernel, int heads) {
   MLAConfig c = small_config();
   c.kv_lora_rank = 512;
   c.num_attention_heads = heads;
   MLAOptions probe;
-  probe.decode_kernel = moelink::MLADecodeKernel::kFlashInfer;
+  probe.decode_kernel = kernel;
   probe.max_tokens = probe.max_requests = probe.max_pages_per_request = 1;
   try {
     MLAAttention::create(c, probe);
@@ -862,6 +862,12 @@ std::pair<MLAConfig, std::string> flashinfer_config(int heads = 16) {
     return {c, e.what()};
   }
   return {c, ""};
+}
+std::pair<MLAConfig, std::string> flashinfer_config(int heads = 16) {
+  return latent512_config(moelink::MLADecodeKernel::kFlashInfer, heads);
+}
+std::pair<MLAConfig, std::string> flashmla_config(int heads) {
+  return latent512_config(moelink::MLADecodeKernel::kFlashMLA, heads);
 }
 
 TEST(MLAAttentionCuda, DecodeGraphReplaysWithNewLengthsEqualEagerSteps) {
@@ -1005,23 +1011,6 @@ TEST(MLAAttentionCuda, FlashInferDecodeMatchesTheOwnKernelAndTheReference) {
   o.max_tokens = o.max_requests = o.max_pages_per_request = 1;
   expect_throw_naming<moelink::InvalidArgument>([&] { MLAAttention::create(small_config(), o); },
                                                 {"decode_kernel = flashinfer", "kv_lora_rank = 512"});
-}
-
-// FlashMLA's instantiation (latent 512, rotary 64, pages of 64) at `heads`
-// heads, and why it cannot run here: "" in a build with FlashMLA's source.
-std::pair<MLAConfig, std::string> flashmla_config(int heads) {
-  MLAConfig c = small_config();
-  c.kv_lora_rank = 512;
-  c.num_attention_heads = heads;
-  MLAOptions probe;
-  probe.decode_kernel = moelink::MLADecodeKernel::kFlashMLA;
-  probe.max_tokens = probe.max_requests = probe.max_pages_per_request = 1;
-  try {
-    MLAAttention::create(c, probe);
-  } catch (const moelink::InvalidArgument& e) {
-    return {c, e.what()};
-  }
-  return {c, ""};
 }
 
 // FlashMLA's decode (every query row a request of one token over its own
