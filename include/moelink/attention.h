@@ -91,13 +91,10 @@ enum class AttentionDevice {
 
 // The kernel of the absorbed decode attention on CUDA.
 enum class MLADecodeKernel {
-  // kv_lora_rank 512 and qk_rope_head_dim 64 (DeepSeek-V3's, Kimi-K2's):
-  // FlashMLA's kernel from 32 decode requests on (a build with FlashMLA's
-  // source, page_size 64, head_gemm bf16), FlashInfer's below (a build with
-  // its headers; an eager call, or a capture given MLABatch's host copies),
-  // FlashMLA's where FlashInfer's cannot plan the batch; else moelink's own.
-  // The faster of the two on each side of 32 requests, as measured on an
-  // H100 (docs/attention.md).
+  // FlashInfer's MLA kernel where it applies (a build with FlashInfer's
+  // headers, kv_lora_rank 512, qk_rope_head_dim 64, an eager call or a
+  // capture given MLABatch's host copies), else moelink's own. (Not yet
+  // FlashMLA's: docs/attention.md.)
   kAuto,
   kFlashInfer,  // always FlashInfer's (create() refuses where it cannot)
   kMoelink,     // always moelink's own kernel (any shape, CUDA graphs)

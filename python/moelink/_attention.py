@@ -27,11 +27,11 @@ class MLAAttention:
                  device="cuda", decode_kernel="auto", prefill_kernel="auto", head_gemm="bf16",
                  debug=None, share_with=None, **config_fields)
 
-    decode_kernel (CUDA): "auto" (at kv_lora_rank 512, rotary 64: FlashMLA's
-    kernel from 32 decode requests on, in a build with its source, page_size
-    64 and head_gemm "bf16"; FlashInfer's below, eagerly or captured with the
-    batch's host copies, FlashMLA's where FlashInfer's cannot plan; else
-    moelink's own), "flashinfer", "flashmla" or "moelink". prefill_kernel (CUDA): "auto" (FlashInfer's
+    decode_kernel (CUDA): "auto" (FlashInfer's MLA kernel where it applies:
+    kv_lora_rank 512, rotary 64, an eager call or a capture with the batch's
+    host copies; else moelink's own), "flashinfer", "flashmla" (FlashMLA's
+    kernel: a build with its source, page_size 64, head_gemm "bf16") or
+    "moelink". prefill_kernel (CUDA): "auto" (FlashInfer's
     Hopper prefill kernel where it applies: qk_nope_head_dim 128, rotary 64,
     v_head_dim 128; else moelink's own), "flashinfer" or "moelink".
     head_gemm: the absorbed decode's per-head GEMMs (q_nope through W_UK^T,

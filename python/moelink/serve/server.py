@@ -52,8 +52,7 @@ def add_model_arguments(p) -> None:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="GPU backends: decode steps through one CUDA graph per batch-size bucket")
     p.add_argument("--decode-kernel", default="auto", choices=_KERNELS + ("flashmla",),
-                   help="GPU backends: the MLA decode kernel (auto: FlashMLA's from 32 requests, "
-                        "FlashInfer's below, where they apply)")
+                   help="GPU backends: the MLA decode kernel (auto: FlashInfer's where it applies)")
     p.add_argument("--prefill-kernel", default="auto", choices=_KERNELS,
                    help="GPU backends: the MLA prefill kernel (auto: FlashInfer's where it applies)")
     p.add_argument("--head-gemm", default="bf16", choices=("fp8", "bf16"),

@@ -57,8 +57,9 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
     const std::string why_not_flashmla = flashmla_refusal(c, local_heads, o);
     if (kernel == MLADecodeKernel::kFlashMLA && !why_not_flashmla.empty())
       throw InvalidArgument("moelink: MLAAttention: MLAOptions.decode_kernel = flashmla " + why_not_flashmla);
-    if ((kernel == MLADecodeKernel::kAuto || kernel == MLADecodeKernel::kFlashMLA) && why_not_flashmla.empty())
-      flashmla_[0] = FlashMLADecode::create();
+    // auto does not take FlashMLA's yet: its path has not run on a GPU
+    // (docs/attention.md says what auto will take once it has).
+    if (kernel == MLADecodeKernel::kFlashMLA) flashmla_[0] = FlashMLADecode::create();
     local_heads_ = local_heads;
     const bool prefill_shapes = c.qk_nope_head_dim + c.qk_rope_head_dim == FlashInferPrefill::kQkDims &&
                                 c.qk_rope_head_dim == 64 && c.v_head_dim == FlashInferPrefill::kVDims;
@@ -266,29 +267,13 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
     return take_device_record(stream, record, [](const StepErrorRecord&) { return true; });
   }
 
-  // FlashMLA's decode (where it was made) for decode_kernel = flashmla, and
-  // for auto from kFlashMLAFromRequests decode requests on, or where
-  // FlashInfer's cannot plan the batch (a capture without MLABatch's host
-  // copies; no FlashInfer in the build): FlashInfer's is the faster below
-  // (docs/attention.md).
-  bool decode_query_with_rope(const MLABatch& b, cudaStream_t stream) override {
-    if (!flashmla_[0] || b.num_decode < 1) return false;
-    if (kernel_ == MLADecodeKernel::kFlashMLA || b.num_decode >= kFlashMLAFromRequests || !flashinfer_[0])
-      return true;
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    MOELINK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-    const bool host = b.host_q_start.defined() && b.host_kv_len.defined() && b.host_block_table.defined();
-    return capturing != cudaStreamCaptureStatusNone && !host;
+  // FlashMLA's decode for decode_kernel = flashmla (where it was made), any
+  // batch with decode requests.
+  bool decode_query_with_rope(const MLABatch& b, cudaStream_t) override {
+    return flashmla_[0] && b.num_decode >= 1;
   }
 
  private:
-  // Requests from which auto decodes on FlashMLA's kernel: on an H100 at 128
-  // heads, kv 5000, FlashInfer's took 38.7 / 51.9 us at 8 requests (q_len 1 /
-  // 2) against FlashMLA's 42.1 / 52.2, and 96.9 / 206.5 at 32 against 87.4 /
-  // 131.6; at 16 heads 29.1 against 47.9 at 8, 72.9 against 71.1 at 32
-  // (bench/results/2026-12-06_nvidia-h100_attention-decode_1cc7265.json).
-  static constexpr int kFlashMLAFromRequests = 32;
-
   // Why FlashMLA's decode cannot run this attention ("" where it can).
   static std::string flashmla_refusal(const MLAConfig& c, int local_heads, const MLAOptions& o) {
     if (!FlashMLADecode::built())
