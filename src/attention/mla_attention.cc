@@ -194,6 +194,8 @@ class MLAAttentionImpl {
     same("max_pages_per_request", o_.max_pages_per_request, o.o_.max_pages_per_request);
     same("decode_kernel", static_cast<int>(o_.decode_kernel), static_cast<int>(o.o_.decode_kernel));
     same("prefill_kernel", static_cast<int>(o_.prefill_kernel), static_cast<int>(o.o_.prefill_kernel));
+    // (FlashMLA's decode, made for the first object's, needs the bf16 one.)
+    same("head_gemm", static_cast<int>(o_.head_gemm), static_cast<int>(o.o_.head_gemm));
   }
 
   void allocate_scratch(bool host, int64_t T, int64_t D, int64_t Rq, int64_t R, int64_t Dn, int64_t Dr,
