@@ -315,16 +315,22 @@ std::string Calibration::measured_name(const std::string& kernel) {
 
 void Calibration::apply(std::vector<Kernel>& kernels, double tokens, bool rank_only,
                         const KernelModel& model_at) const {
-  std::map<std::string, double> modelled, modelled_last;  // per measured name, before any is replaced
+  std::map<std::string, double> modelled;  // per measured name, before any is replaced
   for (const auto& k : kernels) modelled[measured_name(k.name)] += k.time_us;
+  // Past the largest sample: the model alone at `tokens` and at that sample
+  // (not the kernels as an earlier file may have replaced them).
+  std::map<std::string, double> model_now, model_last;
   const bool past = model_at && !samples.empty() && tokens > samples.back().tokens;
-  if (past)
-    for (const auto& k : model_at(samples.back().tokens)) modelled_last[measured_name(k.name)] += k.time_us;
+  if (past) {
+    for (const auto& k : model_at(tokens)) model_now[measured_name(k.name)] += k.time_us;
+    for (const auto& k : model_at(samples.back().tokens)) model_last[measured_name(k.name)] += k.time_us;
+  }
   for (auto& k : kernels) {
     const std::string name = measured_name(k.name);
     if (!measures(name) || (rank_only && !rank_measured(name))) continue;
-    const double last = modelled_last[name];
-    const double measured = past && last > 0 ? samples.back().us.at(name) * modelled[name] / last : us(name, tokens);
+    const double last = model_last[name];
+    const double measured =
+        past && last > 0 ? samples.back().us.at(name) * model_now[name] / last : us(name, tokens);
     k.time_us = measured * k.time_us / modelled[name];
     k.measured = true;
   }
