@@ -54,12 +54,14 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
     if ((kernel == MLADecodeKernel::kAuto || kernel == MLADecodeKernel::kFlashInfer) && FlashInferMLA::built() &&
         shapes)
       flashinfer_[0] = FlashInferMLA::create(local_heads);
-    const std::string why_not_flashmla = flashmla_refusal(c, local_heads, o);
-    if (kernel == MLADecodeKernel::kFlashMLA && !why_not_flashmla.empty())
-      throw InvalidArgument("moelink: MLAAttention: MLAOptions.decode_kernel = flashmla " + why_not_flashmla);
     // auto does not take FlashMLA's yet: its path has not run on a GPU
     // (docs/attention.md says what auto will take once it has).
-    if (kernel == MLADecodeKernel::kFlashMLA) flashmla_[0] = FlashMLADecode::create();
+    if (kernel == MLADecodeKernel::kFlashMLA) {
+      const std::string why_not = flashmla_refusal(c, local_heads, o);
+      if (!why_not.empty())
+        throw InvalidArgument("moelink: MLAAttention: MLAOptions.decode_kernel = flashmla " + why_not);
+      flashmla_[0] = FlashMLADecode::create(local_heads);
+    }
     local_heads_ = local_heads;
     const bool prefill_shapes = c.qk_nope_head_dim + c.qk_rope_head_dim == FlashInferPrefill::kQkDims &&
                                 c.qk_rope_head_dim == 64 && c.v_head_dim == FlashInferPrefill::kVDims;
@@ -159,7 +161,6 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
       a.out_stride_row = out_latent.stride[1];
       // A decode request has one or two query rows (MLAAttention's rule).
       a.rows = static_cast<int>(std::min<int64_t>(q_latent.shape[1], 2 * int64_t{b.num_decode}));
-      a.heads = heads;
       a.scale = scale;
       flashmla(b.plan_slot).run(a, stream);
       // A capture of this batch size that planned FlashInfer's before runs
@@ -300,7 +301,7 @@ class CudaAttentionOps final : public CudaMemory<AttentionOps> {
   static constexpr int64_t kFlashMLAMaxRows = 8192;
 
   FlashMLADecode& flashmla(int slot) {
-    if (!flashmla_[slot]) flashmla_[slot] = FlashMLADecode::create();
+    if (!flashmla_[slot]) flashmla_[slot] = FlashMLADecode::create(local_heads_);
     return *flashmla_[slot];
   }
 

@@ -46,17 +46,18 @@ size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 class FlashMLADecodeImpl final : public FlashMLADecode {
  public:
+  explicit FlashMLADecodeImpl(int heads) : heads_(heads), parts_(sm_parts(heads)) {}
+
   void run(const FlashMLADecodeArgs& a, cudaStream_t stream) override {
-    const int parts = sm_parts(a.heads);
-    const size_t rows = static_cast<size_t>(a.rows), splits = rows + parts;
+    const size_t rows = static_cast<size_t>(a.rows), splits = rows + parts_;
     // The workspace: row lengths, row tables, the schedule, split offsets,
     // LSE, and the splits' LSE and partial outputs (fp32).
     const size_t o_seqlens = 0, o_tables = align_up(rows * 4),
                  o_meta = o_tables + align_up(rows * a.max_pages * 4),
-                 o_splits = o_meta + align_up(parts * sizeof(DecodingSchedMeta)),
-                 o_lse = o_splits + align_up((rows + 1) * 4), o_lse_acc = o_lse + align_up(rows * a.heads * 4),
-                 o_out_acc = o_lse_acc + align_up(splits * a.heads * 4),
-                 bytes = o_out_acc + splits * a.heads * kLatent * 4;
+                 o_splits = o_meta + align_up(parts_ * sizeof(DecodingSchedMeta)),
+                 o_lse = o_splits + align_up((rows + 1) * 4), o_lse_acc = o_lse + align_up(rows * heads_ * 4),
+                 o_out_acc = o_lse_acc + align_up(splits * heads_ * 4),
+                 bytes = o_out_acc + splits * heads_ * kLatent * 4;
     char* ws = nullptr;
     {
       RelaxedCaptureMode relaxed;  // a first use may come inside a capture
@@ -84,7 +85,7 @@ class FlashMLADecodeImpl final : public FlashMLADecode {
     sched.seqlens_k_ptr = seqlens;
     sched.tile_scheduler_metadata_ptr = meta;
     sched.num_splits_ptr = num_splits;
-    sched.num_sm_parts = parts;
+    sched.num_sm_parts = parts_;
     sched.stream = stream;
     smxx::decode::run_get_decoding_sched_meta_kernel(sched);
 
@@ -93,13 +94,13 @@ class FlashMLADecodeImpl final : public FlashMLADecode {
     DenseAttnDecodeParams p{};
     p.b = a.rows;
     p.s_q = 1;
-    p.q_seq_per_hk = a.heads;
+    p.q_seq_per_hk = heads_;
     p.d = kLatent + kRope;
     p.d_v = kLatent;
-    p.h_q = a.heads;
+    p.h_q = heads_;
     p.h_k = 1;
     p.num_blocks = static_cast<int>(a.num_pages);
-    p.q_head_per_hk = a.heads;
+    p.q_head_per_hk = heads_;
     p.is_causal = false;  // each row's keys end at its own position
     p.scale_softmax = a.scale;
     p.scale_softmax_log2 = a.scale * 1.4426950408889634f;
@@ -109,19 +110,19 @@ class FlashMLADecodeImpl final : public FlashMLADecode {
     p.softmax_lse_ptr = lse;
     p.q_batch_stride = a.q_stride_row;
     p.q_row_stride = a.q_stride_head;
-    p.q_head_stride = a.q_stride_head * a.heads;  // the one latent head
+    p.q_head_stride = a.q_stride_head * heads_;  // the one latent head
     p.k_batch_stride = int64_t{kPageSize} * (kLatent + kRope);
     p.k_row_stride = kLatent + kRope;
     p.k_head_stride = kLatent + kRope;
     p.o_batch_stride = a.out_stride_row;
     p.o_row_stride = a.out_stride_head;
-    p.o_head_stride = a.out_stride_head * a.heads;
+    p.o_head_stride = a.out_stride_head * heads_;
     p.block_table = tables;
     p.block_table_batch_stride = a.max_pages;
     p.page_block_size = kPageSize;
     p.seqlens_k_ptr = seqlens;
     p.tile_scheduler_metadata_ptr = meta;
-    p.num_sm_parts = parts;
+    p.num_sm_parts = parts_;
     p.num_splits_ptr = num_splits;
     p.total_num_splits = static_cast<int>(splits);
     p.softmax_lseaccum_ptr = lse_acc;
@@ -134,31 +135,32 @@ class FlashMLADecodeImpl final : public FlashMLADecode {
     CombineParams m{};
     m.b = a.rows;
     m.s_q = 1;
-    m.h_q = a.heads;
+    m.h_q = heads_;
     m.d_v = kLatent;
     m.lse = lse;
     m.out = a.out;
-    m.stride_lse_b = a.heads;
-    m.stride_lse_s_q = a.heads;
+    m.stride_lse_b = heads_;
+    m.stride_lse_s_q = heads_;
     m.stride_o_b = static_cast<int>(a.out_stride_row);
     m.stride_o_s_q = static_cast<int>(a.out_stride_row);
     m.stride_o_h_q = static_cast<int>(a.out_stride_head);
     m.lse_accum = lse_acc;
     m.o_accum = out_acc;
-    m.stride_lse_accum_split = a.heads;
-    m.stride_lse_accum_s_q = a.heads;
-    m.stride_o_accum_split = a.heads * kLatent;
-    m.stride_o_accum_s_q = a.heads * kLatent;
+    m.stride_lse_accum_split = heads_;
+    m.stride_lse_accum_s_q = heads_;
+    m.stride_o_accum_split = heads_ * kLatent;
+    m.stride_o_accum_s_q = heads_ * kLatent;
     m.stride_o_accum_h_q = kLatent;
     m.tile_scheduler_metadata_ptr = meta;
     m.num_splits_ptr = num_splits;
-    m.num_sm_parts = parts;
+    m.num_sm_parts = parts_;
     m.attn_sink = nullptr;
     m.stream = stream;
     smxx::decode::run_flash_mla_combine_kernel<cutlass::bfloat16_t>(m);
   }
 
  private:
+  const int heads_, parts_;
   GrowingDeviceBuffer workspace_;
 };
 
@@ -173,6 +175,8 @@ int FlashMLADecode::sm_parts(int heads) {
   return std::max(sms / ((heads + kQueryTile - 1) / kQueryTile), 1);
 }
 
-std::unique_ptr<FlashMLADecode> FlashMLADecode::create() { return std::make_unique<FlashMLADecodeImpl>(); }
+std::unique_ptr<FlashMLADecode> FlashMLADecode::create(int heads) {
+  return std::make_unique<FlashMLADecodeImpl>(heads);
+}
 
 }  // namespace moelink::detail::attention

@@ -40,8 +40,7 @@ struct FlashMLADecodeArgs {
   const int32_t* decode_rows;
   uint16_t* out;  // [heads, rows, 512] bf16 via the strides
   int64_t out_stride_head, out_stride_row;
-  int rows;   // rows the kernels cover (the host's bound; fixed in a graph)
-  int heads;  // query heads of this rank
+  int rows;  // rows the kernels cover (the host's bound; fixed in a graph)
   float scale;
 };
 
@@ -53,7 +52,8 @@ class FlashMLADecode {
   // The SMs of the current device split among this many parts of the keys
   // (FlashMLA's rule); FlashMLA's merge kernel takes at most 160.
   static int sm_parts(int heads);
-  static std::unique_ptr<FlashMLADecode> create();
+  // For `heads` query heads a row (this rank's); the key split counted once.
+  static std::unique_ptr<FlashMLADecode> create(int heads);
   virtual ~FlashMLADecode() = default;
   // Workspace grows with the rows (device memory kept; a capture may grow
   // it: RelaxedCaptureMode). The caller checks the shapes: 576-dim cache

@@ -6,6 +6,6 @@ namespace moelink::detail::attention {
 
 bool FlashMLADecode::built() { return false; }
 int FlashMLADecode::sm_parts(int) { return 1; }
-std::unique_ptr<FlashMLADecode> FlashMLADecode::create() { return nullptr; }
+std::unique_ptr<FlashMLADecode> FlashMLADecode::create(int) { return nullptr; }
 
 }  // namespace moelink::detail::attention
